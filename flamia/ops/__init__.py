@@ -1,0 +1,45 @@
+"""Triton kernels. The contract between the public API (flamia/interface.py) and the kernels.
+
+Numerics: exactly flamia/reference.py (the kernels match it by the FlashAttention rule,
+|out - ref64| <= 2 |reference - ref64| + atol, and satisfy P1/P2 bitwise).
+
+Kernel-side layout (packed tokens; the dense API reshapes (B, S, H, D) to (B*S, H, D) with
+cu_seqlens = [0, S, 2S, ...]):
+  q8  (T, Hq, D)  fp8 e4m3 (bf16 for the bf16 recipe): rotated q divided by its per-token scale
+  k8  (T, Hkv, D) likewise; v8 (T, Hkv, D)
+  sq  (Hq, T) fp32 power-of-two scales (softmax scale NOT folded in); sk, sv (Hkv, T)
+  vcap (Hkv, T) fp32: causal prefix max of sv inside each document (reference.py, point 3)
+  lse (Hq, T) fp32, natural log, of the softmax-scaled scores
+Entry points (implemented in quantize.py / forward.py / backward.py):
+  quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV
+  attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
+      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32)
+  attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
+                     softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
+                     back to the input space
+"""
+from __future__ import annotations
+
+import os
+
+# Recipes the kernels implement; anything else runs on the reference (flamia/reference.py).
+KERNEL_RECIPES = ("fp8", "fp8_mixed", "bf16")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_available(x, recipe_name: str) -> bool:
+    """True when a call on tensor x with this recipe should run the Triton kernels.
+
+    On CUDA always (for KERNEL_RECIPES); on the CPU only under the Triton interpreter and when
+    FLAMIA_KERNELS=1, which is how CI tests the real kernels without a GPU.
+    """
+    if recipe_name not in KERNEL_RECIPES:
+        return False
+    if os.environ.get("FLAMIA_KERNELS", "") == "0":
+        return False
+    if x.is_cuda:
+        return True
+    return interpreting() and os.environ.get("FLAMIA_KERNELS", "") == "1"

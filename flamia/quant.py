@@ -33,8 +33,11 @@ def pow2_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     representable. Non-finite amax propagates as NaN (callers validate inputs first).
     """
     amax = amax.float() if amax.dtype not in (torch.float32, torch.float64) else amax
-    ratio = amax / fmt_max
-    exp = torch.ceil(torch.log2(ratio)).clamp(-126, 127)
+    exp = torch.ceil(torch.log2(amax / fmt_max)).clamp(-126, 127)
+    # log2 of a rounded quotient can be off by one near a power of two; fix it with exact
+    # comparisons (fmt_max * 2^k is exact in floating point).
+    exp = torch.where(amax > fmt_max * torch.exp2(exp), exp + 1, exp)
+    exp = torch.where((exp > -126) & (amax <= fmt_max * torch.exp2(exp - 1)), exp - 1, exp)
     scale = torch.exp2(exp)
     scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))

@@ -1,0 +1,226 @@
+"""Backward kernels (flamia/ops/backward.py) under the Triton interpreter, against the reference.
+
+Small shapes (a launch costs ~0.1 s in the interpreter): packed documents with an empty and a
+length-1 document, GQA 4/2 heads, head dims 64 and 128, recipes fp8 / fp8_mixed / bf16, tiles of
+16/32 tokens so every document spans several tiles. The quantized operands come from
+reference.forward's Saved (the same bytes quantize_qkv produces), so the tests check the backward
+alone. Every buffer the module allocates is NaN-poisoned before the launches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia import reference as R
+from flamia.inputs import cu_seqlens_from_lengths, make_qkv, rel_err
+from flamia.ops import backward as B
+from flamia.ops import interpreting
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (before triton is imported);
+# on the GPU machine tests/gpu/test_backward_gpu.py covers the kernels.
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
+
+RECIPES = ("fp8", "fp8_mixed", "bf16")
+LENGTHS = (37, 0, 1, 70)          # packed: a 37-token doc, an empty one, a length-1, a 70-token doc
+HQ, HKV = 4, 2
+CFG = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32)
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(B, "POISON", True)
+
+
+def _forward(q, k, v, cu, recipe, causal=True):
+    out, lse, saved = R.forward(q, k, v, cu, recipe, causal)
+    return out.to(q.dtype), lse.float(), saved
+
+
+def _kernel(dout, out, lse, saved, cu, recipe, causal=True, grad_dtype=torch.float32, cfg=CFG,
+            deterministic=True):
+    qkv = B.quantized_qkv_from_reference(saved, recipe, cu, causal)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    grads = B.attention_backward(dout, out, lse, qkv, cu, max_len, causal,
+                                 deterministic=deterministic, config=cfg, grad_dtype=grad_dtype)
+    for g in grads:   # poisoned buffers: every element must have been written
+        assert torch.isfinite(g).all(), "unwritten (NaN-poisoned) or non-finite gradient"
+    return grads
+
+
+def _dout(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def _grads64(q, k, v, cu, dout, causal=True):
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o = R.attention_exact(*x64, cu, causal)
+    o.backward(dout.double())
+    return [x.grad for x in x64]
+
+
+def _check_fa_rule(name, g, g_ref, g64, atol_frac=2e-3):
+    """FlashAttention's rule: max|g - ref64| <= 2 max|g_emulation - ref64| + atol."""
+    err = (g.double() - g64).abs().max().item()
+    err_ref = (g_ref.double() - g64).abs().max().item()
+    atol = atol_frac * g64.abs().max().item()
+    assert err <= 2 * err_ref + atol, f"{name}: kernel err {err:.3e} vs reference err {err_ref:.3e}"
+    # and in relative Frobenius norm (P4's measure)
+    rk, rr = rel_err(g, g64), rel_err(g_ref, g64)
+    assert rk <= 1.25 * rr + 1e-4, f"{name}: rel err kernel {rk:.3e} vs reference {rr:.3e}"
+    return rk, rr
+
+
+def _case(recipe, D, family="mild", causal=True, lengths=LENGTHS, seed=0, cfg=CFG,
+          deterministic=True):
+    q, k, v, cu = make_qkv(lengths, HQ, HKV, D, family, seed=seed)
+    out, lse, saved = _forward(q, k, v, cu, recipe, causal)
+    dout = _dout(out.shape, seed + 1)
+    ref = R.backward(dout, out, lse, saved, cu, recipe, causal)
+    kern = _kernel(dout, out, lse, saved, cu, recipe, causal, cfg=cfg, deterministic=deterministic)
+    g64 = _grads64(q, k, v, cu, dout, causal)
+    for name, g, r, e in zip(("dq", "dk", "dv"), kern, ref, g64):
+        _check_fa_rule(f"{recipe} D={D} {family} {name}", g, r, e)
+    return kern, ref
+
+
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_accuracy_vs_reference(recipe, D):
+    _case(recipe, D)
+
+
+def test_accuracy_outliers_fp8():
+    _case("fp8", 128, family="outliers", seed=3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_accuracy_dq_atomic(recipe):
+    """deterministic=False with dq_atomic: dQ from fp32 atomics in the dK/dV kernel."""
+    cfg = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, dq_atomic=True)
+    _case(recipe, 64, cfg=cfg, deterministic=False, seed=9)
+
+
+def test_accuracy_non_causal():
+    _case("fp8", 64, causal=False, lengths=(21, 0, 1, 40), seed=5)
+
+
+def _exact_pow2_scale(amax):
+    """2^ceil(log2(amax / 448)) computed exactly (frexp), 0 for amax == 0."""
+    m, e = torch.frexp(amax.double() / 448)
+    e = torch.where(m == 0.5, e - 1, e).clamp(-126, 127)
+    return torch.where(amax > 0, torch.exp2(e.double()), torch.zeros_like(m)).float()
+
+
+def test_preprocess_scale_is_exact_at_powers_of_two():
+    """Rows whose amax / 448 sits a few ulps above a power of two: the kernel takes the exact
+    ceil (value <= 448, nothing saturates). quant.pow2_scale's fp32 log2 can round such a
+    quotient down onto the power of two and then saturates that element at 448 instead."""
+    T, H, D = 64, 2, 64
+    g = torch.Generator().manual_seed(0)
+    amax = torch.tensor([448 * 2.0 ** k * (1 + j * 2 ** -23) for k in range(-10, 5)
+                         for j in (-2, -1, 0, 1, 2, 3)])
+    amax = torch.cat([amax, torch.rand(T * H - amax.numel(), generator=g) * 100]).reshape(T, H)
+    dout = torch.randn(T, H, D, generator=g)
+    dout = dout / dout.abs().amax(-1, keepdim=True) * 0.9 * amax[..., None]
+    dout[..., 0] = amax
+    z = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
+    one = torch.ones(H, T)
+    qkv = B.QuantizedQKV("fp8_mixed", z, z, z, one, one, one, one, False)
+    cu = cu_seqlens_from_lengths([T])
+    st = B.make_state(dout, torch.randn(T, H, D), torch.zeros(H, T), qkv, cu, T, True, None, CFG)
+    B.launch_preprocess(st)
+    assert torch.equal(st.sdo, _exact_pow2_scale(amax).T)
+    vals = st.do8.float()
+    assert vals.abs().max() <= 448
+    torch.testing.assert_close(vals * st.sdo.T[..., None], dout, rtol=2 ** -4, atol=0)
+
+
+def test_preprocess_quantizes_do_like_reference():
+    """do8 / sdo bitwise equal to the reference's token quantization of dO; Delta close."""
+    D = 64
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=7)
+    for recipe in ("fp8", "fp8_mixed"):
+        out, lse, saved = _forward(q, k, v, cu, recipe)
+        dout = _dout(out.shape, 8) * 3.0
+        dout[5] = 0.0                              # an all-zero token: scale 0, values 0
+        qkv = B.quantized_qkv_from_reference(saved, recipe, cu)
+        st = B.make_state(dout, out, lse, qkv, cu, 70, True, None, CFG)
+        B.launch_preprocess(st)
+        ref = R.quantize_operand(dout.float(), "e4m3", "token")
+        assert torch.equal(st.do8.float(), ref.values)
+        assert torch.equal(st.sdo, ref.scale[..., 0].T)
+        assert torch.equal(st.doT8[:, :, :st.T].float(), ref.values.permute(1, 2, 0))
+        # fp8: Delta in units of sdo (rowsum(do8 * O)); fp8_mixed: from the bf16 dO
+        do_used = ref.values if recipe == "fp8" else dout.float()
+        delta = (do_used * out.float()).sum(-1).T
+        torch.testing.assert_close(st.delta, delta, rtol=1e-5, atol=1e-5)
+        if recipe == "fp8":
+            assert torch.equal(st.qT8[:, :, :st.T].float(), qkv.q8.float().permute(1, 2, 0))
+            assert torch.equal(st.kT8[:, :, :st.T].float(), qkv.k8.float().permute(1, 2, 0))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_p1_causal_prefix_and_p2_document_isolation(recipe):
+    """P1: dO zero after t, q/k/v after t replaced by 16x larger values: grads at <= t bitwise
+    unchanged, after t exactly zero. P2: perturbing one document leaves the others' grads
+    bitwise unchanged."""
+    D = 64
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=11)
+    T = q.shape[0]
+    t = 37 + 1 + 40                                    # inside the 70-token document
+    dout = _dout((T, HQ, D), 12)
+    dout[t + 1:] = 0
+    base = _kernel(dout, *_forward(q, k, v, cu, recipe), cu, recipe)
+
+    g = torch.Generator().manual_seed(13)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[t + 1:] = (torch.randn(x[t + 1:].shape, generator=g) * 16).to(x.dtype)
+    pert = _kernel(dout, *_forward(q2, k2, v2, cu, recipe), cu, recipe)
+    for name, a, b in zip(("dq", "dk", "dv"), base, pert):
+        assert torch.equal(a[:t + 1], b[:t + 1]), f"P1 {recipe} {name}: prefix changed"
+        assert torch.equal(b[t + 1:], torch.zeros_like(b[t + 1:])), f"P1 {recipe} {name}: nonzero"
+
+    # P2: perturb the first document (tokens 0..36) in q, k, v and dO
+    dout_full = _dout((T, HQ, D), 14)
+    base = _kernel(dout_full, *_forward(q, k, v, cu, recipe), cu, recipe)
+    q3, k3, v3, d3 = (x.clone() for x in (q, k, v, dout_full))
+    for x in (q3, k3, v3, d3):
+        x[:37] = (torch.randn(x[:37].shape, generator=g) * 4).to(x.dtype)
+    pert = _kernel(d3, *_forward(q3, k3, v3, cu, recipe), cu, recipe)
+    for name, a, b in zip(("dq", "dk", "dv"), base, pert):
+        assert torch.equal(a[37:], b[37:]), f"P2 {recipe} {name}: another document changed"
+        assert not torch.equal(a[:37], b[:37])
+
+
+def test_deterministic_and_caller_dtype():
+    D = 128
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=21)
+    out, lse, saved = _forward(q, k, v, cu, "fp8")
+    dout = _dout(out.shape, 22)
+    a = _kernel(dout, out, lse, saved, cu, "fp8", grad_dtype=None)
+    b = _kernel(dout, out, lse, saved, cu, "fp8", grad_dtype=None)
+    for x, y in zip(a, b):
+        assert x.dtype == torch.bfloat16
+        assert torch.equal(x, y)
+
+
+def test_degenerate_documents():
+    """Only empty and length-1 documents; and no tokens at all."""
+    D = 64
+    lengths = (0, 1, 0, 1, 0)
+    q, k, v, cu = make_qkv(lengths, HQ, HKV, D, seed=31)
+    for recipe in ("fp8", "bf16"):
+        out, lse, saved = _forward(q, k, v, cu, recipe)
+        dout = _dout(out.shape, 32)
+        ref = R.backward(dout, out, lse, saved, cu, recipe)
+        kern = _kernel(dout, out, lse, saved, cu, recipe)
+        for g, r in zip(kern, ref):
+            # length 1: P = 1, dS = 0, dq = dk = 0, dv = dO (summed over the group)
+            torch.testing.assert_close(g, r, rtol=0.07, atol=1e-6)
+    cu0 = cu_seqlens_from_lengths([0, 0])
+    z = torch.zeros(0, HQ, D, dtype=torch.bfloat16)
+    qkv = B.QuantizedQKV("bf16", z, z[:, :HKV], z[:, :HKV], None, None, None, None, False)
+    dq, dk, dv = B.attention_backward(z, z, torch.zeros(HQ, 0), qkv, cu0, 0)
+    assert dq.shape == (0, HQ, D) and dk.shape == (0, HKV, D) and dv.shape == (0, HKV, D)

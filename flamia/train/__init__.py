@@ -1,0 +1,140 @@
+"""`flamia train-check`: does a Llama-style model pretrained with flamia attention match bf16?
+
+A stock transformers LlamaForCausalLM (RMSNorm, RoPE, SwiGLU, GQA; ~23M parameters by default) is
+trained from scratch on the Python standard library's source (byte-level, one file = one
+document, split by file, packed with cu_seqlens so no token attends across documents), once per
+attention: flamia `bf16`, `fp8`, `fp8_mixed`, the deliberately leaky `fp8_tensorwise` control,
+and `bf16` with another init seed (run-to-run noise) -- same init seed and data order otherwise.
+Every run's validation loss is measured with its own attention and with exact bf16 attention
+(torch varlen / SDPA): a model that learned to exploit leakage does better with its own.
+
+    python -m flamia.train --tiny                      # CPU smoke test (< 2 min)
+    python -m flamia.train --out results/train_check   # the GPU check (~23M params, 5 runs)
+
+Writes train_check.json (settings, environment, curves, verdict), train_check.md (verdict
+table) and train_check.png (loss curves). Exit status 0 when every non-leaky run passes (always
+0 for --tiny, whose numbers mean nothing), 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_RUNS = "bf16,fp8,fp8_mixed,bf16_seed1,fp8_tensorwise"   # the slow control last
+TINY_RUNS = "bf16,fp8,fp8_tensorwise"
+
+__all__ = ["main", "build_parser", "config_from_args", "DEFAULT_RUNS"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flamia train-check",
+        description="Pretrain a small Llama on the Python stdlib with each attention recipe and "
+                    "compare the losses (identical init seed and data order).")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke test: tiny model, few steps, 3 runs (defaults below change)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (300; tiny 8)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="packed tokens per step (32768; tiny 512)")
+    p.add_argument("--max-doc-len", type=int, default=None,
+                   help="longer files are cut into documents of at most this many tokens (2048; tiny 128)")
+    p.add_argument("--runs", default=None,
+                   help=f"comma list of runs: a recipe name, 'torch' (torch's exact bf16 varlen "
+                        f"attention), optional _seed<N> suffix (default {DEFAULT_RUNS}; tiny {TINY_RUNS})")
+    p.add_argument("--out", default="train_check_results", help="output directory")
+    p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (2e-3)")
+    p.add_argument("--warmup", type=int, default=-1, help="warmup steps (default 10 %% of steps)")
+    p.add_argument("--eval-every", type=int, default=-1, help="steps between evaluations (steps/5)")
+    p.add_argument("--leaky-steps", type=int, default=None,
+                   help="stop leaky controls (fp8_tensorwise) after N steps, same LR schedule; every "
+                        "run also evaluates at step N for the comparison. The control runs on "
+                        "flamia's reference emulation (no kernel), far slower on a GPU (default: all)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole check: a run still going then stops (status timeout), "
+                        "later runs are skipped, the report is written (results are also written "
+                        "after every run)")
+    p.add_argument("--val-batches", type=int, default=None, help="validation batches (8; tiny 2)")
+    p.add_argument("--log-every", type=int, default=None, help="progress line every N steps (10; tiny 1)")
+    p.add_argument("--seed", type=int, default=0, help="init seed of the runs (plus any _seed<N>)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the data order")
+    p.add_argument("--exact", default="torch", choices=("torch", "flamia:bf16"),
+                   help="exact attention for the second evaluation (torch varlen/SDPA, or flamia bf16)")
+    p.add_argument("--max-files", type=int, default=None,
+                   help="use only the first N stdlib files (sorted) before the split (tiny: 400)")
+    p.add_argument("--stdlib", default=None, help="source tree to train on (default: this Python's stdlib)")
+    p.add_argument("--model", default=None, choices=("small", "tiny"),
+                   help="model preset (small ~23M params; tiny with --tiny)")
+    for name, help_ in (("hidden", "hidden size"), ("layers", "decoder layers"), ("heads", "query heads"),
+                        ("kv-heads", "key/value heads"), ("head-dim", "head dim (64 or 128)"),
+                        ("intermediate", "SwiGLU intermediate size")):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {help_}")
+    p.add_argument("--no-amp", action="store_true", help="fp32 without bf16 autocast")
+    return p
+
+
+def config_from_args(args):
+    from dataclasses import replace
+
+    from .loop import TrainConfig
+    from .model import PRESETS
+
+    tiny = args.tiny
+    size = PRESETS[args.model or ("tiny" if tiny else "small")]
+    overrides = {k: getattr(args, k.replace("-", "_")) for k in
+                 ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate")
+                 if getattr(args, k.replace("-", "_")) is not None}
+    size = replace(size, **overrides)
+
+    def pick(value, full, small):
+        return value if value is not None else (small if tiny else full)
+
+    return TrainConfig(
+        steps=pick(args.steps, 300, 8),
+        tokens_per_step=pick(args.tokens_per_step, 32768, 512),
+        max_doc_len=pick(args.max_doc_len, 2048, 128),
+        lr=pick(args.lr, 2e-3, 2e-3),
+        warmup=args.warmup,
+        eval_every=args.eval_every if args.eval_every > 0 else (4 if tiny else -1),
+        leaky_steps=args.leaky_steps,
+        time_limit=args.time_limit,
+        val_batches=pick(args.val_batches, 8, 2),
+        log_every=pick(args.log_every, 10, 1),
+        timing_skip=2 if tiny else 5,
+        data_seed=args.data_seed,
+        init_seed=args.seed,
+        exact=args.exact,
+        amp=not args.no_amp,
+        device=args.device,
+        max_files=pick(args.max_files, None, 400),
+        stdlib=args.stdlib,
+        model=size,
+    )
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from . import report
+    from .loop import parse_runs, run_check
+
+    cfg = config_from_args(args)
+    runs = parse_runs(args.runs or (TINY_RUNS if args.tiny else DEFAULT_RUNS))
+
+    def log(msg):
+        print(msg, flush=True)
+
+    def partial(res):
+        res["tiny"] = bool(args.tiny)
+        report.write(res, args.out, log=lambda _msg: None)
+
+    results = run_check(cfg, runs, log=log, on_progress=partial)
+    results["tiny"] = bool(args.tiny)
+    v = report.write(results, args.out, log=log)
+    log(f"total {results['total_wall_s']:.0f}s")
+    if args.tiny:
+        return 0
+    return 0 if v["pass"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

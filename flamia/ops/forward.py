@@ -1,0 +1,299 @@
+"""FlashAttention-style forward over packed documents on the quantized operands (QuantizedQKV).
+
+Per (query head, work item = one query block of one document) the program keeps its Q tile and
+walks the KV tiles of its document only: first the tiles entirely left of the diagonal without
+any mask, then the diagonal / document-end tiles with the mask. Fully masked tiles are never
+visited and no tile crosses into another document's rows unmasked.
+
+FP8 numerics (flamia/reference.py): with scores S_ij = sq_i sk_j (q8_i . k8_j) * scale,
+    x_ij = dot(q8, k8^T)_ij * sk_j * (sq_i * scale * log2 e)          (log2 units)
+    p'_ij = exp2(x_ij - m_i + lr_i),  lr_i = log2(256 / cap_i)           (= p_ij * 256 / cap_i)
+    A_ij  = e4m3(p'_ij * sv_j)                                          (= p_ij sv_j/cap_i 256)
+    acc_i = sum_j A_ij v8_j,   l'_i = sum_j p'_ij,   O_i = acc_i / l'_i
+Folding 256/cap_i into the exponent costs nothing per element (it shifts the row's max), and it
+cancels in acc / l'. With the online max the rounding of A happens at the running max instead of
+the final one (rescaled by alpha afterwards), as in every FlashAttention FP8 kernel: the result
+matches the reference emulation by the FlashAttention rule, not bitwise. lr_i is capped at 100 so
+l' cannot overflow; that only matters for V whose amax is below ~1e-26 (cap < 2^-92).
+
+bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .layout import QuantizedQKV
+from .schedule import Schedule, build_schedule
+
+if interpreting():
+    from . import _interp
+    _interp.install()
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:   # pragma: no cover - older triton
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+LAST_KERNEL = None      # the last compiled forward kernel launched (diagnostics: registers, spills)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    use_tma: bool = True        # TMA descriptors for Q/K/V tiles (pointer loads otherwise)
+    v_kmajor: bool = True       # FP8 PV GEMM reads V from the K-major copy vt8
+    maxnreg: int | None = None  # register cap per thread (e.g. 168: three 4-warp CTAs per SM)
+
+    def with_(self, **kw) -> "FwdConfig":
+        return replace(self, **kw)
+
+
+def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
+    """Tile shapes per head dim (to be re-tuned from benchmarks/fwd_dev.py on the H200).
+
+    FP8: 64x128 tiles with 4 warps fit two CTAs per SM (<= 255 registers, ~76 KB of shared
+    memory), so one CTA's softmax overlaps the other's MMAs: Triton waits on each wgmma at once,
+    there is no ping-pong inside a program. Two pipeline stages: with three, ptxas serializes
+    the FP8 wgmmas (warning C7515, register pressure from the per-key scale vectors) -- see
+    flamia.ops._interp.resource_usage and tests/test_ops_forward.py::test_kernels_compile_for_sm90a.
+    """
+    if device.type != "cuda":
+        return FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, use_tma=False)
+    if fp8:
+        return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=2)
+    return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
+                K, V, SK, SV, stride_kt, stride_vn, stride_vd,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
+                V_KMAJOR: tl.constexpr):
+    """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        col_ok = (offs_n >= 0) & (offs_n < L)
+        row0 = tl.multiple_of((tok0 + start_n).to(tl.int32), 16)    # absolute, 16-aligned
+        # ---- S = Q K^T (fp32 accumulate) ----
+        if USE_TMA:
+            kt = K.load([row0, kvh * D]).T
+        else:
+            k_ptrs = K + (tok0 + offs_n)[None, :] * stride_kt + kvh * D + offs_d[:, None]
+            if MASKED:
+                kt = tl.load(k_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                kt = tl.load(k_ptrs)
+        s = tl.dot(q, kt)
+        if FP8:
+            if MASKED:
+                sk = tl.load(SK + offs_n, mask=col_ok, other=0.0)
+            else:
+                sk = tl.load(SK + offs_n)
+            s = s * sk[None, :]
+        # ---- online softmax in log2 units; the row's lr rides on the subtracted max ----
+        if MASKED:
+            valid = col_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            x = tl.where(valid, s * row_f[:, None], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, 1))
+            p = tl.math.exp2(x - (m_new - lr)[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * row_f)     # row_f >= 0
+            p = tl.math.exp2(s * row_f[:, None] - (m_new - lr)[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # ---- O += P V ----
+        if FP8:
+            if MASKED:
+                sv = tl.load(SV + offs_n, mask=col_ok, other=0.0)
+            else:
+                sv = tl.load(SV + offs_n)
+            a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
+        else:
+            a = p.to(tl.bfloat16)
+        if USE_TMA:
+            if FP8 and V_KMAJOR:
+                v = V.load([kvh * D, row0]).T
+            else:
+                v = V.load([row0, kvh * D])
+            if MASKED:   # rows past the document end belong to the next one: never let a NaN in
+                v = tl.where(col_ok[:, None], v, 0.0)
+        else:
+            v_ptrs = V + (tok0 + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASKED:
+                v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        acc = tl.dot(a, v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
+                     stride_qt, stride_kt, stride_vn, stride_vd, stride_vh, stride_ot, stride_oh,
+                     T, N_ITEMS, HQ, GROUP, qk_scale,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
+                     V_KMAJOR: tl.constexpr):
+    # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
+    # and the item list is sorted heaviest first across all heads.
+    pid = tl.program_id(0)
+    head = pid % HQ
+    item = pid // HQ
+    doc = tl.load(ITEMS + item)
+    if doc < 0:
+        return
+    blk = tl.load(ITEMS + N_ITEMS + item)
+    start = tl.load(CU + doc)
+    L = tl.load(CU + doc + 1) - start
+    kvh = head // GROUP
+    q_lo = blk * BLOCK_M
+    offs_m = q_lo + tl.arange(0, BLOCK_M)          # doc-local rows
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < L
+    tok0 = start.to(tl.int64)
+    rows = tok0 + offs_m
+
+    if USE_TMA:
+        q = Q.load([(tok0 + q_lo).to(tl.int32), head * D])
+    else:
+        q = tl.load(Q + rows[:, None] * stride_qt + head * D + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+    if FP8:
+        sq = tl.load(SQ + head * T + rows, mask=row_ok, other=0.0)
+        row_f = sq * qk_scale
+        cap = tl.load(VCAP + kvh * T + rows, mask=row_ok, other=1.0)
+        # lr = log2(256 / cap): exact from the exponent bits (cap is a power of two or 0)
+        ecap = ((cap.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        lr = tl.where(cap > 0.0, tl.minimum(8 - ecap, 100), 0).to(tl.float32)
+    else:
+        row_f = tl.zeros([BLOCK_M], tl.float32) + qk_scale
+        lr = tl.zeros([BLOCK_M], tl.float32)
+
+    m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    SKh = SK + kvh * T + tok0
+    SVh = SV + kvh * T + tok0
+    if USE_TMA:
+        Vh = V
+    else:
+        Vh = V + kvh * stride_vh
+    # KV tiles start at absolute token rows that are multiples of 16 (TMA needs 16-byte aligned
+    # coordinates along vt8's token axis), so in doc-local keys tile j is [j*BN - shift, ...):
+    #   a head tile holding `shift` keys of the previous document (masked), if shift > 0;
+    #   full tiles left of the diagonal (no mask); the diagonal / document-end tiles (masked).
+    shift = start % 16
+    if CAUSAL:
+        limit = q_lo                            # keys < q_lo are visible to every row
+        hi = tl.minimum(q_lo + BLOCK_M, L)
+    else:
+        limit = L
+        hi = L
+    head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, -shift, head_hi,
+                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR)
+    n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
+    n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
+                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
+                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR)
+    # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
+    inv_l = 1.0 / l_i
+    out = acc * inv_l[:, None]
+    tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.math.log2(l_i) - lr) * 0.6931471805599453
+    tl.store(LSE + head * T + rows, lse, mask=row_ok)
+
+
+def _descriptor(x: torch.Tensor, shape, strides, block_shape):
+    """A host-side TMA descriptor over x's storage seen as a 2-D (rows, cols) matrix."""
+    return TensorDescriptor(x, list(shape), list(strides), list(block_shape))
+
+
+def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
+                      causal: bool, softmax_scale: float | None, out_dtype, *,
+                      config: FwdConfig | None = None, schedule: Schedule | None = None,
+                      poison: bool = False):
+    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores).
+
+    max_seqlen is accepted for the API's sake; the work list needs only cu_seqlens. config picks
+    tile sizes / warps / stages / TMA; schedule may be passed in to reuse one across calls (it
+    must have been built for the same block sizes). poison=True: outputs start as NaN (tests).
+    """
+    T, Hq, Hkv, D = qkv.shape
+    fp8 = qkv.recipe != "bf16"
+    dev = qkv.q8.device
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if config is None:
+        config = default_config(D, fp8, dev)
+    use_tma = bool(config.use_tma and TensorDescriptor is not None)
+    v_kmajor = bool(config.v_kmajor and fp8 and qkv.vt8 is not None)
+    alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
+        (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
+    out = alloc((T, Hq, D), out_dtype)
+    lse = alloc((Hq, T), torch.float32)
+    if T == 0:
+        return out, lse
+    BM, BN = config.block_m, config.block_n
+    if schedule is None or (schedule.block_m, schedule.block_n, schedule.causal) != (BM, BN, causal):
+        schedule = build_schedule(cu_seqlens, T, BM, BN, causal)
+
+    q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
+    for name, x in (("q", q8), ("k", k8), ("v", v8)):
+        if x.stride(2) != 1 or x.stride(1) != D:
+            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
+    if v_kmajor:
+        vt = qkv.vt8                                  # (Hkv, D, T_pad)
+        stride_vn, stride_vd, stride_vh = 1, vt.stride(1), vt.stride(0)
+    else:
+        vt = v8
+        stride_vn, stride_vd, stride_vh = v8.stride(0), 1, D
+    if use_tma:
+        # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix of row stride stride(0).
+        Qa = _descriptor(q8, (T, Hq * D), (q8.stride(0), 1), (BM, D))
+        Ka = _descriptor(k8, (T, Hkv * D), (k8.stride(0), 1), (BN, D))
+        if v_kmajor:
+            Va = _descriptor(vt, (Hkv * D, vt.shape[2]), (vt.stride(1), 1), (D, BN))
+        else:
+            Va = _descriptor(v8, (T, Hkv * D), (v8.stride(0), 1), (BN, D))
+    else:
+        Qa, Ka, Va = q8, k8, vt
+    dummy = lse
+    sq = qkv.sq if fp8 else dummy
+    sk = qkv.sk if fp8 else dummy
+    sv = qkv.sv if fp8 else dummy
+    vcap = qkv.vcap if fp8 else dummy
+    n_items = schedule.items.shape[1]
+    grid = (n_items * Hq,)
+    global LAST_KERNEL
+    LAST_KERNEL = _attn_fwd_kernel[grid](
+        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens,
+        q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
+        T, n_items, Hq, Hq // Hkv, scale * LOG2E,
+        D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
+        V_KMAJOR=v_kmajor, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+    return out, lse

@@ -1,0 +1,61 @@
+"""Work lists for packed documents: which (document, query block) each program runs, heaviest first.
+
+A kernel over packed documents launches one program per (work item, query head). A work item is
+one query block of BLOCK_M rows inside one document, so no program straddles a document and the
+kernel reads its document and block directly (no per-tile search). Items are sorted by cost --
+the number of KV tiles the block visits (causal: up to its diagonal) -- longest first, so the
+long diagonal-heavy blocks of long documents start first and short ones fill the tail (LPT).
+
+Built on the device with a handful of torch ops and no host sync: the item count is bounded on
+the host by T // BLOCK_M + n_docs (sum_d ceil(L_d / BLOCK_M) never exceeds it), and the unused
+tail of the list holds doc = -1 items that exit at once. `max_seqlen` is not needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Schedule:
+    items: torch.Tensor     # (2, n_items) int32: row 0 document (-1: no work), row 1 query block
+    n_items: int            # host-side upper bound on the number of real items
+    block_m: int
+    block_n: int
+    causal: bool
+
+
+def max_items(total_tokens: int, n_docs: int, block_m: int) -> int:
+    return total_tokens // block_m + n_docs
+
+
+def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
+                   causal: bool) -> Schedule:
+    """The (doc, q-block) work list for `cu_seqlens`, sorted by KV tiles visited, descending."""
+    dev = cu_seqlens.device
+    n_docs = cu_seqlens.numel() - 1
+    n = max(max_items(total_tokens, n_docs, block_m), 1)
+    if n_docs <= 0:
+        items = torch.full((2, n), -1, dtype=torch.int32, device=dev)
+        return Schedule(items, n, block_m, block_n, causal)
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    nblk = (lengths + block_m - 1) // block_m
+    ends = torch.cumsum(nblk, 0)                      # inclusive prefix: doc d owns [ends-nblk, ends)
+    idx = torch.arange(n, device=dev, dtype=torch.int64)
+    doc = torch.searchsorted(ends, idx, right=True)   # first doc whose range ends after idx
+    valid = doc < n_docs
+    d = doc.clamp(max=n_docs - 1)
+    blk = idx - (ends[d] - nblk[d])
+    L = lengths[d]
+    if causal:
+        hi = torch.minimum((blk + 1) * block_m, L)    # keys [0, hi) visited
+    else:
+        hi = L
+    cost = torch.where(valid, (hi + block_n - 1) // block_n, torch.full_like(hi, -1))
+    # Ties keep packed order (lower index first): neighbouring blocks share KV tiles in L2.
+    key = cost * (1 << 20) - idx.clamp(max=(1 << 20) - 1)
+    order = torch.argsort(key, descending=True)
+    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order]])
+    return Schedule(items.to(torch.int32).contiguous(), n, block_m, block_n, causal)

@@ -191,7 +191,7 @@ def bench(fn, warmup=10, rep=60):
 
 def sync():
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def reference_quantized(q, k, v, cu, recipe):

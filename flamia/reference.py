@@ -232,6 +232,12 @@ def _reduce_over_tokens(a: torch.Tensor, partner: Operand, fmt: str, group: int,
         aq = a if fmt == "none" else round_to_format(a, "bf16")
         return aq @ _heads_first(partner.dequant(), group)
     if fmt == "mxfp8":
+        # An MX block of 32 reduction tokens shares one scale. Entries facing an all-zero partner
+        # row contribute nothing to the product, so zero them before taking the block amax:
+        # otherwise (dV with dO zero after t) P's values of future rows would set the scale of
+        # past rows' entries -- a causal leak that only the scale carries.
+        live = (partner.dequant() != 0).any(-1).repeat_interleave(group, 1).transpose(0, 1)
+        a = a * live[:, None, :]
         _, blk = quantize_lastdim(a, "e4m3", MX_BLOCK)
         aq = round_to_format(a * safe_reciprocal(blk), "e4m3") * blk
         return aq @ _heads_first(partner.dequant(), group)

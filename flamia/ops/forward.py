@@ -109,10 +109,10 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 valid = valid & (offs_m[:, None] >= offs_n[None, :])
             x = tl.where(valid, s * row_f[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1))
-            p = tl.math.exp2(x - (m_new - lr)[:, None])
+            p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * row_f)     # row_f >= 0
-            p = tl.math.exp2(s * row_f[:, None] - (m_new - lr)[:, None])
+            p = tl.math.exp2((s * row_f[:, None] - m_new[:, None]) + lr[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

@@ -1,0 +1,4 @@
+"""`python -m flamia ...` is the `flamia` command."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Test setup shared by every CPU test.
+
+Without CUDA, the real Triton kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be
+set before anything imports triton, and FLAMIA_KERNELS=1 makes flamia.ops.kernels_available()
+route the kernel recipes (fp8, fp8_mixed, bf16) to them (see flamia/ops/__init__.py). Tests that
+must run the reference emulation regardless call flamia.reference directly or use the
+`reference_only` fixture.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _cuda_available() -> bool:
+    # Ask the driver without importing triton; torch does not import triton at import time.
+    import torch
+    return torch.cuda.is_available()
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FLAMIA_KERNELS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def reference_only(monkeypatch):
+    """Run the public API on the reference emulation even where kernels are available."""
+    monkeypatch.setenv("FLAMIA_KERNELS", "0")

@@ -108,6 +108,8 @@ def check_flags(causal, return_lse, deterministic, check_finite) -> None:
 # the scores, the P V sums) and come out NaN: rejected by the same check as NaN and Inf.
 MAX_INPUT_MAGNITUDE = 2.0 ** 100
 MAX_SCORE_BOUND = 2.0 ** 120
+# Largest attention score magnitude accepted when values are checked (see check_finite_values).
+MAX_SCORE_MAGNITUDE = 2.0 ** 16
 
 
 def check_finite_values(q, k, v, softmax_scale: float) -> None:
@@ -128,6 +130,17 @@ def check_finite_values(q, k, v, softmax_scale: float) -> None:
     if bound >= MAX_SCORE_BOUND:
         raise ValueError(f"q and k are too large (max |q| = {amax[0]:.3g}, max |k| = {amax[1]:.3g}): "
                          f"the scores q.k * softmax_scale could overflow float32")
+    # |q_i . k_j| * scale <= |q_i| |k_j| * scale (Cauchy-Schwarz). The softmax is evaluated in
+    # float32 (forward, and again from the LSE in the backward); a score of size s carries an
+    # absolute rounding error of ulp(s), which becomes a relative error of ulp(s) in P.
+    qn = q.detach().float().norm(dim=-1).amax()
+    kn = k.detach().float().norm(dim=-1).amax()
+    score_bound = (qn * kn).item() * softmax_scale
+    if score_bound > MAX_SCORE_MAGNITUDE:
+        raise ValueError(
+            f"q and k are too large for float32 softmax: |q_i| |k_j| * softmax_scale reaches "
+            f"{score_bound:.3g} (max token norms |q| = {qn.item():.3g}, |k| = {kn.item():.3g}); "
+            f"flamia accepts scores below 2**16, where float32 rounding moves P by at most 2**-7")
 
 
 def validate_dense(q, k, v, causal, softmax_scale, recipe, return_lse, deterministic, check_finite):

@@ -181,13 +181,17 @@ SATURATING = [
 @pytest.mark.parametrize("recipe", SAFE_RECIPES)
 @pytest.mark.parametrize("dtype,big", SATURATING)
 def test_p5_saturating_values(recipe, dtype, big):
-    """A few channels and a whole token near the top of the input format: the forward stays
-    accurate and bounded, the backward matches the emulation by the 2x rule."""
+    """Values far beyond FP8's range (448) in V, and q/k channels and tokens as large as the
+    float32 softmax allows: the forward stays accurate and bounded, the backward matches the
+    emulation by the 2x rule."""
     q, k, v, cu = make_qkv((30, 1, 12), 2, 1, 64, "mild", dtype, seed=23)
-    for x in (q, k, v):
-        x[5, :, :3] = big
-        x[20, :, 10] = -big
-        x[40] = big
+    v[5, :, :3] = big
+    v[20, :, 10] = -big
+    v[40] = big
+    for x in (q, k):          # scores up to ~60^2 * 3 / 8 and (20 * 8)^2 / 8: well below 2**16
+        x[5, :, :3] = 60
+        x[20, :, 10] = -60
+        x[40] = 20
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(24)).to(dtype)
     out, lse, grads = fwd_bwd(q, k, v, cu, recipe, do)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -196,6 +200,16 @@ def test_p5_saturating_values(recipe, dtype, big):
     for name, x, ref, e in zip(("out", "dq", "dk", "dv"), (out, *grads), exact, emu_err):
         err = rel_err(x, ref)
         assert not math.isnan(err) and err <= 2 * e + 1e-2, f"{name}: {err:.3g} vs emulation {e:.3g}"
+
+
+@pytest.mark.parametrize("dtype,big", SATURATING)
+def test_p5_scores_beyond_float32_softmax_are_rejected(dtype, big):
+    """q and k so large that float32 cannot resolve the scores: a clear error, not garbage."""
+    q, k, v, cu = make_qkv((30, 12), 2, 1, 64, "mild", dtype, seed=23)
+    q[5] = big
+    k[7] = big
+    with pytest.raises(ValueError, match="too large for float32 softmax"):
+        api(q, k, v, cu, "fp8")
 
 
 def test_p5_overflowing_inputs_are_rejected():

@@ -78,8 +78,10 @@ def grads64(q, k, v, cu, dout, causal=True):
     return [x.grad for x in x64]
 
 
-def correctness(recipes, dims, cfgs, fwd):
+def correctness(recipes, dims, cfgs, fwd, aligned=False):
     lengths = (30, 0, 1, 77, 64) if SMOKE else (300, 0, 1, 777, 1024)
+    if aligned:   # every document start a multiple of 16: the TMA K-major path (B._use_tma)
+        lengths = (32, 0, 16, 80, 61) if SMOKE else (304, 0, 16, 784, 1001)
     Hq, Hkv = 8, 2
     ok_all = True
     for D in dims:
@@ -231,17 +233,23 @@ def reference_quantized(q, k, v, cu, recipe):
     return qkv, out, lse
 
 
+# "default" = B.default_config(D, recipe) (fp8 / fp8_mixed D=128: kv128x32w8, q128x64w8, TMA
+# K-major tiles). "_ptr" = the same tiles with the old masked pointer loads of doT8 / qT8 / kT8
+# (use_tma=False; byte loads, not pipelined), to measure what the TMA change bought.
 DKDV_CONFIGS = {
+    "default": dict(),
     "kv128x64w8": dict(kv_bn=128, kv_bm=64, kv_warps=8, kv_stages=2),
     "kv128x32w8": dict(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2),
-    "kv64x64w4": dict(kv_bn=64, kv_bm=64, kv_warps=4, kv_stages=2),
-    "kv128x64w8s3": dict(kv_bn=128, kv_bm=64, kv_warps=8, kv_stages=3),
+    "kv128x32w8s1": dict(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=1),
+    "kv64x32w4": dict(kv_bn=64, kv_bm=32, kv_warps=4, kv_stages=2),
+    "kv128x32w8_ptr": dict(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2, use_tma=False),
 }
 DQ_CONFIGS = {
+    "default": dict(),
     "q128x64w8": dict(q_bm=128, q_bn=64, q_warps=8, q_stages=2),
     "q128x32w8": dict(q_bm=128, q_bn=32, q_warps=8, q_stages=2),
     "q64x64w4": dict(q_bm=64, q_bn=64, q_warps=4, q_stages=2),
-    "q128x64w8s3": dict(q_bm=128, q_bn=64, q_warps=8, q_stages=3),
+    "q128x64w8_ptr": dict(q_bm=128, q_bn=64, q_warps=8, q_stages=2, use_tma=False),
 }
 
 
@@ -273,9 +281,12 @@ def time_backward(wname, lengths, Hq, Hkv, D, recipes, fwd, sweep):
             row["fwd_source"] = "reference"
         sync()
         base = B.default_config(D, recipe)
-        swp = sweep and recipe == "fp8"
-        kv_names = list(DKDV_CONFIGS) if swp else ["kv128x64w8"]
-        q_names = list(DQ_CONFIGS) if swp else ["q128x64w8"]
+        swp = sweep and recipe in ("fp8", "fp8_mixed")
+        kv_names = list(DKDV_CONFIGS) if swp else ["default"]
+        q_names = list(DQ_CONFIGS) if swp else ["default"]
+        if recipe == "fp8_mixed":     # fewer: the dK/dV kernel shares the TMA doT8 path with fp8
+            kv_names = [n for n in kv_names if n in ("default", "kv128x64w8", "kv128x32w8_ptr")]
+            q_names = ["default"]
         per = {}
         for kind, names, table, launch in (("dkdv", kv_names, DKDV_CONFIGS, B.launch_dkdv),
                                            ("dq", q_names, DQ_CONFIGS, B.launch_dq)):
@@ -411,6 +422,8 @@ def main():
                 ("kv64x64w4", B.BwdConfig(kv_bn=64, kv_bm=64, kv_warps=4,
                                           q_bm=64, q_bn=64, q_warps=4))]
         ok = correctness(recipes, (128,) if args.quick else (128, 64), cfgs, fwd)
+        log("== correctness, 16-aligned document starts (TMA K-major tiles) ==")
+        ok = correctness(("fp8", "fp8_mixed"), (128,), cfgs[:1], fwd, aligned=True) and ok
         log("correctness:", "PASS" if ok else "FAIL")
         RESULTS["correctness_pass"] = ok
     if not args.no_timing:

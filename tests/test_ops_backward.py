@@ -150,14 +150,56 @@ def test_preprocess_quantizes_do_like_reference():
         ref = R.quantize_operand(dout.float(), "e4m3", "token")
         assert torch.equal(st.do8.float(), ref.values)
         assert torch.equal(st.sdo, ref.scale[..., 0].T)
-        assert torch.equal(st.doT8[:, :, :st.T].float(), ref.values.permute(1, 2, 0))
+        col = st.dcol.long()                       # padded, 16-aligned K-major layout
+        assert torch.equal(col, _padded_columns(cu))
+        assert torch.equal(st.doT8[:, :, col].float(), ref.values.permute(1, 2, 0))
+        pad = torch.ones(st.Tp, dtype=torch.bool)
+        pad[col] = False
+        assert (st.doT8[:, :, pad].view(torch.uint8) == 0).all()
         # fp8: Delta in units of sdo (rowsum(do8 * O)); fp8_mixed: from the bf16 dO
         do_used = ref.values if recipe == "fp8" else dout.float()
         delta = (do_used * out.float()).sum(-1).T
         torch.testing.assert_close(st.delta, delta, rtol=1e-5, atol=1e-5)
         if recipe == "fp8":
-            assert torch.equal(st.qT8[:, :, :st.T].float(), qkv.q8.float().permute(1, 2, 0))
-            assert torch.equal(st.kT8[:, :, :st.T].float(), qkv.k8.float().permute(1, 2, 0))
+            assert torch.equal(st.qT8[:, :, col].float(), qkv.q8.float().permute(1, 2, 0))
+            assert torch.equal(st.kT8[:, :, col].float(), qkv.k8.float().permute(1, 2, 0))
+            assert (st.qT8[:, :, pad].view(torch.uint8) == 0).all()
+            assert (st.kT8[:, :, pad].view(torch.uint8) == 0).all()
+
+
+def _padded_columns(cu):
+    """Column of each packed token in the K-major copies: document d starts at
+    sum_{e<d} ceil16(len_e)."""
+    cols, base = [], 0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        cols += [base + i for i in range(b - a)]
+        base += (b - a + 15) // 16 * 16
+    return torch.tensor(cols, dtype=torch.long)
+
+
+@pytest.mark.parametrize("recipe", ("fp8", "fp8_mixed"))
+def test_tma_unaligned_documents_bitwise_pointer_path(recipe, monkeypatch):
+    """Packed documents with unaligned starts (37, 0, 1, 70, 19) take the TMA path (the padded
+    K-major layout; the interpreter asserts 16-byte aligned descriptor coordinates) and give
+    bitwise the gradients of the pointer path (use_tma=False), incl. partial end tiles."""
+    if B.TensorDescriptor is None:
+        pytest.skip("no TensorDescriptor in this triton")
+    D = 64
+    lengths = (37, 0, 1, 70, 19)
+    q, k, v, cu = make_qkv(lengths, HQ, HKV, D, seed=41)
+    out, lse, saved = _forward(q, k, v, cu, recipe)
+    dout = _dout(out.shape, 42)
+    descs = []
+    orig = B._kmajor_desc
+    monkeypatch.setattr(B, "_kmajor_desc", lambda x, bt: descs.append(bt) or orig(x, bt))
+    tma = _kernel(dout, out, lse, saved, cu, recipe)
+    assert descs, "TMA path not taken"
+    n_tma = len(descs)
+    ptr_cfg = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, use_tma=False)
+    ptr = _kernel(dout, out, lse, saved, cu, recipe, cfg=ptr_cfg)
+    assert len(descs) == n_tma, "pointer path built a descriptor"
+    for name, a, b in zip(("dq", "dk", "dv"), tma, ptr):
+        assert torch.equal(a, b), f"{recipe} {name}: TMA and pointer paths differ"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

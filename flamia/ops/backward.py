@@ -4,14 +4,17 @@ Numerics: `flamia.reference.backward` (module docstring, point 4), recipes fp8, 
 Three launches, deterministic by construction (no atomics), so `deterministic=True` costs nothing:
 
 1. `_bwd_preprocess`, one pass over dO and O, grid (token blocks, Hq):
-   - dO quantized per (token, head) to e4m3 with a power-of-two scale: do8 (T, Hq, D) and the
-     K-major copy doT8 (Hq, D, Tp) that dV = P^T dO needs (Hopper fp8 wgmma takes only K-major
-     operands); sdo (Hq, T). Not for bf16.
+   - dO quantized per (token, head) to e4m3 with a power-of-two scale: do8 (T, Hq, D) and (by
+     torch, from do8) the K-major copy doT8 (Hq, D, Tp) that dV = P^T dO needs (Hopper fp8
+     wgmma takes only K-major operands); sdo (Hq, T). Not for bf16.
    - Delta_i = rowsum(dO_used_i * O_i) with the dO the dP GEMM uses: the dequantized e4m3 dO for
      fp8, bf16 dO for fp8_mixed / bf16 (reference.backward explains why this choice matters).
      For fp8 it is stored in units of sdo_i (rowsum(do8_i * O_i), exactly Delta_i / sdo_i).
    - fp8 only: the K-major copies qT8 (Hq, D, Tp) and kT8 (Hkv, D, Tp) for dK = dS^T Q and
      dQ = dS K (transposes of the forward's q8 / k8 bytes, nothing re-quantized).
+   The K-major copies use a padded token layout (`_kmajor_layout`): document d starts at column
+   pcu[d] = sum_{e<d} ceil16(len_e), pad columns are zero, so every tile of every document can
+   be read by TMA (16-byte aligned token coordinates) whatever cu_seqlens is.
 2. `_bwd_dkdv`, FA2 style, one program per (document, kv head, kv block j); it loops over the
    query heads of its GQA group and over the query blocks i >= j of its document (only tiles
    inside the causal triangle are visited; only the diagonal blocks are masked).
@@ -161,8 +164,9 @@ def _kmajor_tile(src, row0, tok0, offs_tok, mask_tok, Tp, D: tl.constexpr, BLK: 
     USE_TMA: `src` is a TMA descriptor over xT8 seen as (heads * D, Tp) with block (D, BLK): the
     tile lands in shared memory by TMA, K-major, and feeds the fp8 wgmma directly (pipelined).
     Only END tiles (the ones that may reach past the document's end) are masked, in registers.
-    Otherwise `src` is a pointer: per-byte loads (tokens are the contiguous axis, the mask varies
-    along it and document starts are not 16-byte aligned), not pipelined -- the slow path."""
+    Otherwise `src` is a pointer: per-byte loads (tokens are the contiguous axis and the mask
+    varies along it), not pipelined -- the slow fallback (config.use_tma=False). tok0 is a column
+    of the padded layout (pcu[doc] + block offset), a multiple of 16."""
     if USE_TMA:
         x = src.load([row0, tok0]).T
         if END:   # tokens past the document's end belong to the next one: never let a NaN in
@@ -180,7 +184,7 @@ def _kmajor_tile(src, row0, tok0, offs_tok, mask_tok, Tp, D: tl.constexpr, BLK: 
 
 @triton.jit
 def _bwd_preprocess(
-    dout, out, do8, doT8, sdo, delta, q8, qT8, k8, kT8,
+    dout, out, do8, doT8, sdo, delta, q8, qT8, k8, kT8, dcol,
     T, Tp, stride_dot, stride_ot, stride_qt, stride_kt,
     HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     RECIPE: tl.constexpr, TRANSPOSE_QK: tl.constexpr, INTERP: tl.constexpr,
@@ -211,13 +215,15 @@ def _bwd_preprocess(
         do_used = do.to(tl.bfloat16).to(tl.float32)
     tl.store(delta + h * T + offs_t, tl.sum(do_used * o, axis=1), mask=mask_t)
     if TRANSPOSE_QK:
+        # token t of document d goes to the padded column dcol[t] = pcu[d] + (t - cu[d])
+        col = tl.load(dcol + offs_t, mask=mask_t, other=0)
         qt = tl.load(q8 + offs_t[:, None] * stride_qt + h * D + offs_d[None, :], mask=m2, other=0.0)
-        tl.store(qT8 + h * D * Tp + offs_d[None, :] * Tp + offs_t[:, None], qt, mask=m2)
+        tl.store(qT8 + h * D * Tp + offs_d[None, :] * Tp + col[:, None], qt, mask=m2)
         if h % GROUP == 0:
             hk = h // GROUP
             kt = tl.load(k8 + offs_t[:, None] * stride_kt + hk * D + offs_d[None, :], mask=m2,
                          other=0.0)
-            tl.store(kT8 + hk * D * Tp + offs_d[None, :] * Tp + offs_t[:, None], kt, mask=m2)
+            tl.store(kT8 + hk * D * Tp + offs_d[None, :] * Tp + col[:, None], kt, mask=m2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +234,7 @@ def _bwd_preprocess(
 def _dkdv_tile(
     acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n,
     q8, qT8, dout, do8, doT8, sq, sdo, lse, delta, dq_acc,
-    h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
+    h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
     HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
     RECIPE: tl.constexpr, MASK: tl.constexpr, DQ_ATOMIC: tl.constexpr, INTERP: tl.constexpr,
     END: tl.constexpr, USE_TMA: tl.constexpr,
@@ -268,7 +274,7 @@ def _dkdv_tile(
         # dV_j += c_j * e4m3(P^T sdo_i / c_j) @ do8_i   (c_j: power of two over the tile's row j)
         a = p_t * sdo_i[None, :]
         c, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), 8)
-        doT = _kmajor_tile(doT8, h * D, start + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+        doT = _kmajor_tile(doT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
                            USE_TMA)
         acc_dv += _mm((a * inv[:, None]).to(tl.float8e4nv), doT, INTERP) * c[:, None]
         if RECIPE == 0:
@@ -279,7 +285,7 @@ def _dkdv_tile(
             t = _mm(v, tl.trans(do_q), INTERP) * sv_j[:, None] - di[None, :]
             b = a * t * sq_i[None, :]                                  # dS^T * sq_i
             c2, inv2 = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-            qT = _kmajor_tile(qT8, h * D, start + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+            qT = _kmajor_tile(qT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
                               USE_TMA)
             acc_dk += _mm((b * inv2[:, None]).to(tl.float8e4nv), qT, INTERP) * c2[:, None]
             if DQ_ATOMIC:
@@ -307,7 +313,7 @@ def _dkdv_tile(
 @triton.jit
 def _bwd_dkdv(
     q8, k8, v8, qT8, kT8p, dout, do8, doT8, sq, sk, sv, sdo, lse, delta, dk, dv, dq_acc, hmat, cu,
-    T, Tp, stride_qt, stride_kt, stride_dot, stride_dkt,
+    pcu, T, Tp, stride_qt, stride_kt, stride_dot, stride_dkt,
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     RECIPE: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -320,6 +326,7 @@ def _bwd_dkdv(
     hk = pid % HKV
     start = tl.load(cu + doc)
     L = tl.load(cu + doc + 1) - start
+    pstart = tl.load(pcu + doc)    # the document's first column in the K-major copies (16 | it)
     n0 = jb * BN
     if n0 >= L:
         return
@@ -345,8 +352,8 @@ def _bwd_dkdv(
             v = _bf16_op(v, INTERP)   # dP in bf16: V's e4m3 values are exact in bf16
             kq = _bf16_op(k, INTERP)
         elif DQ_ATOMIC:
-            kq = tl.load(kT8p + hk * D * Tp + offs_d[None, :] * Tp + tok_n[:, None], mask=n2,
-                         other=0.0)
+            kq = tl.load(kT8p + hk * D * Tp + offs_d[None, :] * Tp + (pstart + offs_n)[:, None],
+                         mask=n2, other=0.0)
         else:
             kq = k
     acc_dk = tl.zeros([BN, D], dtype=tl.float32)
@@ -367,17 +374,20 @@ def _bwd_dkdv(
         for i0 in range(lo, diag_end, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
+                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
+                sm_scale,
                 HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP, True, USE_TMA)
         for i0 in range(diag_end, full_end, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
+                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
+                sm_scale,
                 HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, False, USE_TMA)
         for i0 in range(tail_lo, L, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
+                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
+                sm_scale,
                 HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, True, USE_TMA)
     acc_dk = acc_dk * sm_scale
     if ROTATE:
@@ -394,7 +404,7 @@ def _bwd_dkdv(
 @triton.jit
 def _dq_tile(
     acc, q, do_i, rowf, lse2, di, offs_m,
-    k8, v8, kT8, sk, sv, hk, start, L, j0, T, Tp, stride_kt,
+    k8, v8, kT8, sk, sv, hk, start, pstart, L, j0, T, Tp, stride_kt,
     D: tl.constexpr, BN: tl.constexpr, RECIPE: tl.constexpr, MASK: tl.constexpr,
     CAUSAL: tl.constexpr, INTERP: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -424,7 +434,7 @@ def _dq_tile(
         t = _mm(do_i, tl.trans(v), INTERP) * sv_j[None, :] - di[:, None]
         b = p * t * sk_j[None, :]
         c, inv = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-        kT = _kmajor_tile(kT8, hk * D, start + j0, tl.arange(0, BN), mask_n, Tp, D, BN, MASK,
+        kT = _kmajor_tile(kT8, hk * D, pstart + j0, tl.arange(0, BN), mask_n, Tp, D, BN, MASK,
                           USE_TMA)
         acc += _mm((b * inv[:, None]).to(tl.float8e4nv), kT, INTERP) * c[:, None]
     elif RECIPE == 1:
@@ -439,7 +449,7 @@ def _dq_tile(
 
 @triton.jit
 def _bwd_dq(
-    q8, k8, v8, kT8, dout, do8, sq, sk, sv, sdo, lse, delta, dq, hmat, cu,
+    q8, k8, v8, kT8, dout, do8, sq, sk, sv, sdo, lse, delta, dq, hmat, cu, pcu,
     T, Tp, stride_qt, stride_kt, stride_dot, stride_dqt,
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -453,6 +463,7 @@ def _bwd_dq(
     hk = h // GROUP
     start = tl.load(cu + doc)
     L = tl.load(cu + doc + 1) - start
+    pstart = tl.load(pcu + doc)    # the document's first column in kT8 (a multiple of 16)
     # Largest blocks first: program 0 of the second grid axis takes the document's last block.
     ib = tl.cdiv(L, BM) - 1 - tl.program_id(1)
     if ib < 0:
@@ -486,12 +497,12 @@ def _bwd_dq(
         hi = L
     for j0 in range(0, full_end, BN):
         acc = _dq_tile(acc, q, do_i, rowf, lse2, di, offs_m, k8, v8, kT8, sk, sv, hk,
-                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, False, CAUSAL, INTERP,
-                       USE_TMA)
+                       start, pstart, L, j0, T, Tp, stride_kt, D, BN, RECIPE, False, CAUSAL,
+                       INTERP, USE_TMA)
     for j0 in range(full_end, hi, BN):
         acc = _dq_tile(acc, q, do_i, rowf, lse2, di, offs_m, k8, v8, kT8, sk, sv, hk,
-                       start, L, j0, T, Tp, stride_kt, D, BN, RECIPE, True, CAUSAL, INTERP,
-                       USE_TMA)
+                       start, pstart, L, j0, T, Tp, stride_kt, D, BN, RECIPE, True, CAUSAL,
+                       INTERP, USE_TMA)
     if RECIPE == 0:
         acc = acc * (tl.load(sdo + h * T + tok_m, mask=mask_m, other=0.0) * sm_scale)[:, None]
     else:
@@ -537,8 +548,9 @@ class BwdConfig:
     pre_bt: int = 64
     pre_warps: int = 4
     # fp8 recipes: read the K-major copies doT8 / qT8 / kT8 through TMA descriptors (pipelined,
-    # straight into shared memory). False: masked pointer loads, one byte per load, not pipelined
-    # (the pre-2026-12 kernels; ~3x slower dK/dV on the H200).
+    # straight into shared memory), for any cu_seqlens (padded, 16-aligned layout of the copies).
+    # False: masked pointer loads, one byte per load, not pipelined (the pre-2026-12 kernels;
+    # ~3x slower dK/dV on the H200).
     use_tma: bool = True
     # deterministic=False only: dQ accumulated with fp32 atomics from the dK/dV kernel (no S/dP
     # recompute, one fp32 (T, Hq, D) buffer, a finalize launch) instead of the dQ kernel.
@@ -621,6 +633,37 @@ class BwdState:
     dq_atomic: bool = False
     dq_acc: torch.Tensor | None = None    # (T, Hq, D) fp32, dq_atomic only
     kmajor_tma: bool = False      # TMA loads of doT8 / qT8 / kT8 (see _use_tma)
+    # Padded token layout of the K-major copies (see _kmajor_layout): document d starts at
+    # column pcu[d] (a multiple of 16); token t sits at column dcol[t]. None for bf16.
+    pcu: torch.Tensor | None = None       # (n_docs + 1,) int32
+    dcol: torch.Tensor | None = None      # (T,) int32
+
+
+def _kmajor_layout(cu: torch.Tensor, T: int):
+    """The K-major copies' per-document 16-aligned token layout, on the device (no host sync).
+
+    Document d (packed tokens [cu[d], cu[d+1])) occupies columns [pcu[d], pcu[d] + len_d) with
+    pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA tiles
+    (16-byte aligned token coordinates) can read every tile. Returns (pcu int32 (n_docs + 1,),
+    dcol int32 (T,) the column of each token, pads int64 candidate pad columns, Tp).
+    Tp is a host-side bound: sum_d ceil16(len_d) <= ceil16(T) + 16 (n_docs - 1), plus 16 spare
+    columns that are always padding (the target of the pad candidates that are not pads)."""
+    n = cu.numel() - 1
+    Tp = (T + 15) // 16 * 16 + 16 * max(n - 1, 0) + 16
+    lens = (cu[1:] - cu[:-1]).long()
+    plen = (lens + 15) // 16 * 16
+    pcu = torch.zeros(n + 1, dtype=torch.long, device=cu.device)
+    torch.cumsum(plen, 0, out=pcu[1:])
+    tok = torch.arange(T, dtype=torch.long, device=cu.device)
+    doc = torch.searchsorted(cu[1:].long(), tok, right=True).clamp_(max=max(n - 1, 0))
+    dcol = tok + (pcu[:-1] - cu[:-1].long())[doc] if n > 0 else tok
+    # pad columns: the <= 15 after each document's tokens, and the tail [pcu[n], Tp)
+    k = torch.arange(16, dtype=torch.long, device=cu.device)
+    cand = (pcu[:-1] + lens)[:, None] + k[None, :]
+    cand = torch.where(cand < pcu[1:, None], cand, Tp - 1).reshape(-1)
+    tail = pcu[n] + torch.arange(Tp - (T + 15) // 16 * 16, dtype=torch.long, device=cu.device)
+    tail = torch.where(tail < Tp, tail, Tp - 1)
+    return pcu.to(torch.int32), dcol.to(torch.int32), torch.cat([cand, tail]), Tp
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
@@ -639,7 +682,9 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     if dout.shape != (T, Hq, D) or out.shape != (T, Hq, D) or lse.shape != (Hq, T):
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)}"
                          f" do not match q8 {(T, Hq, D)}")
-    if max(T * Hq * D, Hq * D * ((T + 15) // 16 * 16)) >= 2 ** 31:
+    n_docs = cu_seqlens.numel() - 1
+    Tp = (T + 15) // 16 * 16 + 16 * max(n_docs - 1, 0) + 16    # see _kmajor_layout
+    if max(T * Hq * D, Hq * D * Tp) >= 2 ** 31:
         raise ValueError("the backward kernels index with int32: T * Hq * D must stay below 2^31")
     device = dout.device
     cfg = config or default_config(D, recipe)
@@ -647,7 +692,11 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         raise ValueError(f"bad block config {cfg}")
     fp8 = torch.float8_e4m3fn
     scaled = rid != 2
-    Tp = (T + 15) // 16 * 16
+    cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    pcu = dcol = pads = None
+    if scaled:
+        pcu, dcol, pads, Tp2 = _kmajor_layout(cu, T)
+        assert Tp2 == Tp
     delta = _empty((Hq, T), torch.float32, device)
     if scaled:
         do8 = _empty((T, Hq, D), fp8, device)
@@ -665,21 +714,27 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         qT8 = kT8 = q8                            # placeholders, never read
     rotate = bool(qkv.rotated)
     grad_dtype = grad_dtype or dout.dtype
+    if scaled:
+        # pad columns are zero (never read unmasked; kept clean so no NaN byte can ever be
+        # one): the only writes that touch them; the preprocess writes every other column
+        copies = (doT8, qT8, kT8) if rid == 0 else (doT8,)
+        for x in copies:
+            x.view(torch.uint8).index_fill_(2, pads, 0)
     return BwdState(
-        recipe=rid, T=T, Hq=Hq, Hkv=Hkv, D=D, Tp=Tp, n_docs=cu_seqlens.numel() - 1,
+        recipe=rid, T=T, Hq=Hq, Hkv=Hkv, D=D, Tp=Tp, n_docs=n_docs,
         max_seqlen=int(max_seqlen), causal=bool(causal),
         sm_scale=D ** -0.5 if softmax_scale is None else float(softmax_scale),
         interp=device.type == "cpu", cfg=cfg, dout=dout.contiguous(), out=out.contiguous(),
         lse=lse.contiguous().float(), q8=q8, k8=qkv.k8.contiguous(), v8=qkv.v8.contiguous(),
-        sq=sq, sk=sk, sv=sv, cu=cu_seqlens.to(device=device, dtype=torch.int32).contiguous(),
+        sq=sq, sk=sk, sv=sv, cu=cu,
         rotate=rotate, hmat=_hmat(D, device) if rotate else delta, delta=delta, do8=do8,
         doT8=doT8, sdo=sdo, qT8=qT8, kT8=kT8,
         dq=_empty((T, Hq, D), grad_dtype, device), dk=_empty((T, Hkv, D), grad_dtype, device),
         dv=_empty((T, Hkv, D), grad_dtype, device), dq_atomic=dq_atomic,
         dq_acc=torch.zeros((T, Hq, D), dtype=torch.float32, device=device) if dq_atomic else None,
         kmajor_tma=bool(scaled and cfg.use_tma and TensorDescriptor is not None
-                        and os.environ.get("FLAMIA_BWD_TMA", "1") != "0"
-                        and T > 0 and bool((cu_seqlens[:-1] % 16 == 0).all())))
+                        and os.environ.get("FLAMIA_BWD_TMA", "1") != "0" and T > 0),
+        pcu=pcu, dcol=dcol)
 
 
 def launch_preprocess(st: BwdState) -> None:
@@ -687,21 +742,24 @@ def launch_preprocess(st: BwdState) -> None:
     grid = (triton.cdiv(st.T, cfg.pre_bt), st.Hq)
     _bwd_preprocess[grid](
         st.dout, st.out, st.do8, st.doT8, st.sdo, st.delta, st.q8, st.qT8, st.k8, st.kT8,
-        st.T, st.Tp, st.dout.stride(0), st.out.stride(0), st.q8.stride(0), st.k8.stride(0),
+        st.dcol if st.dcol is not None else st.cu, st.T, st.Tp, st.dout.stride(0),
+        st.out.stride(0), st.q8.stride(0), st.k8.stride(0),
         HQ=st.Hq, GROUP=st.Hq // st.Hkv, D=st.D, BLOCK_T=cfg.pre_bt, RECIPE=st.recipe,
         TRANSPOSE_QK=st.recipe == 0, INTERP=st.interp, num_warps=cfg.pre_warps)
     if st.recipe != 2:
         # The K-major dO copy is made by torch from do8: on sm_90 Triton 3.6 miscompiles a
         # transposed store of freshly converted fp8 values (H200: 25 % of bytes wrong, some NaN).
-        st.doT8[:, :, :st.T].copy_(st.do8.permute(1, 2, 0))
-        st.doT8[:, :, st.T:].zero_()
+        # Token t goes to the padded column dcol[t]; the pad columns were zeroed in make_state.
+        st.doT8.view(torch.uint8).index_copy_(2, st.dcol.long(),
+                                              st.do8.view(torch.uint8).permute(1, 2, 0))
 
 
 def _use_tma(st: BwdState) -> bool:
     """TMA tiles of the K-major copies need 16-byte aligned token offsets (Triton's descriptor
-    rule, asserted by the interpreter), i.e. every document start a multiple of 16 (dense
-    batches with S % 16 == 0, single documents). Otherwise the pointer path (slow, exact).
-    TODO: per-document 16-aligned token offsets in doT8 / qT8 / kT8 lift this."""
+    rule, asserted by the interpreter). The copies' padded layout (_kmajor_layout) starts every
+    document at a multiple of 16 and every tile at a multiple of BM / BN from there, so TMA works
+    for any cu_seqlens; off only with config.use_tma=False or FLAMIA_BWD_TMA=0 (pointer path:
+    same padded layout, same values, byte-wise masked loads, slow)."""
     return st.kmajor_tma
 
 
@@ -722,7 +780,8 @@ def launch_dkdv(st: BwdState) -> None:
         st.q8, st.k8, st.v8, qT8, st.kT8, st.dout, st.do8, doT8, st.sq, st.sk, st.sv,
         st.sdo, st.lse, st.delta, st.dk, st.dv,
         st.dq_acc if st.dq_atomic else st.delta, st.hmat, st.cu,
-        st.T, st.Tp, st.q8.stride(0), st.k8.stride(0), st.dout.stride(0), st.dk.stride(0),
+        st.pcu if st.pcu is not None else st.cu, st.T, st.Tp, st.q8.stride(0), st.k8.stride(0),
+        st.dout.stride(0), st.dk.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
         HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.kv_bm, BN=cfg.kv_bn, RECIPE=st.recipe,
         CAUSAL=st.causal, ROTATE=st.rotate, DQ_ATOMIC=st.dq_atomic, INTERP=st.interp,
@@ -740,9 +799,10 @@ def launch_dq(st: BwdState) -> None:
     grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.q_bm))
     tma = _use_tma(st) and st.recipe == 0
     _bwd_dq[grid](
-        st.q8, st.k8, st.v8, _kmajor_desc(st.kT8, cfg.q_bn) if tma else st.kT8, st.dout, st.do8, st.sq, st.sk, st.sv, st.sdo, st.lse,
-        st.delta, st.dq, st.hmat, st.cu,
-        st.T, st.Tp, st.q8.stride(0), st.k8.stride(0), st.dout.stride(0), st.dq.stride(0),
+        st.q8, st.k8, st.v8, _kmajor_desc(st.kT8, cfg.q_bn) if tma else st.kT8, st.dout, st.do8,
+        st.sq, st.sk, st.sv, st.sdo, st.lse, st.delta, st.dq, st.hmat, st.cu,
+        st.pcu if st.pcu is not None else st.cu, st.T, st.Tp, st.q8.stride(0), st.k8.stride(0),
+        st.dout.stride(0), st.dq.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
         HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.q_bm, BN=cfg.q_bn, RECIPE=st.recipe,
         CAUSAL=st.causal, ROTATE=st.rotate, INTERP=st.interp, USE_TMA=tma,

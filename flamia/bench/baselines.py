@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .workloads import Problem
+
 BASELINE_KEYS = ("sdpa_cudnn", "sdpa_flash", "cudnn", "varlen", "flex", "cudnn_fp8")
 BASELINE_HELP = {
     "sdpa_cudnn": "torch SDPA, cuDNN backend (one document, dense)",
@@ -33,34 +35,6 @@ E4M3_MAX = 448.0
 
 class Skip(Exception):
     """This implementation cannot run this problem; the message says why."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    doc_lengths: tuple[int, ...]
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-
-    @property
-    def T(self) -> int:
-        return int(sum(self.doc_lengths))
-
-    @property
-    def n_docs(self) -> int:
-        return len(self.doc_lengths)
-
-    @property
-    def max_len(self) -> int:
-        return max(self.doc_lengths)
-
-    @property
-    def group(self) -> int:
-        return self.heads_q // self.heads_kv
-
-    @property
-    def scale(self) -> float:
-        return self.head_dim ** -0.5
 
 
 @dataclass

@@ -169,7 +169,7 @@ def resolve(args) -> Config:
 
 
 def problem_of(w: Workload) -> Problem:
-    return Problem(w.doc_lengths, w.heads_q, w.heads_kv, w.head_dim)
+    return w.problem()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ class Accuracy:
     def __init__(self, w: Workload, cfg: Config):
         self.slice = accuracy_slice(w, cfg.accuracy_tokens, cfg.accuracy_heads)
         s = self.slice
-        self.problem = Problem(s.doc_lengths, s.heads_q, s.heads_kv, s.head_dim)
+        self.problem = s.problem()
         self.seed = cfg.seed
         self._data = {}
 

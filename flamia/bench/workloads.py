@@ -26,16 +26,15 @@ class WorkloadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Workload:
-    name: str
+class Problem:
+    """The shape of one attention problem: packed causal documents and heads."""
+    doc_lengths: tuple[int, ...]
     heads_q: int
     heads_kv: int
     head_dim: int
-    doc_lengths: tuple[int, ...]
-    description: str = ""
 
     @property
-    def total_tokens(self) -> int:
+    def T(self) -> int:
         return int(sum(self.doc_lengths))
 
     @property
@@ -49,6 +48,25 @@ class Workload:
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def problem(self) -> "Problem":
+        """The bare shape (a plain Problem: hashable the same way for every source)."""
+        return Problem(self.doc_lengths, self.heads_q, self.heads_kv, self.head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload(Problem):
+    """A named problem from a workloads file or from flags."""
+    name: str
+    description: str = ""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.T
 
     def shape_str(self) -> str:
         return f"Hq={self.heads_q} Hkv={self.heads_kv} D={self.head_dim}"
@@ -157,7 +175,8 @@ def _validate_entry(entry, where: str) -> tuple[Workload | None, list[str]]:
     if errors:
         return None, errors
     desc = entry.get("description") or entry.get("about") or entry.get("note") or ""
-    return Workload(name, hq, hkv, d, tuple(int(x) for x in lens), str(desc)), []
+    return Workload(name=name, heads_q=hq, heads_kv=hkv, head_dim=d,
+                    doc_lengths=tuple(int(x) for x in lens), description=str(desc)), []
 
 
 def parse_workloads(data, source: str = "<workloads>") -> list[Workload]:
@@ -288,11 +307,7 @@ def select(workloads: list[Workload], only: str | None) -> list[Workload]:
 
 
 @dataclass(frozen=True)
-class AccuracySlice:
-    doc_lengths: tuple[int, ...]
-    heads_q: int
-    heads_kv: int
-    head_dim: int
+class AccuracySlice(Problem):
     truncated: bool = False
 
     def describe(self) -> str:

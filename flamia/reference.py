@@ -293,7 +293,7 @@ def backward(dout, out, lse, saved: Saved, cu_seqlens, recipe: "str | Recipe" = 
         p = torch.exp(s - lse[:, a:b, None].to(compute_dtype))           # normalised P
         vd = _heads_first(vo.dequant(), group)
         if quantize_backward and recipe.dp == "fp8":
-            do_dp = dop.dequant()[:]
+            do_dp = dop.dequant()
         elif quantize_backward:  # bf16 dP GEMM: dO in bf16, V's dequantized FP8 exact in bf16
             do_dp, vd = round_to_format(do_c[a:b], "bf16"), round_to_format(vd, "bf16")
         else:

@@ -2,8 +2,9 @@
 
 One launch reads q, k and v once and writes, per (token, head):
   q8, k8 = e4m3(rotate(x) / s),  v8 = e4m3(v / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0)
-and, for V, a K-major copy vt8 (Hkv, D, T_pad): Hopper's FP8 wgmma takes its B operand K-major
-only, and the forward's PV GEMM reduces over tokens. A second tiny launch turns V's scales into
+and, for V, a K-major copy vt8 (Hkv, D, T_pad) made by torch from v8 (see quantize_qkv): Hopper's
+FP8 wgmma takes its B operand K-major only, and the forward's PV GEMM reduces over tokens. A
+second tiny launch turns V's scales into
 vcap, the causal prefix max of sv inside each document (reference.py, point 3).
 
 Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in
@@ -56,9 +57,9 @@ def _pow2_scale(amax, bad):
 
 
 @triton.jit
-def _quantize_rows(X, stride_xt, Y, stride_yt, S, VT, T_PAD, HAD, rot_scale, T, t_base,
+def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
                    D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                   ROTATE: tl.constexpr, WRITE_VT: tl.constexpr):
+                   ROTATE: tl.constexpr):
     """SUB consecutive blocks of BLOCK_T tokens of one head: (rotate), scale, cast, store."""
     offs_d = tl.arange(0, D)
     if ROTATE:
@@ -81,32 +82,28 @@ def _quantize_rows(X, stride_xt, Y, stride_yt, S, VT, T_PAD, HAD, rot_scale, T, 
         y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
         tl.store(Y + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
         tl.store(S + offs_t, scale, mask=tmask)
-        if WRITE_VT:
-            tl.store(VT + offs_d[:, None].to(tl.int64) * T_PAD + offs_t[None, :], tl.trans(y),
-                     mask=tmask[None, :])
 
 
 @triton.jit
-def _quantize_qkv_kernel(Q, K, V, Q8, K8, V8, VT8, SQ, SK, SV, HAD,
+def _quantize_qkv_kernel(Q, K, V, Q8, K8, V8, SQ, SK, SV, HAD,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         T, T_PAD, HQ, HKV, rot_scale,
+                         T, HQ, HKV, rot_scale,
                          D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                         ROTATE: tl.constexpr, WRITE_VT: tl.constexpr):
+                         ROTATE: tl.constexpr):
     # Axis 0 walks the heads of one token chunk, so programs in flight read neighbouring memory.
     row = tl.program_id(0)
     t_base = tl.program_id(1) * (BLOCK_T * SUB)
     if row < HQ:
         _quantize_rows(Q + row * stride_qh, stride_qt, Q8 + row * D, HQ * D, SQ + row * T,
-                       VT8, T_PAD, HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE, False)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE)
     elif row < HQ + HKV:
         h = row - HQ
         _quantize_rows(K + h * stride_kh, stride_kt, K8 + h * D, HKV * D, SK + h * T,
-                       VT8, T_PAD, HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE, False)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE)
     else:
         h = row - HQ - HKV
         _quantize_rows(V + h * stride_vh, stride_vt, V8 + h * D, HKV * D, SV + h * T,
-                       VT8 + h * D * T_PAD, T_PAD, HAD, rot_scale, T, t_base, D, BLOCK_T, SUB,
-                       False, WRITE_VT)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, False)
 
 
 @triton.jit
@@ -205,14 +202,14 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     tokens_per_prog = block_t * sub
     grid = (Hq + 2 * Hkv, triton.cdiv(T, tokens_per_prog))
     _quantize_qkv_kernel[grid](
-        q, k, v, q8, k8, v8, vt8 if vt8 is not None else v8, sq, sk, sv, had,
+        q, k, v, q8, k8, v8, sq, sk, sv, had,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T, t_pad, Hq, Hkv, 1.0 / math.sqrt(D),
-        D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, WRITE_VT=False, num_warps=num_warps)
+        T, Hq, Hkv, 1.0 / math.sqrt(D),
+        D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
     if vt8 is not None:
         # The K-major V copy is made by torch from v8 (8 MB at 32k tokens, 8 kv heads): on sm_90
-        # Triton 3.6 miscompiles the in-kernel transposed store of freshly converted fp8 values
-        # (H200: 25 % of vt8's bytes wrong, some NaN). The WRITE_VT path stays for when it's fixed.
+        # Triton 3.6 miscompiles an in-kernel transposed store of freshly converted fp8 values
+        # (H200: 25 % of vt8's bytes wrong, some NaN).
         vt8[:, :, :T].copy_(v8.permute(1, 2, 0))
     compute_vcap(sv, cu_seqlens, causal, out=vcap)
     return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8)

@@ -101,6 +101,42 @@ def test_accuracy_dq_atomic(recipe):
     _case(recipe, 64, cfg=cfg, deterministic=False, seed=9)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_split_dkdv_launches(recipe):
+    """config.split_dkdv: dK and dV from two launches (each recomputes S^T) give the same
+    gradients as the fused launch, bitwise (same tiles, same values, same order)."""
+    split = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, split_dkdv=True,
+                        kv_bm_dv=16)
+    fused, _ = _case(recipe, 64, seed=17)
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, 64, seed=17)
+    out, lse, saved = _forward(q, k, v, cu, recipe)
+    dout = _dout(out.shape, 18)
+    for name, a, b in zip(("dq", "dk", "dv"), _kernel(dout, out, lse, saved, cu, recipe),
+                          _kernel(dout, out, lse, saved, cu, recipe, cfg=split)):
+        assert torch.equal(a, b), f"{recipe} {name}: split and fused dK/dV launches differ"
+    # a different query step for the dV launch: same function (FlashAttention rule)
+    _case(recipe, 64, seed=19, cfg=B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32,
+                                                split_dkdv=True, kv_bm_dv=32))
+
+
+@pytest.mark.parametrize("recipe", ("fp8", "fp8_mixed"))
+def test_late_large_values(recipe):
+    """dO and V 2^10 larger on the last tokens of the 70-token document: the per-row fp8 scales
+    of later tiles are far larger than of earlier ones (dK/dV visit queries from the diagonal
+    down, dQ keys from the document start up)."""
+    D = 64
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=41)
+    v[-20:] *= 2 ** 10
+    out, lse, saved = _forward(q, k, v, cu, recipe)
+    dout = _dout(out.shape, 42)
+    dout[-20:] *= 2 ** 10
+    ref = R.backward(dout, out, lse, saved, cu, recipe)
+    kern = _kernel(dout, out, lse, saved, cu, recipe)
+    g64 = _grads64(q, k, v, cu, dout)
+    for name, g, r, e in zip(("dq", "dk", "dv"), kern, ref, g64):
+        _check_fa_rule(f"{recipe} late-large {name}", g, r, e)
+
+
 def test_accuracy_non_causal():
     _case("fp8", 64, causal=False, lengths=(21, 0, 1, 40), seed=5)
 

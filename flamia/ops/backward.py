@@ -29,6 +29,12 @@ Three launches, deterministic by construction (no atomics), so `deterministic=Tr
    reference's whole row): leak-free for the same reason (exact zeros never move a maximum), and
    e4m3 rounding is scale-invariant except in the subnormal range, so the kernel matches the
    reference to ~1e-6 relative (by the FlashAttention rule in the tests, not bitwise).
+   Each tile's fp8 GEMM result is scaled and added to the accumulator in fp32 by the CUDA
+   cores, not accumulated in place by the tensor core: Hopper's FP8 wgmma keeps fewer
+   accumulator bits than fp32, and chaining it over a long document's query blocks cost up to
+   1.5e-2 (max, relative) in dV at 32k tokens on the H200 (benchmarks/NOTES.md).
+   BwdConfig.split_dkdv: dK and dV from two launches of the same kernel (DO_DK / DO_DV), each
+   recomputing S^T and holding one accumulator (the fp8_mixed default at D=128).
 3. `_bwd_dq`, one program per (document, query head, query block i), loop over kv blocks
    j <= i: recomputes S and dP; dQ_i += c_i e4m3(P t sk_j / c_i) @ k8_j, and sdo_i (constant
    along the row) is applied once in the epilogue.
@@ -237,7 +243,7 @@ def _dkdv_tile(
     h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
     HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
     RECIPE: tl.constexpr, MASK: tl.constexpr, DQ_ATOMIC: tl.constexpr, INTERP: tl.constexpr,
-    END: tl.constexpr, USE_TMA: tl.constexpr,
+    END: tl.constexpr, USE_TMA: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     offs_m = i0 + tl.arange(0, BM)             # document-relative query positions
     offs_d = tl.arange(0, D)
@@ -262,51 +268,56 @@ def _dkdv_tile(
     if RECIPE == 2:
         do_b = _bf16_op(tl.load(dout + tok_m[:, None] * stride_dot + h * D + offs_d[None, :],
                                 mask=m2, other=0.0), INTERP)
-        acc_dv += _mm(_bf16_op(p_t, INTERP), do_b, INTERP)           # dV_j += bf16(P^T) dO_i
-        ds_t = p_t * (_mm(v, tl.trans(do_b), INTERP) - di[None, :])
-        acc_dk += _mm(_bf16_op(ds_t, INTERP), q, INTERP)             # dK_j += bf16(dS^T) Q_i
-        if DQ_ATOMIC:
-            part = _mm(tl.trans(_bf16_op(ds_t, INTERP)), kq, INTERP) * sm_scale
-            tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], part,
-                          mask=m2, sem="relaxed")
+        if DO_DV:
+            acc_dv += _mm(_bf16_op(p_t, INTERP), do_b, INTERP)       # dV_j += bf16(P^T) dO_i
+        if DO_DK:
+            ds_t = p_t * (_mm(v, tl.trans(do_b), INTERP) - di[None, :])
+            acc_dk += _mm(_bf16_op(ds_t, INTERP), q, INTERP)         # dK_j += bf16(dS^T) Q_i
+            if DQ_ATOMIC:
+                part = _mm(tl.trans(_bf16_op(ds_t, INTERP)), kq, INTERP) * sm_scale
+                tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], part,
+                              mask=m2, sem="relaxed")
     else:
         sdo_i = tl.load(sdo + h * T + tok_m, mask=mask_m, other=0.0)
-        # dV_j += c_j * e4m3(P^T sdo_i / c_j) @ do8_i   (c_j: power of two over the tile's row j)
         a = p_t * sdo_i[None, :]
-        c, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), 8)
-        doT = _kmajor_tile(doT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
-                           USE_TMA)
-        acc_dv += _mm((a * inv[:, None]).to(tl.float8e4nv), doT, INTERP) * c[:, None]
-        if RECIPE == 0:
-            # dP^T = (v8 do8^T) sv_j sdo_i; Delta is stored in units of sdo_i, so
-            # dS^T = P^T (dP^T - Delta) = (P^T sdo_i) (dot sv_j - Delta / sdo_i)   exactly.
-            do_q = tl.load(do8 + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], mask=m2,
-                           other=0.0)
-            t = _mm(v, tl.trans(do_q), INTERP) * sv_j[:, None] - di[None, :]
-            b = a * t * sq_i[None, :]                                  # dS^T * sq_i
-            c2, inv2 = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-            qT = _kmajor_tile(qT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
-                              USE_TMA)
-            acc_dk += _mm((b * inv2[:, None]).to(tl.float8e4nv), qT, INTERP) * c2[:, None]
-            if DQ_ATOMIC:
-                # dQ_i += (dS K_j) with a scale per query row i over the tile's keys (axis 0 here)
-                bq = p_t * t * sk_j[:, None]                           # dS^T * sk_j / sdo_i
-                cq, invq = _pow2_scale(tl.max(tl.abs(bq), axis=0), 8)
-                part = _mm(tl.trans((bq * invq[None, :]).to(tl.float8e4nv)), kq, INTERP)
-                part = part * (cq * sdo_i * sm_scale)[:, None]
-                tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], part,
-                              mask=m2, sem="relaxed")
-        else:
-            # dP in bf16 from bf16 dO and V's e4m3 values (exact in bf16), V's scale outside
-            do_b = _bf16_op(tl.load(dout + tok_m[:, None] * stride_dot + h * D + offs_d[None, :],
-                                    mask=m2, other=0.0), INTERP)
-            ds_t = p_t * (_mm(v, tl.trans(do_b), INTERP) * sv_j[:, None] - di[None, :])
-            # bf16(dS) * sq_i == bf16(dS * sq_i) (power of two); Q's e4m3 values exact in bf16
-            acc_dk += _mm(_bf16_op(ds_t * sq_i[None, :], INTERP), _bf16_op(q, INTERP), INTERP)
-            if DQ_ATOMIC:
-                part = _mm(tl.trans(_bf16_op(ds_t * sk_j[:, None], INTERP)), kq, INTERP) * sm_scale
-                tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], part,
-                              mask=m2, sem="relaxed")
+        if DO_DV:
+            # dV_j += c_j * e4m3(P^T sdo_i / c_j) @ do8_i  (c_j: power of two over the tile's row j)
+            c, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), 8)
+            doT = _kmajor_tile(doT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+                               USE_TMA)
+            acc_dv += _mm((a * inv[:, None]).to(tl.float8e4nv), doT, INTERP) * c[:, None]
+        if DO_DK:
+            if RECIPE == 0:
+                # dP^T = (v8 do8^T) sv_j sdo_i; Delta is stored in units of sdo_i, so
+                # dS^T = P^T (dP^T - Delta) = (P^T sdo_i) (dot sv_j - Delta / sdo_i)   exactly.
+                do_q = tl.load(do8 + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :], mask=m2,
+                               other=0.0)
+                t = _mm(v, tl.trans(do_q), INTERP) * sv_j[:, None] - di[None, :]
+                b = a * t * sq_i[None, :]                              # dS^T * sq_i
+                c2, inv2 = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
+                qT = _kmajor_tile(qT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM,
+                                  END, USE_TMA)
+                acc_dk += _mm((b * inv2[:, None]).to(tl.float8e4nv), qT, INTERP) * c2[:, None]
+                if DQ_ATOMIC:
+                    # dQ_i += (dS K_j) with a scale per query row i over the tile's keys (axis 0)
+                    bq = p_t * t * sk_j[:, None]                       # dS^T * sk_j / sdo_i
+                    cq, invq = _pow2_scale(tl.max(tl.abs(bq), axis=0), 8)
+                    part = _mm(tl.trans((bq * invq[None, :]).to(tl.float8e4nv)), kq, INTERP)
+                    part = part * (cq * sdo_i * sm_scale)[:, None]
+                    tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :],
+                                  part, mask=m2, sem="relaxed")
+            else:
+                # dP in bf16 from bf16 dO and V's e4m3 values (exact in bf16), V's scale outside
+                do_b = _bf16_op(tl.load(dout + tok_m[:, None] * stride_dot + h * D
+                                        + offs_d[None, :], mask=m2, other=0.0), INTERP)
+                ds_t = p_t * (_mm(v, tl.trans(do_b), INTERP) * sv_j[:, None] - di[None, :])
+                # bf16(dS) * sq_i == bf16(dS * sq_i) (power of two); Q's e4m3 values exact in bf16
+                acc_dk += _mm(_bf16_op(ds_t * sq_i[None, :], INTERP), _bf16_op(q, INTERP), INTERP)
+                if DQ_ATOMIC:
+                    part = _mm(tl.trans(_bf16_op(ds_t * sk_j[:, None], INTERP)), kq,
+                               INTERP) * sm_scale
+                    tl.atomic_add(dq_acc + tok_m[:, None] * (HQ * D) + h * D + offs_d[None, :],
+                                  part, mask=m2, sem="relaxed")
     return acc_dk, acc_dv
 
 
@@ -317,7 +328,7 @@ def _bwd_dkdv(
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     RECIPE: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    INTERP: tl.constexpr, USE_TMA: tl.constexpr,
+    INTERP: tl.constexpr, USE_TMA: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
 ):
     GROUP: tl.constexpr = HQ // HKV
     pid = tl.program_id(0)
@@ -376,25 +387,27 @@ def _bwd_dkdv(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
                 sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
                 sm_scale,
-                HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP, True, USE_TMA)
+                HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP, True, USE_TMA, DO_DK, DO_DV)
         for i0 in range(diag_end, full_end, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
                 sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
                 sm_scale,
-                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, False, USE_TMA)
+                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, False, USE_TMA, DO_DK, DO_DV)
         for i0 in range(tail_lo, L, BM):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
                 sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
                 sm_scale,
-                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, True, USE_TMA)
-    acc_dk = acc_dk * sm_scale
-    if ROTATE:
-        acc_dk = _rotate(acc_dk, hmat, D, INTERP) * out_scale
+                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, True, USE_TMA, DO_DK, DO_DV)
     ptr = tok_n[:, None] * stride_dkt + hk * D + offs_d[None, :]
-    tl.store(dk + ptr, acc_dk.to(dk.dtype.element_ty), mask=n2)
-    tl.store(dv + ptr, acc_dv.to(dv.dtype.element_ty), mask=n2)
+    if DO_DK:
+        acc_dk = acc_dk * sm_scale
+        if ROTATE:
+            acc_dk = _rotate(acc_dk, hmat, D, INTERP) * out_scale
+        tl.store(dk + ptr, acc_dk.to(dk.dtype.element_ty), mask=n2)
+    if DO_DV:
+        tl.store(dv + ptr, acc_dv.to(dv.dtype.element_ty), mask=n2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,16 +568,25 @@ class BwdConfig:
     # deterministic=False only: dQ accumulated with fp32 atomics from the dK/dV kernel (no S/dP
     # recompute, one fp32 (T, Hq, D) buffer, a finalize launch) instead of the dQ kernel.
     dq_atomic: bool = False
+    # dK and dV in two launches (each recomputes S^T; half the accumulator registers each, so
+    # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
+    split_dkdv: bool = False
+    kv_bm_dv: int = 64
 
 
 def default_config(head_dim: int, recipe: str) -> BwdConfig:
-    """sm_90a compile analysis (benchmarks/NOTES.md, 2026-12 entry; flamia.ops._interp): the dK/dV
-    kernel keeps dK and dV (BN x D fp32) live plus ~6 (BN x BM) temporaries and per-query-column
-    vectors (lse, Delta, sq, sdo: BM/4 registers each per thread); at D=128 with BM=64 the fp8
-    kernel spills ~1.6 KB, with BM=32 ~0.4 KB (no wgmma serialization either way)."""
+    """Block shapes from the sm_90a compile analysis (benchmarks/bwd_compile.py) and the H200 A/B
+    runs (benchmarks/bwd_ab.py; benchmarks/NOTES.md). The dK/dV kernel keeps dK and dV (BN x D
+    fp32) live plus ~6 (BN x BM) temporaries; at D=128 BM=32 spills least (fp8 ~0.4 KB). fp8_mixed
+    at D=128 runs dK and dV as two launches with BM=64 (each holds one accumulator; 1.2 KB of
+    spills fused, ~0.1-0.5 KB split): 112 -> 90 ms at doc32k on the H200 despite recomputing S^T
+    (fp8 loses with the split: 76 -> 86 ms)."""
     if head_dim <= 64:
         return BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, q_bm=128, q_bn=64, q_warps=8)
-    if recipe in ("fp8", "fp8_mixed"):
+    if recipe == "fp8_mixed":
+        return BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, kv_stages=2, split_dkdv=True,
+                         kv_bm_dv=64)
+    if recipe == "fp8":
         return BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2)
     return BwdConfig()
 
@@ -688,7 +710,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         raise ValueError("the backward kernels index with int32: T * Hq * D must stay below 2^31")
     device = dout.device
     cfg = config or default_config(D, recipe)
-    if cfg.kv_bn % cfg.kv_bm or cfg.q_bm % cfg.q_bn:
+    if cfg.kv_bn % cfg.kv_bm or cfg.q_bm % cfg.q_bn or (cfg.split_dkdv and cfg.kv_bn % cfg.kv_bm_dv):
         raise ValueError(f"bad block config {cfg}")
     fp8 = torch.float8_e4m3fn
     scaled = rid != 2
@@ -772,9 +794,18 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
 
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
+    if cfg.split_dkdv:
+        _launch_dkdv(st, cfg.kv_bm, True, False)
+        _launch_dkdv(st, cfg.kv_bm_dv, False, True)
+    else:
+        _launch_dkdv(st, cfg.kv_bm, True, True)
+
+
+def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
+    cfg = st.cfg
     tma = _use_tma(st)
-    doT8 = _kmajor_desc(st.doT8, cfg.kv_bm) if tma else st.doT8
-    qT8 = _kmajor_desc(st.qT8, cfg.kv_bm) if tma and st.recipe == 0 else st.qT8
+    doT8 = _kmajor_desc(st.doT8, bm) if tma else st.doT8
+    qT8 = _kmajor_desc(st.qT8, bm) if tma and st.recipe == 0 else st.qT8
     grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.kv_bn))
     _bwd_dkdv[grid](
         st.q8, st.k8, st.v8, qT8, st.kT8, st.dout, st.do8, doT8, st.sq, st.sk, st.sv,
@@ -783,9 +814,10 @@ def launch_dkdv(st: BwdState) -> None:
         st.pcu if st.pcu is not None else st.cu, st.T, st.Tp, st.q8.stride(0), st.k8.stride(0),
         st.dout.stride(0), st.dk.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
-        HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.kv_bm, BN=cfg.kv_bn, RECIPE=st.recipe,
-        CAUSAL=st.causal, ROTATE=st.rotate, DQ_ATOMIC=st.dq_atomic, INTERP=st.interp,
-        USE_TMA=tma, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=bm, BN=cfg.kv_bn, RECIPE=st.recipe,
+        CAUSAL=st.causal, ROTATE=st.rotate, DQ_ATOMIC=st.dq_atomic and do_dk, INTERP=st.interp,
+        USE_TMA=tma, DO_DK=do_dk, DO_DV=do_dv, num_warps=cfg.kv_warps,
+        num_stages=cfg.kv_stages)
 
 
 def launch_dq(st: BwdState) -> None:

@@ -574,19 +574,25 @@ class BwdConfig:
     kv_bm_dv: int = 64
 
 
-def default_config(head_dim: int, recipe: str) -> BwdConfig:
+# Longest document from which fp8_mixed splits the dK/dV launch (see default_config).
+SPLIT_DKDV_MIN_SEQLEN = 4096
+
+
+def default_config(head_dim: int, recipe: str, max_seqlen: int | None = None) -> BwdConfig:
     """Block shapes from the sm_90a compile analysis (benchmarks/bwd_compile.py) and the H200 A/B
     runs (benchmarks/bwd_ab.py; benchmarks/NOTES.md). The dK/dV kernel keeps dK and dV (BN x D
     fp32) live plus ~6 (BN x BM) temporaries; at D=128 BM=32 spills least (fp8 ~0.4 KB). fp8_mixed
     at D=128 runs dK and dV as two launches with BM=64 (each holds one accumulator; 1.2 KB of
-    spills fused, ~0.1-0.5 KB split): 112 -> 90 ms at doc32k on the H200 despite recomputing S^T
-    (fp8 loses with the split: 76 -> 86 ms)."""
+    spills fused, ~0.1-0.5 KB split): 112 -> 90 ms at doc32k and 29 -> 24 ms at doc8k_x4 on the
+    H200 despite recomputing S^T, but slower on short documents (the full bench, fwd+bwd vs cuDNN:
+    doc2k_x16 0.30x -> 0.29x, doc512_x64 0.32x -> 0.27x), so only when the longest document has
+    at least SPLIT_DKDV_MIN_SEQLEN tokens. fp8 loses with the split (76 -> 86 ms at doc32k)."""
     if head_dim <= 64:
         return BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, q_bm=128, q_bn=64, q_warps=8)
-    if recipe == "fp8_mixed":
+    if recipe == "fp8_mixed" and (max_seqlen or 0) >= SPLIT_DKDV_MIN_SEQLEN:
         return BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, kv_stages=2, split_dkdv=True,
                          kv_bm_dv=64)
-    if recipe == "fp8":
+    if recipe in ("fp8", "fp8_mixed"):
         return BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2)
     return BwdConfig()
 
@@ -709,7 +715,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     if max(T * Hq * D, Hq * D * Tp) >= 2 ** 31:
         raise ValueError("the backward kernels index with int32: T * Hq * D must stay below 2^31")
     device = dout.device
-    cfg = config or default_config(D, recipe)
+    cfg = config or default_config(D, recipe, int(max_seqlen))
     if cfg.kv_bn % cfg.kv_bm or cfg.q_bm % cfg.q_bn or (cfg.split_dkdv and cfg.kv_bn % cfg.kv_bm_dv):
         raise ValueError(f"bad block config {cfg}")
     fp8 = torch.float8_e4m3fn

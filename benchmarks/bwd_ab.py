@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from flamia.bench.workloads import BWD_FACTOR, fwd_flops, tflops  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import backward as NEW  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
@@ -52,10 +53,6 @@ def bench(fn):
         fn()
         return (time.perf_counter() - t) * 1e3
     return do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
-def fwd_flops(lengths, Hq, D):
-    return sum(4 * Hq * D * L * L / 2 for L in lengths)
 
 
 def sdpa_ms(lengths, Hq, Hkv, D):
@@ -149,7 +146,7 @@ def main():
                                        for x, y in zip(g, grads[(cname, "A")]))
                         row = dict(workload=wname, D=D, recipe=recipe, config=cname, side=side,
                                    dkdv_ms=t_kv, dq_ms=t_q, bwd_ms=t_all, fwd_ms=fwd_ms,
-                                   bwd_tflops=2.5 * F / t_all * 1e-9,
+                                   bwd_tflops=tflops(BWD_FACTOR * F, t_all),
                                    fwdbwd_ms=fwd_ms + t_all, sdpa_fwd_ms=s_fwd, sdpa_bwd_ms=s_bwd,
                                    speedup_fwdbwd=((s_fwd + s_bwd) / (fwd_ms + t_all)) if s_fwd else None,
                                    maxrel_vs_A=diff, finite=all(bool(torch.isfinite(x).all()) for x in g))

@@ -31,6 +31,8 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from flamia import reference as R  # noqa: E402
+from flamia.bench.workloads import BWD_FACTOR, fwd_flops  # noqa: E402
+from flamia.bench.workloads import tflops as bench_tflops  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import backward as B  # noqa: E402
 from flamia.quant import hadamard  # noqa: E402
@@ -175,12 +177,10 @@ def correctness(recipes, dims, cfgs, fwd, aligned=False):
 # timing
 # ------------------------------------------------------------------------------------------------
 
-def fwd_flops(lengths, Hq, D):
-    return sum(2 * 2 * Hq * D * L * L / 2 for L in lengths)
-
-
 def tflops(flops, ms):
-    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
+    """flamia.bench's TFLOP/s, NaN instead of None (the log lines format it as a number)."""
+    t = bench_tflops(flops, ms)
+    return float("nan") if t is None else t
 
 
 def bench(fn, warmup=10, rep=60):
@@ -262,7 +262,7 @@ def time_backward(wname, lengths, Hq, Hkv, D, recipes, fwd, sweep):
     max_len = max(lengths)
     for recipe in recipes:
         row = {"workload": wname, "D": D, "Hq": Hq, "Hkv": Hkv, "recipe": recipe,
-               "fwd_flops": F, "bwd_flops": 2.5 * F}
+               "fwd_flops": F, "bwd_flops": BWD_FACTOR * F}
         try:
             if fwd is not None:
                 quantize_qkv, attention_forward = fwd
@@ -344,10 +344,10 @@ def time_backward(wname, lengths, Hq, Hkv, D, recipes, fwd, sweep):
             total = None
             RESULTS["errors"].append({"what": f"{wname} D={D} {recipe} total", "error": short(e)})
         row.update(per=per, best_dkdv=best_kv_name, best_dq=best_q_name, bwd_ms=total,
-                   bwd_tflops=tflops(2.5 * F, total))
+                   bwd_tflops=tflops(BWD_FACTOR * F, total))
         if row.get("fwd_ms") and total:
             row["fwdbwd_ms"] = row["fwd_ms"] + total
-            row["fwdbwd_tflops"] = tflops(3.5 * F, row["fwdbwd_ms"])
+            row["fwdbwd_tflops"] = tflops((1 + BWD_FACTOR) * F, row["fwdbwd_ms"])
         log(f"  {wname} D={D} {recipe:9s} pre {per['pre']:.3f}  dkdv {best_kv or float('nan'):.3f} "
             f"({best_kv_name})  dq {best_q or float('nan'):.3f} ({best_q_name})  bwd total "
             f"{total or float('nan'):.3f} ms = {row['bwd_tflops']:.0f} TFLOP/s"
@@ -381,8 +381,8 @@ def time_sdpa(wname, lengths, Hq, Hkv, D):
                 fwd_ms = bench(f)
                 fb_ms = bench(lambda: f().backward(dout), )
                 row.update(gqa=gqa, fwd_ms=fwd_ms, fwdbwd_ms=fb_ms, bwd_ms=fb_ms - fwd_ms,
-                           fwd_tflops=tflops(F, fwd_ms), bwd_tflops=tflops(2.5 * F, fb_ms - fwd_ms),
-                           fwdbwd_tflops=tflops(3.5 * F, fb_ms))
+                           fwd_tflops=tflops(F, fwd_ms), bwd_tflops=tflops(BWD_FACTOR * F, fb_ms - fwd_ms),
+                           fwdbwd_tflops=tflops((1 + BWD_FACTOR) * F, fb_ms))
                 break
             except Exception as e:  # noqa: BLE001
                 row[f"error_gqa_{gqa}"] = short(e)

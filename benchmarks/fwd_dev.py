@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from flamia import reference as R  # noqa: E402
+from flamia.bench.workloads import fwd_flops  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops.forward import FwdConfig, attention_forward, default_config  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
@@ -89,10 +90,6 @@ def sweep_configs(D: int, recipe: str, quick: bool) -> list[FwdConfig]:
 def load_workloads():
     with open(os.path.join(ROOT, "flamia", "data", "workloads.json")) as f:
         return json.load(f)["workloads"]
-
-
-def fwd_flops(lengths, H, D):
-    return sum(2 * 2 * H * D * L * L / 2 for L in lengths)
 
 
 def bench(fn, smoke: bool) -> float:

@@ -375,31 +375,26 @@ def _bwd_dkdv(
     else:
         diag_end = 0
         lo = 0
-    # query blocks i0 (multiples of BM from the document start): the diagonal blocks (causal
-    # mask), then the full blocks strictly below the diagonal, then the block that reaches past
-    # the document's end (END: its K-major tiles are masked)
     full_end = (L // BM) * BM
     tail_lo = tl.maximum(diag_end, full_end)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for i0 in range(lo, diag_end, BM):
-            acc_dk, acc_dv = _dkdv_tile(
-                acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
-                sm_scale,
-                HQ, D, BM, RECIPE, True, DQ_ATOMIC, INTERP, True, USE_TMA, DO_DK, DO_DV)
-        for i0 in range(diag_end, full_end, BM):
-            acc_dk, acc_dv = _dkdv_tile(
-                acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
-                sm_scale,
-                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, False, USE_TMA, DO_DK, DO_DV)
-        for i0 in range(tail_lo, L, BM):
-            acc_dk, acc_dv = _dkdv_tile(
-                acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8, sq,
-                sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot,
-                sm_scale,
-                HQ, D, BM, RECIPE, False, DQ_ATOMIC, INTERP, True, USE_TMA, DO_DK, DO_DV)
+        # query blocks i0 (multiples of BM from the document start) in three runs: 0 the
+        # diagonal blocks (causal MASK), 1 the full blocks strictly below the diagonal, 2 the
+        # block that reaches past the document's end (END: its K-major tiles are masked)
+        for run in tl.static_range(3):
+            if run == 0:
+                i_lo, i_hi = lo, diag_end
+            elif run == 1:
+                i_lo, i_hi = diag_end, full_end
+            else:
+                i_lo, i_hi = tail_lo, L
+            for i0 in range(i_lo, i_hi, BM):
+                acc_dk, acc_dv = _dkdv_tile(
+                    acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8,
+                    sq, sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt,
+                    stride_dot, sm_scale,
+                    HQ, D, BM, RECIPE, run == 0, DQ_ATOMIC, INTERP, run != 1, USE_TMA, DO_DK, DO_DV)
     ptr = tok_n[:, None] * stride_dkt + hk * D + offs_d[None, :]
     if DO_DK:
         acc_dk = acc_dk * sm_scale

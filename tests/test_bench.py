@@ -3,6 +3,7 @@ with fake timers (and a fake cudnn-frontend module that executes its graphs in p
 check the layouts, ragged offsets and FP8 scale plumbing of the cuDNN baselines)."""
 from __future__ import annotations
 
+import io
 import json
 import sys
 import types
@@ -411,13 +412,23 @@ def _cfg(workloads, **kw):
     return run.Config(**base)
 
 
+def _quiet():
+    return run.Progress(stream=io.StringIO())
+
+
+def _run_one(w, baseline: str) -> dict:
+    """The row of one baseline on one workload, no flamia recipe."""
+    res = run.run_workload(w, B.make_impls([], [baseline]), _cfg([w], recipes=[]), _quiet(), 1, 1)
+    return res["rows"][0]
+
+
 def test_run_loop_on_cpu_records_rows_errors_and_accuracy(cpu_bench, monkeypatch):
     monkeypatch.setattr(B, "_varlen_fn", lambda: _fake_varlen(with_gqa_kw=True, native_gqa=False))
     w1 = workload_from_flags("96", "4/2", 64, name="one")
     w2 = workload_from_flags("40,56,7", "4/2", 64, name="three")
     impls = B.make_impls(["bf16"], ["sdpa_cudnn", "varlen", "flex", "cudnn"])
     cfg = _cfg([w1, w2])
-    prog = run.Progress(stream=open("/dev/null", "w"))
+    prog = _quiet()
     res = [run.run_workload(w, impls, cfg, prog, i + 1, 2) for i, w in enumerate([w1, w2])]
     rows1 = {r["key"]: r for r in res[0]["rows"]}
     rows2 = {r["key"]: r for r in res[1]["rows"]}
@@ -455,9 +466,7 @@ def test_run_loop_on_cpu_records_rows_errors_and_accuracy(cpu_bench, monkeypatch
 def test_varlen_without_enable_gqa_probes_or_repeats(cpu_bench, monkeypatch, native):
     monkeypatch.setattr(B, "_varlen_fn", lambda: _fake_varlen(with_gqa_kw=False, native_gqa=native))
     w = workload_from_flags("40,56", "4/2", 64, name="two")
-    res = run.run_workload(w, B.make_impls([], ["varlen"]), _cfg([w], recipes=[]),
-                           run.Progress(stream=open("/dev/null", "w")), 1, 1)
-    row = res["rows"][0]
+    row = _run_one(w, "varlen")
     assert row["status"] == "ok", row
     assert "causal as is_causal=True" in row["notes"]
     assert any(("GQA native" in n) if native else ("kv repeated" in n) for n in row["notes"])
@@ -475,9 +484,7 @@ def test_sdpa_falls_back_to_repeat_when_enable_gqa_is_rejected(cpu_bench, monkey
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", no_gqa)
     w = workload_from_flags("80", "4/2", 64, name="one")
-    res = run.run_workload(w, B.make_impls([], ["sdpa_flash"]), _cfg([w], recipes=[]),
-                           run.Progress(stream=open("/dev/null", "w")), 1, 1)
-    row = res["rows"][0]
+    row = _run_one(w, "sdpa_flash")
     assert row["status"] == "ok"
     assert any("repeat_interleave outside the timed region" in n for n in row["notes"])
     assert row["accuracy"]["outliers"]["dK"] < 3e-2 and row["accuracy"]["mild"]["dV"] < 2e-2
@@ -673,9 +680,7 @@ def fake_cudnn(monkeypatch):
 def test_cudnn_ragged_falls_back_to_ragged_stats(cpu_bench, fake_cudnn, monkeypatch):
     monkeypatch.setattr(_FakeGraph, "refuse_dense_stats", True)
     w = workload_from_flags("40,56,7", "4/2", 64, name="three")
-    res = run.run_workload(w, B.make_impls([], ["cudnn"]), _cfg([w], recipes=[]),
-                           run.Progress(stream=open("/dev/null", "w")), 1, 1)
-    row = res["rows"][0]
+    row = _run_one(w, "cudnn")
     assert row["status"] == "ok", row
     assert "ragged softmax stats" in row["notes"]
     assert max(row["accuracy"]["mild"].values()) < 1e-2
@@ -687,7 +692,7 @@ def test_cudnn_ragged_and_fp8_plumbing_with_fake_frontend(cpu_bench, fake_cudnn)
     w_one = workload_from_flags("72", "4/2", 64, name="one")
     w_many = workload_from_flags("40,56,7", "4/2", 64, name="three")
     impls = B.make_impls([], ["cudnn", "cudnn_fp8"])
-    prog = run.Progress(stream=open("/dev/null", "w"))
+    prog = _quiet()
     res_many = run.run_workload(w_many, impls, _cfg([w_many], recipes=[]), prog, 1, 2)
     res_one = run.run_workload(w_one, impls, _cfg([w_one], recipes=[]), prog, 2, 2)
     r = {x["key"]: x for x in res_many["rows"]}

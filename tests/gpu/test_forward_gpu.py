@@ -69,21 +69,13 @@ def _check(out, lse, emul, emul_lse, exact):
     assert err.max() <= 2 * err_ref.max() + 1e-5, (err.max().item(), err_ref.max().item())
     atol = 4 * err_ref.pow(2).mean().sqrt().item() + 1e-5
     frac = (err > 2 * err_ref + atol).double().mean().item()
-    # element-wise, the online max rounds P at the running max (the reference at the final one):
-    # rare elements land beyond 2x the reference's own error (H200: up to 9e-5 of them)
-    assert frac <= 1e-3, frac
+    assert frac <= 1e-5, frac
     r, r_ref = rel_err(out, exact), rel_err(emul, exact)
     assert r <= 1.1 * r_ref + 1e-4, (r, r_ref)
     ok = torch.isfinite(emul_lse)
-    # The kernel's rotation (a tensor-core dot) and the reference's (torch matmul) sum in a
-    # different order, so a rare e4m3 rounding tie of q8 / k8 lands on the other neighbour
-    # (test_quantize_matches_reference checks that every mismatch is such a tie): the rows that
-    # see that element get a slightly different lse (a k8 tie: every later row of the document;
-    # H200: <= 0.5 % of rows, by <= 7e-3). Everywhere else lse agrees to 1e-4.
-    off = ~torch.isclose(lse[ok], emul_lse[ok], atol=1e-4, rtol=1e-5)
-    assert off.double().mean().item() <= 2e-2, (off.double().mean().item(),
-                                               (lse - emul_lse)[ok].abs().max().item())
-    assert (lse - emul_lse)[ok].abs().max().item() <= 0.05
+    # Known to fail for fp8 on outlier inputs on the H200 (benchmarks/NOTES.md, the FP8 QK^T
+    # wgmma accumulates with fewer bits than fp32: scores off by up to ~3e-4 relative).
+    assert torch.allclose(lse[ok], emul_lse[ok], atol=1e-4, rtol=1e-5), (lse - emul_lse)[ok].abs().max()
     return r, r_ref
 
 
@@ -98,22 +90,20 @@ def test_quantize_matches_reference(D, family):
         xf = x.float() @ H if rot else x.float()
         op = R.quantize_operand(xf, "e4m3", "token")
         got = x8.float()
-        same_scale = (s.t() == op.scale[..., 0])[..., None]   # other tokens: checked below
-        diff = (got != op.values) & same_scale
-        bad = diff.sum().item()
+        bad = (got != op.values).sum().item()
         if rot:
-            # fp32 summation order of the rotation (tensor-core dot vs torch matmul) may move a
-            # value that sits on an e4m3 rounding boundary by one ulp. Both sums of the D
-            # products +-x_d are within (D-1) 2^-24 sum|x_d| of the exact one, so every mismatch
-            # must be a tie: the pre-rounding value within 2^-16 sum|x_d| (in units of the
-            # scale) of the midpoint of the two results; and ties must stay rare
+            # fp32 summation order of the rotation may move a value across an e4m3 rounding
+            # boundary by one ulp, and only a tie: both sums of the D products +-x_d are
+            # within (D-1) 2^-24 sum|x_d| of the exact one, so the pre-rounding value must lie
+            # within 2^-16 sum|x_d| (in units of the scale) of the midpoint of the two results
+            # (tokens whose scale differs are covered by the scale check below)
+            diff = (got != op.values) & (s.t() == op.scale[..., 0])[..., None]
             y = (xf / op.scale)[diff]
             tol = (2.0 ** -16 * x.float().abs().sum(-1, keepdim=True) / op.scale).expand_as(xf)[diff]
             mid = (got[diff] + op.values[diff]) / 2
             assert ((y - mid).abs() <= tol).all(), (name, "a mismatch that is not a rounding tie")
-            assert bad <= x8.numel() // 20000, (name, bad)
-        else:
-            assert bad == 0, (name, bad)
+        # such ties are rare
+        assert bad <= (x8.numel() // 100000 if rot else 0), (name, bad)
         sbad = (s.t() != op.scale[..., 0]).sum().item()
         assert sbad <= (s.numel() // 100000 if rot else 0), (name, sbad)
     T = q.shape[0]

@@ -52,3 +52,19 @@ for family in ("outliers", "mild"):
               f"max |lse err| {(lse - lse64).abs().max().item():.3e}  rows > 1e-4 "
               f"{((lse - lse64).abs() > 1e-4).double().mean().item():.4f}  "
               f"(max |score| {exact.masked_fill(mask, 0).abs().max().item():.1f})", flush=True)
+
+# Does the backward's recompute of S^T = k8 q8^T (operands swapped, as in the dK/dV kernel) give
+# the forward's S bit for bit? If yes, P rows recomputed in the backward sum to what the forward's
+# LSE assumed, whatever the accumulator's precision.
+for family in ("outliers", "mild"):
+    q, k, v, cu = make_qkv((T,), 1, 1, D, family, device="cuda", seed=1)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", True)
+    q8, k8 = qkv.q8[:, 0].contiguous(), qkv.k8[:, 0].contiguous()
+    for bm, bn in ((64, 64), (128, 64), (64, 128)):
+        s = torch.empty(T, T, device="cuda")
+        st = torch.empty(T, T, device="cuda")
+        _scores[(T // bm, T // bn)](q8, k8, s, T, D=D, KC=128, BM=bm, BN=bn, num_warps=4)
+        _scores[(T // bn, T // bm)](k8, q8, st, T, D=D, KC=128, BM=bn, BN=bm, num_warps=4)
+        diff = (s != st.T)
+        print(f"{family:8s} S vs (k8 q8^T)^T, tiles {bm}x{bn}: {diff.sum().item()} of {T * T} "
+              f"elements differ, max |diff| {(s - st.T).abs().max().item():.3e}", flush=True)

@@ -186,11 +186,13 @@ def test_preprocess_quantizes_do_like_reference():
         ref = R.quantize_operand(dout.float(), "e4m3", "token")
         assert torch.equal(st.do8.float(), ref.values)
         assert torch.equal(st.sdo, ref.scale[..., 0].T)
-        col = st.dcol.long()                       # padded, 16-aligned K-major layout
-        assert torch.equal(col, _padded_columns(cu))
-        assert torch.equal(st.doT8[:, :, col].float(), ref.values.permute(1, 2, 0))
+        col = _padded_columns(cu)                  # padded, 16-aligned K-major layout
+        assert st.tok_of_col.shape == (st.Tp,)
+        assert torch.equal(st.tok_of_col[col].long(), torch.arange(col.numel()))
         pad = torch.ones(st.Tp, dtype=torch.bool)
         pad[col] = False
+        assert (st.tok_of_col[pad] == -1).all()
+        assert torch.equal(st.doT8[:, :, col].float(), ref.values.permute(1, 2, 0))
         assert (st.doT8[:, :, pad].view(torch.uint8) == 0).all()
         # fp8: Delta in units of sdo (rowsum(do8 * O)); fp8_mixed: from the bf16 dO
         do_used = ref.values if recipe == "fp8" else dout.float()

@@ -4,17 +4,17 @@ Numerics: `flamia.reference.backward` (module docstring, point 4), recipes fp8, 
 Three launches, deterministic by construction (no atomics), so `deterministic=True` costs nothing:
 
 1. `_bwd_preprocess`, one pass over dO and O, grid (token blocks, Hq):
-   - dO quantized per (token, head) to e4m3 with a power-of-two scale: do8 (T, Hq, D) and (by
-     torch, from do8) the K-major copy doT8 (Hq, D, Tp) that dV = P^T dO needs (Hopper fp8
-     wgmma takes only K-major operands); sdo (Hq, T). Not for bf16.
+   - dO quantized per (token, head) to e4m3 with a power-of-two scale: do8 (T, Hq, D) and
+     sdo (Hq, T). Not for bf16.
    - Delta_i = rowsum(dO_used_i * O_i) with the dO the dP GEMM uses: the dequantized e4m3 dO for
      fp8, bf16 dO for fp8_mixed / bf16 (reference.backward explains why this choice matters).
      For fp8 it is stored in units of sdo_i (rowsum(do8_i * O_i), exactly Delta_i / sdo_i).
-   - fp8 only: the K-major copies qT8 (Hq, D, Tp) and kT8 (Hkv, D, Tp) for dK = dS^T Q and
-     dQ = dS K (transposes of the forward's q8 / k8 bytes, nothing re-quantized).
-   The K-major copies use a padded token layout (`_kmajor_layout`): document d starts at column
-   pcu[d] = sum_{e<d} ceil16(len_e), pad columns are zero, so every tile of every document can
-   be read by TMA (16-byte aligned token coordinates) whatever cu_seqlens is.
+   Then `flamia.ops.kmajor.kmajor_copy` makes the K-major copies (Hopper fp8 wgmma takes only
+   K-major operands): doT8 (Hq, D, Tp) for dV = P^T dO, and for fp8 qT8 (Hq, D, Tp) and kT8
+   (Hkv, D, Tp) for dK = dS^T Q and dQ = dS K (transposed bytes of do8 and of the forward's
+   q8 / k8, nothing re-quantized), in a padded token layout: document d starts at column pcu[d]
+   = sum_{e<d} ceil16(len_e), pad columns are zero, so TMA (16-byte aligned token coordinates)
+   can read every tile of every document whatever cu_seqlens is.
 2. `_bwd_dkdv`, FA2 style, one program per (document, kv head, kv block j); it loops over the
    query heads of its GQA group and over the query blocks i >= j of its document (only tiles
    inside the causal triangle are visited; only the diagonal blocks are masked).
@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .kmajor import kmajor_copy, kmajor_layout, padded_columns
 from .layout import QuantizedQKV
 
 try:
@@ -190,10 +191,9 @@ def _kmajor_tile(src, row0, tok0, offs_tok, mask_tok, Tp, D: tl.constexpr, BLK: 
 
 @triton.jit
 def _bwd_preprocess(
-    dout, out, do8, doT8, sdo, delta, q8, qT8, k8, kT8, dcol,
-    T, Tp, stride_dot, stride_ot, stride_qt, stride_kt,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    RECIPE: tl.constexpr, TRANSPOSE_QK: tl.constexpr, INTERP: tl.constexpr,
+    dout, out, do8, sdo, delta, T, stride_dot, stride_ot,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, RECIPE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -220,16 +220,6 @@ def _bwd_preprocess(
     else:
         do_used = do.to(tl.bfloat16).to(tl.float32)
     tl.store(delta + h * T + offs_t, tl.sum(do_used * o, axis=1), mask=mask_t)
-    if TRANSPOSE_QK:
-        # token t of document d goes to the padded column dcol[t] = pcu[d] + (t - cu[d])
-        col = tl.load(dcol + offs_t, mask=mask_t, other=0)
-        qt = tl.load(q8 + offs_t[:, None] * stride_qt + h * D + offs_d[None, :], mask=m2, other=0.0)
-        tl.store(qT8 + h * D * Tp + offs_d[None, :] * Tp + col[:, None], qt, mask=m2)
-        if h % GROUP == 0:
-            hk = h // GROUP
-            kt = tl.load(k8 + offs_t[:, None] * stride_kt + hk * D + offs_d[None, :], mask=m2,
-                         other=0.0)
-            tl.store(kT8 + hk * D * Tp + offs_d[None, :] * Tp + col[:, None], kt, mask=m2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,37 +646,11 @@ class BwdState:
     dq_atomic: bool = False
     dq_acc: torch.Tensor | None = None    # (T, Hq, D) fp32, dq_atomic only
     kmajor_tma: bool = False      # TMA loads of doT8 / qT8 / kT8 (see _use_tma)
-    # Padded token layout of the K-major copies (see _kmajor_layout): document d starts at
-    # column pcu[d] (a multiple of 16); token t sits at column dcol[t]. None for bf16.
+    # Padded token layout of the K-major copies (flamia.ops.kmajor): document d starts at
+    # column pcu[d] (a multiple of 16); column c holds token tok_of_col[c] (-1: a zero pad).
+    # None for bf16.
     pcu: torch.Tensor | None = None       # (n_docs + 1,) int32
-    dcol: torch.Tensor | None = None      # (T,) int32
-
-
-def _kmajor_layout(cu: torch.Tensor, T: int):
-    """The K-major copies' per-document 16-aligned token layout, on the device (no host sync).
-
-    Document d (packed tokens [cu[d], cu[d+1])) occupies columns [pcu[d], pcu[d] + len_d) with
-    pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA tiles
-    (16-byte aligned token coordinates) can read every tile. Returns (pcu int32 (n_docs + 1,),
-    dcol int32 (T,) the column of each token, pads int64 candidate pad columns, Tp).
-    Tp is a host-side bound: sum_d ceil16(len_d) <= ceil16(T) + 16 (n_docs - 1), plus 16 spare
-    columns that are always padding (the target of the pad candidates that are not pads)."""
-    n = cu.numel() - 1
-    Tp = (T + 15) // 16 * 16 + 16 * max(n - 1, 0) + 16
-    lens = (cu[1:] - cu[:-1]).long()
-    plen = (lens + 15) // 16 * 16
-    pcu = torch.zeros(n + 1, dtype=torch.long, device=cu.device)
-    torch.cumsum(plen, 0, out=pcu[1:])
-    tok = torch.arange(T, dtype=torch.long, device=cu.device)
-    doc = torch.searchsorted(cu[1:].long(), tok, right=True).clamp_(max=max(n - 1, 0))
-    dcol = tok + (pcu[:-1] - cu[:-1].long())[doc] if n > 0 else tok
-    # pad columns: the <= 15 after each document's tokens, and the tail [pcu[n], Tp)
-    k = torch.arange(16, dtype=torch.long, device=cu.device)
-    cand = (pcu[:-1] + lens)[:, None] + k[None, :]
-    cand = torch.where(cand < pcu[1:, None], cand, Tp - 1).reshape(-1)
-    tail = pcu[n] + torch.arange(Tp - (T + 15) // 16 * 16, dtype=torch.long, device=cu.device)
-    tail = torch.where(tail < Tp, tail, Tp - 1)
-    return pcu.to(torch.int32), dcol.to(torch.int32), torch.cat([cand, tail]), Tp
+    tok_of_col: torch.Tensor | None = None    # (Tp,) int32
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
@@ -706,7 +670,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)}"
                          f" do not match q8 {(T, Hq, D)}")
     n_docs = cu_seqlens.numel() - 1
-    Tp = (T + 15) // 16 * 16 + 16 * max(n_docs - 1, 0) + 16    # see _kmajor_layout
+    Tp = padded_columns(T, n_docs)
     if max(T * Hq * D, Hq * D * Tp) >= 2 ** 31:
         raise ValueError("the backward kernels index with int32: T * Hq * D must stay below 2^31")
     device = dout.device
@@ -716,9 +680,9 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     fp8 = torch.float8_e4m3fn
     scaled = rid != 2
     cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
-    pcu = dcol = pads = None
+    pcu = tok_of_col = None
     if scaled:
-        pcu, dcol, pads, Tp2 = _kmajor_layout(cu, T)
+        pcu, tok_of_col, Tp2 = kmajor_layout(cu, T)
         assert Tp2 == Tp
     delta = _empty((Hq, T), torch.float32, device)
     if scaled:
@@ -737,12 +701,6 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         qT8 = kT8 = q8                            # placeholders, never read
     rotate = bool(qkv.rotated)
     grad_dtype = grad_dtype or dout.dtype
-    if scaled:
-        # pad columns are zero (never read unmasked; kept clean so no NaN byte can ever be
-        # one): the only writes that touch them; the preprocess writes every other column
-        copies = (doT8, qT8, kT8) if rid == 0 else (doT8,)
-        for x in copies:
-            x.view(torch.uint8).index_fill_(2, pads, 0)
     return BwdState(
         recipe=rid, T=T, Hq=Hq, Hkv=Hkv, D=D, Tp=Tp, n_docs=n_docs,
         max_seqlen=int(max_seqlen), causal=bool(causal),
@@ -757,29 +715,28 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
         dq_acc=torch.zeros((T, Hq, D), dtype=torch.float32, device=device) if dq_atomic else None,
         kmajor_tma=bool(scaled and cfg.use_tma and TensorDescriptor is not None
                         and os.environ.get("FLAMIA_BWD_TMA", "1") != "0" and T > 0),
-        pcu=pcu, dcol=dcol)
+        pcu=pcu, tok_of_col=tok_of_col)
 
 
 def launch_preprocess(st: BwdState) -> None:
     cfg = st.cfg
     grid = (triton.cdiv(st.T, cfg.pre_bt), st.Hq)
     _bwd_preprocess[grid](
-        st.dout, st.out, st.do8, st.doT8, st.sdo, st.delta, st.q8, st.qT8, st.k8, st.kT8,
-        st.dcol if st.dcol is not None else st.cu, st.T, st.Tp, st.dout.stride(0),
-        st.out.stride(0), st.q8.stride(0), st.k8.stride(0),
-        HQ=st.Hq, GROUP=st.Hq // st.Hkv, D=st.D, BLOCK_T=cfg.pre_bt, RECIPE=st.recipe,
-        TRANSPOSE_QK=st.recipe == 0, INTERP=st.interp, num_warps=cfg.pre_warps)
+        st.dout, st.out, st.do8, st.sdo, st.delta, st.T, st.dout.stride(0), st.out.stride(0),
+        HQ=st.Hq, D=st.D, BLOCK_T=cfg.pre_bt, RECIPE=st.recipe, INTERP=st.interp,
+        num_warps=cfg.pre_warps)
     if st.recipe != 2:
-        # The K-major dO copy is made by torch from do8: on sm_90 Triton 3.6 miscompiles a
-        # transposed store of freshly converted fp8 values (H200: 25 % of bytes wrong, some NaN).
-        # Token t goes to the padded column dcol[t]; the pad columns were zeroed in make_state.
-        st.doT8.view(torch.uint8).index_copy_(2, st.dcol.long(),
-                                              st.do8.view(torch.uint8).permute(1, 2, 0))
+        # K-major copies (every column written, pads zero): dO's from the bytes just stored,
+        # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized)
+        kmajor_copy(st.do8, st.doT8, st.tok_of_col)
+        if st.recipe == 0:
+            kmajor_copy(st.q8, st.qT8, st.tok_of_col)
+            kmajor_copy(st.k8, st.kT8, st.tok_of_col)
 
 
 def _use_tma(st: BwdState) -> bool:
     """TMA tiles of the K-major copies need 16-byte aligned token offsets (Triton's descriptor
-    rule, asserted by the interpreter). The copies' padded layout (_kmajor_layout) starts every
+    rule, asserted by the interpreter). The copies' padded layout (flamia.ops.kmajor) starts every
     document at a multiple of 16 and every tile at a multiple of BM / BN from there, so TMA works
     for any cu_seqlens; off only with config.use_tma=False or FLAMIA_BWD_TMA=0 (pointer path:
     same padded layout, same values, byte-wise masked loads, slow)."""

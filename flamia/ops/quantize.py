@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .kmajor import kmajor_copy
 from .layout import QuantizedQKV
 from ..quant import hadamard
 from ..recipes import Recipe, get_recipe
@@ -188,9 +189,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     t_pad = triton.cdiv(max(T, 1), T_ALIGN) * T_ALIGN
     vt8 = None
     if write_vt:
-        vt8 = fill((Hkv, D, t_pad), f8)
-        if t_pad > T:   # never read as data, but keep the padding finite (zeros)
-            vt8[:, :, T:].zero_()
+        vt8 = fill((Hkv, D, t_pad), f8)    # kmajor_copy writes every column (zeros past T)
     if T == 0:
         return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8)
     rotate = bool(rec.rotate_qk)
@@ -207,10 +206,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
         T, Hq, Hkv, 1.0 / math.sqrt(D),
         D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
     if vt8 is not None:
-        # The K-major V copy is made by torch from v8 (8 MB at 32k tokens, 8 kv heads): on sm_90
-        # Triton 3.6 miscompiles an in-kernel transposed store of freshly converted fp8 values
-        # (H200: 25 % of vt8's bytes wrong, some NaN).
-        vt8[:, :, :T].copy_(v8.permute(1, 2, 0))
+        # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
+        # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor)
+        kmajor_copy(v8, vt8)
     compute_vcap(sv, cu_seqlens, causal, out=vcap)
     return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8)
 

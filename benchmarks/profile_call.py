@@ -1,0 +1,137 @@
+"""Where the time of one user call goes: per-kernel GPU time of flamia forward+backward (H200).
+
+    python benchmarks/profile_call.py                          # every workload, fp8
+    python benchmarks/profile_call.py --only doc512_x64,doc32k --recipes fp8,fp8_mixed
+
+For each workload of shared/workloads.json: bf16 inputs, the public varlen call forward and
+backward (check_finite=False, as `flamia bench` times it), median wall time over CUDA events,
+then torch.profiler over a few calls: GPU time per kernel (summed over calls, per call), the
+sum of all kernels, and the gap (wall - kernels: launch overhead, host syncs, idle GPU). A gap
+that is a large share of the wall time says the call is bound by the host, not by the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from flamia.bench.workloads import load_workloads  # noqa: E402
+from flamia.inputs import make_qkv  # noqa: E402
+from flamia.interface import flamia_attn_varlen_func  # noqa: E402
+
+
+def call_fn(q, k, v, cu, L, recipe, dout):
+    def run():
+        out = flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe, check_finite=False)
+        torch.autograd.grad(out, (q, k, v), dout)     # no .grad accumulation kernels
+    return run
+
+
+def wall_ms(fn, reps=10):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def host_ms(fn, calls=20):
+    """CPU time to issue one call when the GPU never waits on the host (no sync inside)."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1000 / calls
+
+
+def host_breakdown(q, k, v, cu, L, recipe):
+    """CPU ms per call of the host-side pieces that run torch ops (GPU kept busy)."""
+    import time
+    from flamia.ops.kmajor import kmajor_layout
+    from flamia.ops.schedule import build_schedule
+    res = {}
+    for name, f in (("build_schedule", lambda: build_schedule(cu, q.shape[0], 64, 128, True)),
+                    ("kmajor_layout", lambda: kmajor_layout(cu, q.shape[0]))):
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            f()
+        res[name] = (time.perf_counter() - t0) * 1000 / 20
+        torch.cuda.synchronize()
+    return res
+
+
+def kernel_table(fn, calls=3):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows[ev.name] = rows.get(ev.name, 0.0) + ev.device_time / 1000.0
+    return sorted(((n, t / calls) for n, t in rows.items()), key=lambda r: -r[1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    ap.add_argument("--recipes", default="fp8")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    report = []
+    workloads, _ = load_workloads()
+    for w in workloads:
+        if only and w.name not in only:
+            continue
+        for recipe in args.recipes.split(","):
+            q, k, v, cu = make_qkv(tuple(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim,
+                                   "mild", device="cuda", seed=0)
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            dout = torch.randn_like(q)
+            L = max(w.doc_lengths)
+            fn = call_fn(q, k, v, cu, L, recipe, dout)
+            ms = wall_ms(fn)
+            table = kernel_table(fn)
+            ksum = sum(t for _, t in table)
+            hms = host_ms(fn)
+            parts = host_breakdown(q, k, v, cu, L, recipe)
+            print(f"\n== {w.name} {recipe}: wall {ms:.3f} ms per fwd+bwd call, kernels {ksum:.3f} ms,"
+                  f" gap {ms - ksum:.3f} ms ({100 * (ms - ksum) / ms:.0f} %); host issue time "
+                  f"{hms:.3f} ms per call (" + ", ".join(f"{n} {t:.3f}" for n, t in parts.items())
+                  + ")", flush=True)
+            for name, t in table[:args.top]:
+                print(f"  {t:8.3f} ms  {100 * t / ms:5.1f} %  {name[:110]}")
+            report.append({"workload": w.name, "recipe": recipe, "wall_ms": ms,
+                           "kernels_ms": ksum, "host_ms": hms, "host_parts": parts,
+                           "kernels": table[:40]})
+            del q, k, v, dout, fn
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "profile_call.json"), "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": report}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""K-major copies (flamia/ops/kmajor.py) under the Triton interpreter: layout and bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flamia.inputs import cu_seqlens_from_lengths
+from flamia.ops import interpreting
+from flamia.ops.kmajor import kmajor_copy, kmajor_layout, padded_columns
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
+
+
+def _expected_columns(lengths):
+    cols, base = [], 0
+    for n in lengths:
+        cols += range(base, base + n)
+        base += (n + 15) // 16 * 16
+    return torch.tensor(cols, dtype=torch.long), base
+
+
+@pytest.mark.parametrize("lengths", [(37, 0, 1, 70), (16, 32), (5,), (0, 0)])
+def test_layout_and_copy(lengths):
+    T, H, D = sum(lengths), 3, 32
+    cu = cu_seqlens_from_lengths(lengths)
+    pcu, tok_of_col, Tp = kmajor_layout(cu, T)
+    cols, used = _expected_columns(lengths)
+    assert Tp == padded_columns(T, len(lengths)) and Tp >= used
+    assert (pcu % 16 == 0).all() and pcu[-1] == used
+    assert torch.equal(tok_of_col[cols].long(), torch.arange(T))
+    pad = torch.ones(Tp, dtype=torch.bool)
+    pad[cols] = False
+    assert (tok_of_col[pad] == -1).all()
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (T, H, D), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    dst = torch.full((H, D, Tp), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)   # NaN poison
+    kmajor_copy(src, dst, tok_of_col, block_c=16)
+    b = dst.view(torch.uint8)
+    assert torch.equal(b[:, :, cols], src.view(torch.uint8).permute(1, 2, 0))
+    assert (b[:, :, pad] == 0).all()
+
+
+def test_plain_copy_zero_fills_past_T():
+    T, H, D = 45, 2, 16
+    src = torch.randint(0, 256, (T, H, D), dtype=torch.uint8)
+    dst = torch.full((H, D, 64), 0xFF, dtype=torch.uint8)
+    kmajor_copy(src, dst, block_c=16)
+    assert torch.equal(dst[:, :, :T], src.permute(1, 2, 0))
+    assert (dst[:, :, T:] == 0).all()
+
+
+def test_bad_arguments():
+    src = torch.zeros(8, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="1-byte"):
+        kmajor_copy(src.float(), torch.zeros(2, 16, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="same heads"):
+        kmajor_copy(src, torch.zeros(3, 16, 16, dtype=torch.uint8))

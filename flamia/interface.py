@@ -122,6 +122,14 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return (out, lse) if return_lse else out
 
 
+@functools.lru_cache(maxsize=64)
+def _dense_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """[0, S, 2S, ..., BS]: one tensor per shape, so the metadata the kernels memoize on it
+    (flamia.ops.schedule.per_cu_seqlens) is built once, not at every layer and step. Never
+    modified (the kernels only read cu_seqlens)."""
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
+
+
 def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", return_lse=False,
                      deterministic=False, check_finite=True):
     """Attention on dense batches, flash-attn's interface: every batch row is one document.
@@ -134,7 +142,7 @@ def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", ret
                                 check_finite)
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device) * S    # one document per row
+    cu = _dense_cu_seqlens(B, S, q.device)                            # one document per row
     out, lse = _attention_packed(q.reshape(B * S, Hq, D), k.reshape(B * S, Hkv, D),
                                  v.reshape(B * S, Hkv, D), cu, S, rec, causal, scale, deterministic)
     out = out.reshape(B, S, Hq, D)

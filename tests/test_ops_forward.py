@@ -263,3 +263,28 @@ def test_kernels_compile_for_sm90a():
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("no ptxas")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+
+
+def test_metadata_memo_follows_cu_seqlens_version():
+    """The work list memoized on cu_seqlens is rebuilt after an in-place change of it."""
+    from flamia.ops.schedule import per_cu_seqlens
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    calls = []
+
+    def build():
+        calls.append(cu.tolist())
+        return cu.sum().item()
+    assert per_cu_seqlens(cu, "k", build) == 14 and per_cu_seqlens(cu, "k", build) == 14
+    assert len(calls) == 1
+    cu[2] = 12                                     # in place: version counter moves
+    assert per_cu_seqlens(cu, "k", build) == 17 and len(calls) == 2
+    # the forward's work list: documents (20, 11), then the same tensor changed to (9, 22)
+    q, k, v, cu2 = make_qkv((20, 11), 2, 1, 64, seed=3)
+    attention_forward(quantize_qkv(q, k, v, cu2, "fp8", True), cu2, 20, True, None, torch.float32)
+    cu2[1] = 9
+    fresh = cu2.clone()
+    out_memo, _ = attention_forward(quantize_qkv(q, k, v, cu2, "fp8", True), cu2, 22, True, None,
+                                    torch.float32)
+    out_fresh, _ = attention_forward(quantize_qkv(q, k, v, fresh, "fp8", True), fresh, 22, True,
+                                     None, torch.float32)
+    assert torch.equal(out_memo, out_fresh)

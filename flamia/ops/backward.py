@@ -67,6 +67,7 @@ import triton.language as tl
 from . import interpreting
 from .kmajor import kmajor_copy, kmajor_layout, padded_columns
 from .layout import QuantizedQKV
+from .schedule import per_cu_seqlens
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -682,7 +683,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     cu = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     pcu = tok_of_col = None
     if scaled:
-        pcu, tok_of_col, Tp2 = kmajor_layout(cu, T)
+        pcu, tok_of_col, Tp2 = per_cu_seqlens(cu, ("kmajor", T), lambda: kmajor_layout(cu, T))
         assert Tp2 == Tp
     delta = _empty((Hq, T), torch.float32, device)
     if scaled:

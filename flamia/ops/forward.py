@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import interpreting
 from .layout import QuantizedQKV
-from .schedule import Schedule, build_schedule
+from .schedule import Schedule, build_schedule, per_cu_seqlens
 
 if interpreting():
     from . import _interp
@@ -259,7 +259,8 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         return out, lse
     BM, BN = config.block_m, config.block_n
     if schedule is None or (schedule.block_m, schedule.block_n, schedule.causal) != (BM, BN, causal):
-        schedule = build_schedule(cu_seqlens, T, BM, BN, causal)
+        schedule = per_cu_seqlens(cu_seqlens, ("schedule", T, BM, BN, bool(causal)),
+                                  lambda: build_schedule(cu_seqlens, T, BM, BN, causal))
 
     q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
     for name, x in (("q", q8), ("k", k8), ("v", v8)):

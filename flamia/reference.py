@@ -360,6 +360,27 @@ def attention_exact(q, k, v, cu_seqlens, causal: bool = True, softmax_scale: flo
     return torch.cat(pieces, 0)
 
 
+def lse_exact(q, k, cu_seqlens, causal: bool = True, softmax_scale: float | None = None,
+              dtype=torch.float64) -> torch.Tensor:
+    """(Hq, T) natural-log softmax denominators of the scaled scores in `dtype` (float64: the
+    ground truth the kernels' LSE is judged against, like attention_exact for O)."""
+    T, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    out = q.new_full((Hq, T), float("-inf"), dtype=dtype)
+    for a, b in _doc_bounds(cu_seqlens):
+        L = b - a
+        if L == 0:
+            continue
+        qd = q[a:b].to(dtype).transpose(0, 1)
+        kd = _heads_first(k[a:b].to(dtype), group)
+        s = torch.einsum("hid,hjd->hij", qd, kd) * scale
+        if causal:
+            s = s.masked_fill(_causal_mask(L, q.device), float("-inf"))
+        out[:, a:b] = torch.logsumexp(s, -1)
+    return out
+
+
 class ReferenceAttention(torch.autograd.Function):
     """Autograd wrapper: forward() emulation + explicit backward(), as the kernels will do."""
 

@@ -48,34 +48,53 @@ CONFIGS = {     # the same shapes as benchmarks/fwd_dev.py sweeps (shares triton
 
 
 def _references(q, k, v, cu, recipe, causal=True):
-    """(emulation out as the user gets it (bf16 -> f64), emulation lse, exact f64 out), computed
-    one KV-head group at a time."""
+    """(emulation out as the user gets it (bf16 -> f64), emulation lse, (exact f64 out, exact
+    f64 lse)), computed one KV-head group at a time."""
     G = q.shape[1] // k.shape[1]
-    outs, lses, exact = [], [], []
+    outs, lses, exact, exact_lse = [], [], [], []
     for g in range(k.shape[1]):
         qs, ks, vs = q[:, g * G:(g + 1) * G], k[:, g:g + 1], v[:, g:g + 1]
         o, l, _ = R.forward(qs, ks, vs, cu, recipe, causal)
         outs.append(o.to(q.dtype).double())
         lses.append(l.float())
         exact.append(R.attention_exact(qs, ks, vs, cu, causal))
+        exact_lse.append(R.lse_exact(qs, ks, cu, causal))
         del o, l
         torch.cuda.empty_cache()
-    return torch.cat(outs, 1), torch.cat(lses, 0), torch.cat(exact, 1)
+    return torch.cat(outs, 1), torch.cat(lses, 0), (torch.cat(exact, 1), torch.cat(exact_lse, 0))
+
+
+def _fa_rule(got, emul, exact, name, out_eps=0.0):
+    """The FlashAttention rule, elementwise: |got - exact| <= 2 |emul - exact| + atol, with the
+    max error bounded by twice the emulation's and at most 1e-5 of the elements outside.
+
+    out_eps: relative spacing of the output dtype when both got and emul were rounded to it
+    (bf16: 2^-7). Rounding moves each by at most half a spacing, so the rule on the unrounded
+    values allows 1.5 spacings on the rounded ones (where the two fp32 values straddle a
+    rounding midpoint, a one-ulp flip is not an error of the kernel)."""
+    err, err_ref = (got.double() - exact).abs(), (emul.double() - exact).abs()
+    assert err.max() <= 2 * err_ref.max() + 1e-5, (name, err.max().item(), err_ref.max().item())
+    atol = 4 * err_ref.pow(2).mean().sqrt().item() + 1e-5 + 1.5 * out_eps * exact.abs()
+    frac = (err > 2 * err_ref + atol).double().mean().item()
+    assert frac <= 1e-5, (name, frac)
 
 
 def _check(out, lse, emul, emul_lse, exact):
+    exact, exact_lse = exact
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten (NaN-poisoned) output"
-    err, err_ref = (out.double() - exact).abs(), (emul - exact).abs()
-    assert err.max() <= 2 * err_ref.max() + 1e-5, (err.max().item(), err_ref.max().item())
-    atol = 4 * err_ref.pow(2).mean().sqrt().item() + 1e-5
-    frac = (err > 2 * err_ref + atol).double().mean().item()
-    assert frac <= 1e-5, frac
+    _fa_rule(out, emul, exact, "out", torch.finfo(out.dtype).eps)
     r, r_ref = rel_err(out, exact), rel_err(emul, exact)
     assert r <= 1.1 * r_ref + 1e-4, (r, r_ref)
+    # LSE by the same rule as O, against the float64 LSE of the unquantized inputs. Not
+    # allclose to the emulation's: the emulation sums q8 . k8 exactly in fp32, Hopper's FP8
+    # wgmma with fewer bits (scores off by up to ~3e-4 of their magnitude, 6.6e-2 at |s| = 233
+    # on outlier inputs; benchmarks/fp8_dot_check.py and NOTES.md), which no FP8 kernel on this
+    # hardware can avoid. What matters for training is that the backward recomputes the very
+    # same scores (fp8_dot_check: bitwise, whatever the tile shape) and that the LSE is as
+    # accurate as the emulation's, which this checks.
     ok = torch.isfinite(emul_lse)
-    # Known to fail for fp8 on outlier inputs on the H200 (benchmarks/NOTES.md, the FP8 QK^T
-    # wgmma accumulates with fewer bits than fp32: scores off by up to ~3e-4 relative).
-    assert torch.allclose(lse[ok], emul_lse[ok], atol=1e-4, rtol=1e-5), (lse - emul_lse)[ok].abs().max()
+    assert torch.equal(torch.isfinite(lse), ok), "LSE finite where the emulation's is not"
+    _fa_rule(lse[ok], emul_lse[ok], exact_lse[ok], "lse")
     return r, r_ref
 
 
@@ -102,10 +121,11 @@ def test_quantize_matches_reference(D, family):
             tol = (2.0 ** -16 * x.float().abs().sum(-1, keepdim=True) / op.scale).expand_as(xf)[diff]
             mid = (got[diff] + op.values[diff]) / 2
             assert ((y - mid).abs() <= tol).all(), (name, "a mismatch that is not a rounding tie")
-        # such ties are rare
-        assert bad <= (x8.numel() // 100000 if rot else 0), (name, bad)
+        # such ties are rare (same bound as tests/test_ops_forward.py; H200, outliers, D=128:
+        # 402 of 8.4M q/k values)
+        assert bad <= (x8.numel() // 10000 if rot else 0), (name, bad)
         sbad = (s.t() != op.scale[..., 0]).sum().item()
-        assert sbad <= (s.numel() // 100000 if rot else 0), (name, sbad)
+        assert sbad <= (s.numel() // 10000 if rot else 0), (name, sbad)
     T = q.shape[0]
     assert torch.equal(qkv.vt8[:, :, :T], qkv.v8.permute(1, 2, 0))
     sv, cap, c = qkv.sv, torch.empty_like(qkv.sv), cu.tolist()

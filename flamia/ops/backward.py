@@ -558,6 +558,8 @@ class BwdConfig:
     # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
     split_dkdv: bool = False
     kv_bm_dv: int = 64
+    # fp8 on sm_90: dK / dV by the Gluon kernel (see _gluon_dkdv_applies); kv_* then unused
+    gluon_dkdv: bool = True
 
 
 # Longest document from which fp8_mixed splits the dK/dV launch (see default_config).
@@ -751,8 +753,26 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
     return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
+def _gluon_dkdv_applies(st: BwdState) -> bool:
+    """The Gluon dK/dV kernel (flamia/ops/backward_gluon.py: TMA ring, async wgmma; 1.6-1.9x
+    the Triton kernel on the H200, benchmarks/NOTES.md) runs the fp8 recipe on sm_90 GPUs.
+    BwdConfig.gluon_dkdv=False or FLAMIA_GLUON=0 keep the Triton kernel (the one CPU CI tests
+    under the interpreter; the GPU tests check both)."""
+    if not (st.cfg.gluon_dkdv and st.recipe == 0 and not st.dq_atomic and not st.interp
+            and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
+        return False
+    if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
+        return False
+    from . import backward_gluon
+    return backward_gluon.HAVE_GLUON and st.D in (64, 128)
+
+
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
+    if _gluon_dkdv_applies(st):
+        from .backward_gluon import launch_dkdv_gluon
+        launch_dkdv_gluon(st)
+        return
     if cfg.split_dkdv:
         _launch_dkdv(st, cfg.kv_bm, True, False)
         _launch_dkdv(st, cfg.kv_bm_dv, False, True)

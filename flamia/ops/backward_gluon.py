@@ -1,0 +1,612 @@
+"""Gluon (Hopper sm_90a) dK/dV kernel for the `fp8` recipe (experimental, not wired into the API).
+
+Same function as `backward._bwd_dkdv` with RECIPE == 0, fused dK and dV, no DQ_ATOMIC: it
+consumes the `BwdState` of `backward.make_state` + `backward.launch_preprocess` and writes
+st.dk / st.dv like `backward.launch_dkdv` (dK * sm_scale, Hadamard rotate-back when st.rotate,
+cast to the gradient dtype). Per tile the numerics are `_dkdv_tile`'s for RECIPE == 0:
+
+    S^T  = (k8_j q8_i^T) * rowf_j * sq_i            rowf_j = sk_j * sm_scale * log2(e)
+    P^T  = exp2(S^T - lse2_i)                       masked (exact 0) on diagonal / tail tiles
+    a    = P^T sdo_i
+    dV_j += c_j  * (e4m3(a / c_j) @ do8_i)           c_j  = _pow2_scale(max_i |a|)  over the tile
+    t    = (v8_j do8_i^T) * sv_j - Delta_i           (Delta in units of sdo_i)
+    b    = a * t * sq_i
+    dK_j += c2_j * (e4m3(b / c2_j) @ q8_i)           c2_j = _pow2_scale(max_i |b|)
+
+with the per-tile fp32 promotion kept: every fp8 wgmma of the dV / dK GEMMs starts from a zero
+accumulator (use_acc=False) and its result is scaled and added to fp32 registers by the CUDA
+cores (Hopper's fp8 accumulator keeps fewer bits than fp32; chaining it across tiles cost 1.5e-2,
+benchmarks/NOTES.md). The query block of a tile is BM = 64 rows (the Triton kernel uses 32), so
+the per-tile scales are over other subsets: results match by the FlashAttention rule, not bitwise.
+
+Structure (one warpgroup = 4 warps per CTA, BN = 64 keys, aimed at 2 CTAs per SM so the two
+CTAs' element-wise phases and tensor-core phases interleave):
+  - K_j, V_j (BN x D, token-major) land in shared memory once, by TMA.
+  - Per query block (flattened loop over the GROUP query heads of the kv head and the query
+    blocks i >= the kv block for causal), an NS-stage TMA + mbarrier ring brings q8_i, do8_i
+    (token-major, B operands of S^T / dP^T, K-major as fp8 wgmma needs), qT8_i, doT8_i (the
+    K-major copies in the padded per-document layout, B operands of dK / dV) and the per-query
+    vectors lse, Delta, sq, sdo ((1, BM) fp32 TMA boxes, so they cost no registers until used).
+    The vectors come from (Hq, Tp) copies in the same padded layout as the K-major tiles
+    (`padded_vectors`), read at column pstart + i0: TMA needs the innermost box coordinate
+    16-byte aligned (an unaligned one is an *illegal instruction* on Hopper, not a masked read;
+    triton-lang/triton#7385, the Gluon TMA tutorial's list of restrictions), and the packed
+    (Hq, T) vectors' h * T + start + i0 is not: the first H200 run's crash.
+  - S^T and dP^T are issued back to back as async wgmmas; the kernel waits for S^T only and
+    computes P^T, a, c_j, e4m3(a / c_j) while dP^T runs; the dV GEMM (A = the fp8 tile from
+    registers, B = doT8 tile in shared memory) is issued before t / b / c2 are computed. The dV
+    and dK GEMMs are split into 64-column halves of D so that at most two 64 x 64 fp32 results
+    are in flight next to the two BN x D accumulators (register budget 255 / thread).
+  - Tiles that reach past the document end (at most one per head) get their K-major tiles'
+    out-of-document columns zeroed in shared memory (a NaN byte of the next document would
+    survive 0 * NaN in the MMA) and a = P^T sdo / b masked with `where` (never multiplied: the
+    next document's lse / sdo / Delta / sq / q8 / do8 come in through the TMA boxes).
+  - The innermost component of every TMA coordinate is a multiple of 16 bytes: h * D (q8, do8,
+    k8, v8) and pstart + i0 with pstart % 16 == 0 (qT8, doT8, and the padded vectors).
+  - GluonDkdvConfig.sync_mma waits for every wgmma right after issuing it (no overlap): a
+    bisection baseline, like vec_tma=False (plain masked gl.load of the vectors) and stages=1.
+Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
+document-relative); the result equals masking P^T.
+
+Importable without a GPU; `compile_sm90` builds the kernel for sm_90a on a CPU-only machine
+(benchmarks/bwd_gluon_dev.py --cpu-smoke, tests/test_ops_backward_gluon.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:   # Gluon ships with triton >= 3.5; keep the module importable where it does not
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    HAVE_GLUON = True
+except ImportError:   # pragma: no cover
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
+
+
+@dataclass(frozen=True)
+class GluonDkdvConfig:
+    bn: int = 64          # keys per CTA (one warpgroup)
+    bm: int = 64          # query rows per step
+    stages: int = 2       # TMA ring depth (D=128: 2 keeps ~90 KB smem -> 2 CTAs / SM)
+    vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
+    num_warps: int = 4
+    sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
+
+
+def default_gluon_config(D: int) -> GluonDkdvConfig:
+    return GluonDkdvConfig(stages=3 if D <= 64 else 2)
+
+
+if HAVE_GLUON:
+    CH = gl.constexpr(CH_)
+
+    @gluon.jit
+    def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
+        """backward._pow2_scale: (s, 1/s), s the smallest power of two with amax / s <= 1.75 *
+        2^FMT_EXP, clamped to 2^-126; 0 for amax == 0; NaN for Inf / NaN. Exact bit arithmetic."""
+        bits = amax.to(gl.int32, bitcast=True)
+        e = (bits >> 23) & 0xFF
+        e_new = e - FMT_EXP + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
+        e_new = gl.minimum(gl.maximum(e_new, 1), 254)
+        scale = (e_new << 23).to(gl.float32, bitcast=True)
+        inv = ((254 - e_new) << 23).to(gl.float32, bitcast=True)
+        scale = gl.where(amax > 0, scale, 0.0)
+        inv = gl.where(amax > 0, inv, 0.0)
+        bad = (amax != amax) | (amax == float("inf"))
+        scale = gl.where(bad, float("nan"), scale)
+        inv = gl.where(bad, float("nan"), inv)
+        return scale, inv
+
+    @gluon.jit
+    def _issue_tile(it, nb, lo, start, pstart, hk, T,
+                    q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                    q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
+                    GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
+                    VEC_TMA: gl.constexpr):
+        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
+        g = it // nb
+        i0 = lo + (it - g * nb) * BM
+        h = hk * GROUP + g
+        s = it % NS
+        bar = ready.index(s)
+        # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
+        if VEC_TMA:
+            NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+                                    + 4 * lse_desc.block_type.nbytes)
+        else:
+            NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], bar, do_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
+                                        pred=pred)
+        if VEC_TMA:
+            # padded (Hq, Tp) copies: column pstart + i0 is 16-aligned (64 bytes), like qT8's
+            c0 = pstart + i0
+            tma.async_copy_global_to_shared(lse_desc, [h, c0], bar, lse_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(dl_desc, [h, c0], bar, dl_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(sq_desc, [h, c0], bar, sq_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(sdo_desc, [h, c0], bar, sdo_s.index(s), pred=pred)
+
+    @gluon.jit
+    def _row_vec(ring, s, ptr, h, T, start, m_idx, L, other, COL: gl.constexpr,
+                 VEC_TMA: gl.constexpr):
+        """A per-query vector of the tile in the column slice layout of the MMA results: stage s
+        of a (NS, 1, BM) fp32 ring (unswizzled, so row 0 read as a plain 1-D buffer), or a
+        masked global load."""
+        if VEC_TMA:
+            BM: gl.constexpr = ring.shape[2]
+            x = ring.index(s)._reinterpret(gl.float32, [BM],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0])).load(COL)
+        else:
+            x = gl.load(ptr + h * T + start + m_idx, mask=m_idx < L, other=other)
+        return x
+
+    @gluon.jit
+    def _mma(a, b, zero, SYNC: gl.constexpr):
+        """a @ b from a zero accumulator: an async wgmma (a token for _mma_wait), or with SYNC a
+        plain one, waited for at once (the bisection baseline: no wgmma ever overlaps)."""
+        if SYNC:
+            r = warpgroup_mma(a, b, zero, use_acc=False)
+        else:
+            r = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        return r
+
+    @gluon.jit
+    def _mma_wait(tok, N: gl.constexpr, SYNC: gl.constexpr):
+        if SYNC:
+            r = tok
+        else:
+            r = warpgroup_mma_wait(N, deps=(tok,))
+        return r
+
+    @gluon.jit
+    def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+        """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory."""
+        BLT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        x = x_s.load(BLT)
+        cols = i0 + gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
+        ok = gl.expand_dims(cols < L, 0)
+        x = gl.where(ok, x, gl.zeros_like(x))
+        x_s.store(x)
+
+    @gluon.jit
+    def _rotate_store(x0, x1, hmat, dst, rows_ok, row_off, out_scale,
+                      D: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr,
+                      LACC: gl.constexpr, num_warps: gl.constexpr):
+        """dK (BN x D fp32 in NCH chunks of 64 columns) @ H_D / sqrt(D), H_D the +-1 Sylvester
+        matrix, stored as bf16/fp16/fp32 (dst's dtype). Like backward._rotate: each chunk is split
+        x = hi + lo into two bf16 operands, GEMMs in bf16 with fp32 accumulation (H is exact in
+        bf16). H_128 = [[H64, H64], [H64, -H64]]: one 64 x 64 block of hmat in shared memory."""
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        BLH: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        hr = gl.arange(0, CH, layout=gl.SliceLayout(1, BLH))
+        hc = gl.arange(0, CH, layout=gl.SliceLayout(0, BLH))
+        hv = gl.load(hmat + gl.expand_dims(hr, 1) * D + gl.expand_dims(hc, 0))
+        h_s = gl.allocate_shared_memory(gl.bfloat16, [CH, CH],
+                                        gl.NVMMASharedLayout.get_default_for([CH, CH], gl.bfloat16),
+                                        hv)
+        fence_async_shared()
+        gl.thread_barrier()
+        hi0 = x0.to(gl.bfloat16)
+        lo0 = (x0 - hi0.to(gl.float32)).to(gl.bfloat16)
+        hi0 = gl.convert_layout(hi0, AOPB)
+        lo0 = gl.convert_layout(lo0, AOPB)
+        zero = gl.zeros([BN, CH], gl.float32, LB)
+        if NCH == 1:
+            o0 = warpgroup_mma(hi0, h_s, zero, use_acc=False)
+            o0 = warpgroup_mma(lo0, h_s, o0)
+            o0 = gl.convert_layout(o0 * out_scale, LACC)
+            _store_chunk(o0, dst, rows_ok, row_off, 0, LACC)
+        else:
+            hi1 = x1.to(gl.bfloat16)
+            lo1 = (x1 - hi1.to(gl.float32)).to(gl.bfloat16)
+            hi1 = gl.convert_layout(hi1, AOPB)
+            lo1 = gl.convert_layout(lo1, AOPB)
+            # out[:, :64] = x0 H64 + x1 H64 ; out[:, 64:] = x0 H64 - x1 H64
+            o0 = warpgroup_mma(hi0, h_s, zero, use_acc=False)
+            o0 = warpgroup_mma(hi1, h_s, o0)
+            o0 = warpgroup_mma(lo0, h_s, o0)
+            o0 = warpgroup_mma(lo1, h_s, o0)
+            o0 = gl.convert_layout(o0 * out_scale, LACC)
+            _store_chunk(o0, dst, rows_ok, row_off, 0, LACC)
+            o1 = warpgroup_mma(hi0, h_s, zero, use_acc=False)
+            o1 = warpgroup_mma(-hi1, h_s, o1)
+            o1 = warpgroup_mma(lo0, h_s, o1)
+            o1 = warpgroup_mma(-lo1, h_s, o1)
+            o1 = gl.convert_layout(o1 * out_scale, LACC)
+            _store_chunk(o1, dst, rows_ok, row_off, CH, LACC)
+
+    @gluon.jit
+    def _store_chunk(x, dst, rows_ok, row_off, col0: gl.constexpr, LACC: gl.constexpr):
+        cols = col0 + gl.arange(0, CH, layout=gl.SliceLayout(0, LACC))
+        ptr = dst + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
+
+    # T, HQ, HKV runtime and unspecialized: one binary per (config, D, causal, dtypes), not one
+    # per head count / T % 16 (fewer compiles in the GPU dev runs; nothing depends on them)
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dkdv_fp8_kernel(
+        k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
+        lse_desc, dl_desc, sq_desc, sdo_desc,
+        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, cu, pcu,
+        T, stride_dkt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
+        # accumulators: per-key scale vectors broadcast without layout conversions.
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per query (columns of S^T)
+
+        pid = gl.program_id(0)
+        jb = gl.program_id(1)
+        doc = pid // HKV
+        hk = pid % HKV
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        n0 = jb * BN
+        if n0 >= L_doc:
+            return
+
+        # --- shared memory ------------------------------------------------------------------
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+        v_s = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
+        qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
+        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
+        if VEC_TMA:   # (1, BM) boxes, the descriptors' (unswizzled) layout
+            lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], lse_desc.layout)
+            dl_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], dl_desc.layout)
+            sq_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sq_desc.layout)
+            sdo_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sdo_desc.layout)
+        else:   # placeholders, never touched
+            lse_s = q_s
+            dl_s = q_s
+            sq_s = q_s
+            sdo_s = q_s
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for si in gl.static_range(NS):
+            mbarrier.init(ready.index(si), count=1)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        # --- K_j, V_j, per-key scales ----------------------------------------------------
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+
+        if CAUSAL:
+            lo = n0
+        else:
+            lo = 0
+        nb = gl.cdiv(L_doc - lo, BM)
+        total = GROUP * nb
+        for pi in gl.static_range(NS - 1):
+            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
+                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, VEC_TMA)
+
+        n_idx = n0 + gl.arange(0, BN, layout=ROW)
+        n_ok = n_idx < L_doc
+        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        rowf = sk_j * qk_scale2
+        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+
+        zero = gl.zeros([BN, CH], gl.float32, L)
+        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
+        if CAUSAL:
+            shift = 0             # query >= key on the diagonal tiles
+        else:
+            shift = L_doc         # never binding
+        mbarrier.wait(kv_bar, 0)
+
+        for it in range(total):
+            # refill the slot consumed at it - 1 (its wgmmas were all waited for below)
+            nxt = it + NS - 1
+            _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
+                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM, NS, VEC_TMA)
+            s = it % NS
+            g = it // nb
+            i0 = lo + (it - g * nb) * BM
+            h = hk * GROUP + g
+            m_idx = i0 + gl.arange(0, BM, layout=COL)
+            tail = i0 + BM > L_doc
+            if CAUSAL:
+                need_mask = tail | (i0 < n0 + BN)
+            else:
+                need_mask = tail
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            qs = q_s.index(s)
+            dos = do_s.index(s)
+            qTs = qT_s.index(s)
+            doTs = doT_s.index(s)
+
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
+            dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
+
+            if tail:   # at most once per head: the K-major tiles' columns past the document end
+                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
+                            VEC_TMA) * 1.4426950408889634
+            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            st = _mma_wait(s_tok, 1, SYNC)
+            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
+                        - gl.expand_dims(lse2, 0))
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            a = p * gl.expand_dims(sdo_i, 0)
+            if need_mask:   # on a (not P): sdo of another document's token may be NaN
+                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                      & gl.expand_dims(m_idx < L_doc, 0))
+                a = gl.where(ok, a, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            dp = _mma_wait(dp_tok, 1, SYNC)
+            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+            # sq_i again from shared memory: not kept live in registers across the wgmma waits
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = a * t * gl.expand_dims(sq_i2, 0)
+            if need_mask:   # t, sq of out-of-document columns may be anything (other document)
+                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                       & gl.expand_dims(m_idx < L_doc, 0))
+                b = gl.where(ok2, b, 0.0)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv1 = _mma_wait(dv1_tok, 1, SYNC)
+                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dk0 = _mma_wait(dk0_tok, 1, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                dk1 = _mma_wait(dk1_tok, 0, SYNC)
+                acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+            else:
+                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(si))
+        mbarrier.invalidate(kv_bar)
+
+        # --- epilogue ---------------------------------------------------------------------
+        row_off = (start + n_idx) * stride_dkt + hk * D
+        _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
+        if NCH == 2:
+            _store_chunk(acc_dv1, dv, n_ok, row_off, CH, L)
+        acc_dk0 = acc_dk0 * sm_scale
+        acc_dk1 = acc_dk1 * sm_scale
+        if ROTATE:
+            _rotate_store(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, D, BN, NCH, L,
+                          num_warps)
+        else:
+            _store_chunk(acc_dk0, dk, n_ok, row_off, 0, L)
+            if NCH == 2:
+                _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+def padded_vectors(st):
+    """lse, Delta, sq, sdo as (Hq, Tp) fp32 in the padded per-document layout of the K-major
+    copies (column c holds token st.tok_of_col[c]; pad columns: lse +inf, the others 0), so a
+    tile's (1, BM) box starts at column pstart + i0, a multiple of 16 (TMA's 16-byte rule for
+    the innermost coordinate), and the row stride Tp * 4 bytes is a multiple of 16 too.
+    4 gathers of Hq x Tp floats (a few MB at 32k tokens); production would write these from
+    launch_preprocess directly."""
+    toc = st.tok_of_col.long()
+    pad = toc < 0
+    idx = toc.clamp(min=0)
+    out = []
+    for x, fill in ((st.lse, float("inf")), (st.delta, 0.0), (st.sq, 0.0), (st.sdo, 0.0)):
+        y = x.float().index_select(1, idx)
+        y.masked_fill_(pad, fill)
+        out.append(y)
+    return tuple(out)
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_vec(device, BM: int):
+    """A (1, BM) fp32 tensor for the vector descriptors when vec_tma is off (never read)."""
+    key = (str(device), BM)
+    if key not in _DUMMY:
+        _DUMMY[key] = torch.zeros(1, BM, dtype=torch.float32, device=device)
+    return _DUMMY[key]
+
+
+def check_tma_coords(st, cfg: GluonDkdvConfig | None = None) -> list[str]:
+    """Host-side check (syncs) of what the kernel's TMA coordinates rely on; [] when fine.
+    Innermost coordinates: h * D (fp8: D bytes), pstart + i0 (fp8: 16 | pstart; fp32 vectors:
+    4 * pstart, so 4 | pstart) and the global strides / bases (16 bytes)."""
+    cfg = cfg or default_gluon_config(st.D)
+    bad = []
+    pcu = st.pcu.tolist()
+    if any(c % 16 for c in pcu):
+        bad.append(f"pcu not 16-aligned: {[c for c in pcu if c % 16][:8]}")
+    if st.Tp % 16:
+        bad.append(f"Tp={st.Tp} not a multiple of 16")
+    if (st.D * st.Hq) % 16 or st.D % 16:
+        bad.append(f"D={st.D} / Hq*D not 16-byte multiples")
+    for name in ("q8", "k8", "v8", "do8", "qT8", "doT8", "lse", "delta", "sq", "sdo"):
+        x = getattr(st, name)
+        if x.data_ptr() % 16:
+            bad.append(f"{name} base not 16-byte aligned")
+    if cfg.bm * 4 % 16 or cfg.bm % 16:
+        bad.append(f"bm={cfg.bm}: box bytes not a multiple of 16")
+    return bad
+
+
+def _descs(st, cfg: GluonDkdvConfig, vecs=None):
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    f8 = gl.float8e4nv
+
+    def tok_major(x, rows):
+        x2 = x.view(x.shape[0], -1)
+        lay = gl.NVMMASharedLayout.get_default_for([rows, D], f8)
+        return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], lay)
+
+    def k_major(xT):
+        H, _, Tp = xT.shape
+        lay = gl.NVMMASharedLayout.get_default_for([D, BM], f8)
+        return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, BM], lay)
+
+    def vec(x):
+        # (H, Tp) with (1, BM) boxes, like forward_gluon's (1, BN) sk / sv boxes; the default
+        # layout of a one-row fp32 box is unswizzled
+        lay = gl.NVMMASharedLayout.get_default_for([1, BM], gl.float32)
+        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, BM], lay)
+
+    if cfg.vec_tma:
+        vecs = vecs if vecs is not None else padded_vectors(st)
+    else:
+        vecs = (_dummy_vec(st.lse.device, BM),) * 4
+    return (tok_major(st.k8, BN), tok_major(st.v8, BN), tok_major(st.q8, BM),
+            tok_major(st.do8, BM), k_major(st.qT8), k_major(st.doT8), *map(vec, vecs))
+
+
+def _args(st, cfg: GluonDkdvConfig, vecs=None):
+    if not HAVE_GLUON:
+        raise RuntimeError("triton.experimental.gluon is not available")
+    if st.recipe != 0 or st.dq_atomic:
+        raise ValueError("the Gluon dK/dV kernel implements the fp8 recipe without dq_atomic")
+    if st.D not in (64, 128):
+        raise ValueError(f"the Gluon dK/dV kernel supports D in (64, 128), not {st.D}")
+    if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
+        raise ValueError(f"unsupported Gluon config {cfg}")
+    for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
+              st.sk, st.sv, st.dk, st.dv):
+        assert x.is_contiguous()
+    grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.bn))
+    args = (*_descs(st, cfg, vecs), st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv,
+            st.hmat, st.cu, st.pcu, st.T, st.dk.stride(0), st.sm_scale, st.sm_scale * LOG2E,
+            st.D ** -0.5)
+    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
+                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  num_warps=cfg.num_warps)
+    return grid, args, kwargs
+
+
+def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> None:
+    """dK, dV of the fp8 recipe into st.dk / st.dv (same contract as backward.launch_dkdv).
+    `st` from backward.make_state + backward.launch_preprocess, on an sm_90a GPU. `vecs`:
+    padded_vectors(st) when the caller already has them (else built here if vec_tma)."""
+    cfg = config or default_gluon_config(st.D)
+    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
+        st.dk.zero_()
+        st.dv.zero_()
+        return
+    grid, args, kwargs = _args(st, cfg, vecs)
+    _dkdv_fp8_kernel[grid](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile without a GPU (sm_90a), for the CPU smoke test and the resource report
+# ----------------------------------------------------------------------------------------------
+
+def compile_sm90(st, config: GluonDkdvConfig | None = None):
+    """Compile the kernel for `st` (CPU tensors are fine: nothing runs) for sm_90a; returns the
+    triton CompiledKernel (asm['ptx'], metadata.shared). Needs TRITON_INTERPRET unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    cfg = config or default_gluon_config(st.D)
+    _, args, kwargs = _args(st, cfg)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    fn = _dkdv_fp8_kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                          specialization, options)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
+               rotate: bool = True, lengths=None, grad_dtype=None):
+    """A CPU BwdState with the real shapes / dtypes (zeros) for compile-only use."""
+    from . import backward as B
+    from .layout import QuantizedQKV
+    f8 = torch.float8_e4m3fn
+    z = lambda *s: torch.zeros(*s, dtype=f8)           # noqa: E731
+    qkv = QuantizedQKV("fp8", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
+                       torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=rotate)
+    lengths = lengths or [T]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    dout = torch.zeros(T, Hq, D, dtype=torch.bfloat16)
+    st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu, max(lengths), causal,
+                      grad_dtype=grad_dtype)
+    st.interp = False
+    return st
+
+
+PTX_COUNTS = {
+    "wgmma": r"wgmma\.mma_async",
+    "wait": r"wgmma\.wait_group",
+    "bar": r"\bbar\.sync|barrier\.sync",
+    "ex2": r"ex2\.approx",
+    "cvt_e4m3": r"cvt\.rn\.satfinite\.e4m3x2",
+    "tma": r"cp\.async\.bulk\.tensor",
+    "tma_1d": r"cp\.async\.bulk\.tensor\.1d",     # none: 1-D boxes were the first run's crash
+    "shfl": r"shfl\.sync",
+    "ld_local": r"ld\.local",
+}
+
+
+def resource_report(kern) -> dict:
+    """regs / spills / C7515 (ptxas -v on the PTX), shared bytes, PTX instruction counts."""
+    import re
+
+    from ._interp import resource_usage
+    u = resource_usage(kern)
+    ptx = kern.asm["ptx"]
+    u.update({k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
+    return u

@@ -1,0 +1,810 @@
+"""FP8 attention forward for Hopper (sm_90a) written in Gluon: async wgmma, TMA ring, P in registers.
+
+Same contract and numerics as flamia.ops.forward._attn_fwd_kernel for the fp8 recipe (see that
+module's docstring), same work list (flamia.ops.schedule) and the same KV tile grid inside each
+document (tile j covers doc-local keys [j*BN - shift, (j+1)*BN - shift), shift = start % 16, so
+every tile starts at a 16-aligned absolute token). What changes is how one program spends its
+time. The Triton kernel waits on each wgmma right after issuing it; here, per KV tile j:
+
+    issue S_j = Q K_j^T (async)   |  K_j, V_j arrived by TMA STAGES-1 tiles earlier (mbarriers)
+    issue O += A_{j-1} V_{j-1}    |  A_{j-1} = e4m3(p' sv) of the previous tile, in registers
+    load sk_j, sv_j               |  global loads in flight while the tensor cores work
+    wait S_j; softmax(S_j)        |  overlaps the PV wgmma still in flight
+    wait PV; O *= alpha_j         |  same operation order as the Triton kernel (see below)
+    refill the freed stage with tile j-1+STAGES by TMA
+
+so the exp2 / scale / cast work of tile j runs while the tensor cores do tile j-1's PV (FA3's
+intra-warpgroup overlap), and with 4 warps two CTAs per SM overlap each other as well.
+
+Operation order per row is the Triton kernel's: acc_j = alpha_j * acc_{j-1} + A_j V_j with
+acc_{j-1} already holding A_{j-1} V_{j-1}; l, m, the masked / unmasked expressions, the fp8
+rounding of A and the epilogue are written the same way. Results are therefore expected to agree
+with the Triton kernel to fp32 rounding noise of the MMA (not guaranteed bitwise: instruction
+shapes / FMA contraction can differ), and P1 / P2 hold bitwise by construction (no value from a
+masked key can reach a visible one: masked scores are -inf, masked V columns of the shared tile
+are zeroed in shared memory before the PV wgmma, masked sk / sv load as 0).
+
+Warp-specialized variant (GluonFwdConfig.ws = 1 or 2, _attn_fwd_gluon_ws_kernel): a 1-warp
+producer partition (24 registers) issues every TMA load; each consumer warpgroup runs the loop
+above unchanged except that, instead of issuing loads, it arrives once per tile on a release
+barrier r_j ("K_j and V_{j-1} are free"), after which the producer refills both stages. Triton
+3.6 still puts a bar.sync in front of each mbarrier op, but now partition-local (the 4 consumer
+warps, named barrier) and only two per steady-state tile. ws=2: two consumer warpgroups (rows
+0-63 / 64-127 of a 128-row item) share one ring (FA3 style, one CTA per SM). Per 64-row group
+the tile grid and op order are those of g64x128w4s2, so outputs are expected bitwise equal.
+
+bf16 recipe: not implemented here (raise NotImplementedError; callers fall back to forward.py).
+Not wired into the public API: GPU-validate first (benchmarks/fwd_gluon_dev.py).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+try:   # Gluon ships with triton >= 3.5; keep this module importable without it
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    HAVE_GLUON = True
+except Exception:   # pragma: no cover - older triton
+    HAVE_GLUON = False
+
+from .layout import QuantizedQKV
+from .schedule import Schedule, build_schedule, per_cu_seqlens
+
+LOG2E = 1.4426950408889634
+LAST_KERNEL = None      # the last compiled Gluon forward kernel launched (diagnostics)
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    block_m: int = 64       # query rows per CTA: 64 per warpgroup (num_warps=4 -> 64, 8 -> 128)
+    block_n: int = 128      # keys per KV tile
+    num_warps: int = 4      # 4: one consumer warpgroup (two CTAs per SM); 8: two warpgroups
+    stages: int = 2         # depth of the K / V shared-memory ring
+    maxnreg: int | None = None
+    # Warp specialization: 0 = the single-partition kernel above; 1 or 2 = that many consumer
+    # warpgroups (64 query rows each, block_m = 64 * ws) fed by one producer warp that issues
+    # every TMA load. num_warps stays 4 (the default partition is one consumer warpgroup).
+    ws: int = 0
+    producer_regs: int = 24     # setmaxnreg of the producer warp(group)
+    consumer_regs: int = 240    # setmaxnreg of the second consumer (ws=2); the first gets the rest
+
+    def with_(self, **kw) -> "GluonFwdConfig":
+        return replace(self, **kw)
+
+    @property
+    def name(self) -> str:
+        s = f"g{self.block_m}x{self.block_n}w{self.num_warps}s{self.stages}"
+        if self.ws:
+            s += f"-ws{self.ws}-p{self.producer_regs}"
+            if self.ws == 2:
+                s += f"-c{self.consumer_regs}"
+        return s + (f"-r{self.maxnreg}" if self.maxnreg else "")
+
+
+# Named variants for benchmarks (--configs) and the compile test.
+CONFIGS = {
+    "g64x128w4s2": GluonFwdConfig(64, 128, 4, 2),
+    "g64x128w4s3": GluonFwdConfig(64, 128, 4, 3),
+    "g64x64w4s3": GluonFwdConfig(64, 64, 4, 3),
+    "g128x128w8s2": GluonFwdConfig(128, 128, 8, 2),
+    "g128x128w8s3": GluonFwdConfig(128, 128, 8, 3),
+    "g128x64w8s3": GluonFwdConfig(128, 64, 8, 3),
+    # warp-specialized: 1 consumer warpgroup + 1 producer warp (8 warps allocated), maxnreg 128
+    # keeps two CTAs per SM (2 x 8 warps x 32 x 128 = 64K registers), the consumer gets 232
+    "g64x128w4s2-ws1-p24-r128": GluonFwdConfig(64, 128, 4, 2, 128, ws=1, producer_regs=24),
+    "g64x128w4s3-ws1-p24-r128": GluonFwdConfig(64, 128, 4, 3, 128, ws=1, producer_regs=24),
+    # FA3 style: 2 consumer warpgroups (rows 0-63 / 64-127 of a 128-row item) share the ring,
+    # one CTA per SM: 12 warps x 168 registers; consumers 240 each, producer 24
+    "g128x128w4s2-ws2-p24-c240-r168": GluonFwdConfig(128, 128, 4, 2, 168, ws=2, producer_regs=24,
+                                                     consumer_regs=240),
+    "g128x128w4s3-ws2-p24-c240-r168": GluonFwdConfig(128, 128, 4, 3, 168, ws=2, producer_regs=24,
+                                                     consumer_regs=240),
+}
+
+
+def default_gluon_config(head_dim: int) -> GluonFwdConfig:
+    """To be re-tuned on the H200 (benchmarks/fwd_gluon_dev.py); compile-clean on CPU."""
+    return GluonFwdConfig(64, 128, 4, 2)
+
+
+def _check_config(cfg: GluonFwdConfig, D: int):
+    if cfg.ws:
+        if cfg.ws not in (1, 2) or cfg.num_warps != 4 or cfg.block_m != 64 * cfg.ws:
+            raise ValueError(f"{cfg}: warp-specialized configs use num_warps=4 (one consumer "
+                             "warpgroup per partition) and block_m = 64 * ws")
+    elif cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
+        raise ValueError(f"{cfg}: block_m must be 16 * num_warps (64 rows per warpgroup)")
+    if cfg.block_n not in (64, 128) or cfg.stages < 2:
+        raise ValueError(f"{cfg}: block_n in (64, 128), stages >= 2")
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D}: the Gluon forward supports 64 and 128")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j, kv_row0, kvh,
+                 n_tiles, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+        """TMA K tile j (BN x D, token rows) and its sk / sv (1 x BN) into K-ring stage j % STAGES
+        (the scales ride on K's barrier: both are needed for S_j's softmax)."""
+        st = j % STAGES
+        pred = j < n_tiles
+        row = kv_row0 + j * BN
+        bk = bar_k.index(st)
+        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st), pred)
+        tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st), pred)
+        tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st), pred)
+
+    @gluon.jit
+    def _issue_v(v_desc, v_smem, bar_v, j, kv_row0, kvh, n_tiles, D: gl.constexpr,
+                 BN: gl.constexpr, STAGES: gl.constexpr):
+        """TMA V^T tile j (D x BN, from vt8) into V-ring stage j % STAGES."""
+        st = j % STAGES
+        bv = bar_v.index(st)
+        mbarrier.expect(bv, v_desc.block_type.nbytes, pred=j < n_tiles)
+        tma.async_copy_global_to_shared(v_desc, [kvh * D, kv_row0 + j * BN], bv, v_smem.index(st),
+                                        j < n_tiles)
+
+    @gluon.jit
+    def _scale_view(ring, st, BN: gl.constexpr):
+        """Stage st of a (STAGES, 1, BN) fp32 ring (unswizzled, i.e. row-major) as a 1-D view."""
+        return ring.index(st)._reinterpret(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                      BN: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                      col_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Online softmax of one S tile, written like forward._attn_inner (log2 units, lr riding
+        on the subtracted max) -> (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
+
+        sk / sv are read from their shared-memory stage here (short register live ranges). On
+        masked tiles keys outside the document hold a neighbour's scales (maybe NaN): their
+        scores become -inf and their sv 0, as the Triton kernel's masked loads give."""
+        s = s * gl.expand_dims(sk_s.load(col_layout), 0)
+        if MASKED:
+            cols = n0 + gl.arange(0, BN, layout=col_layout)
+            col_ok = (cols >= 0) & (cols < L)
+            sv = gl.where(col_ok, sv_s.load(col_layout), 0.0)
+            valid = gl.expand_dims(col_ok, 0)
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+            x = gl.where(valid, s * gl.expand_dims(row_f, 1), float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(x, axis=1))
+            p = gl.exp2((x - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1))
+        else:
+            sv = sv_s.load(col_layout)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_f)      # row_f >= 0
+            p = gl.exp2((s * gl.expand_dims(row_f, 1) - gl.expand_dims(m_new, 1))
+                        + gl.expand_dims(lr, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
+        a = gl.convert_layout(a, p_layout)
+        return a, m_new, l_i, alpha
+
+    @gluon.jit
+    def _zero_v_outside(v_tile, n0, L, D: gl.constexpr, BN: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """Zero the V^T columns (keys) of a ring stage that lie outside the document, in place.
+
+        Their P is 0, but 0 * NaN is NaN in the MMA: keys of a neighbouring document (head tile,
+        document end) must not let its NaN/Inf in (P2). Only for the <= 2 edge tiles per item.
+        """
+        TPW_N: gl.constexpr = BN // 16
+        blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
+        v = v_tile.load(blk)
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, blk))
+        ok = gl.expand_dims((cols >= 0) & (cols < L), 0)
+        v = gl.where(ok, v, gl.zeros_like(v))
+        v_tile.store(v)
+        fence_async_shared()      # generic-proxy stores -> visible to the wgmma (async proxy)
+        gl.thread_barrier()       # every thread's columns written before any warp issues PV
+
+    @gluon.jit
+    def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O, LSE, ITEMS,
+                               CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
+                               D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               num_warps: gl.constexpr):
+        # ---- layouts: one m64 wgmma row block per warpgroup (warps stacked along M) ----
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        # Head fastest: the GROUP query heads of one KV head run side by side (L2 reuse).
+        pid = gl.program_id(0)
+        head = pid % HQ
+        item = pid // HQ
+        doc = gl.load(ITEMS + item)
+        if doc < 0:
+            return
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(CU + doc)
+        L = gl.load(CU + doc + 1) - start
+        kvh = head // GROUP
+        q_lo = blk * BM
+        shift = start % 16
+        kv_row0 = start - shift                 # absolute, 16-aligned row of KV tile 0
+        if CAUSAL:
+            hi = gl.minimum(q_lo + BM, L)       # keys [0, hi) visited
+            full_end = q_lo                     # keys < q_lo are visible to every row
+        else:
+            hi = L
+            full_end = L
+        n_tiles = (hi + shift + BN - 1) // BN
+
+        # ---- shared memory: Q, a STAGES-deep ring of K, V^T, sk, sv; mbarriers ----
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
+        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
+        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        bar_q = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar_q.index(0), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bar_k.index(i), count=1)
+            mbarrier.init(bar_v.index(i), count=1)
+
+        mbarrier.expect(bar_q.index(0), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D], bar_q.index(0), q_smem)
+        for i in gl.static_range(STAGES):
+            _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, i, kv_row0, kvh,
+                     n_tiles, D, BN, STAGES)
+        for i in gl.static_range(STAGES):
+            _issue_v(v_desc, v_smem, bar_v, i, kv_row0, kvh, n_tiles, D, BN, STAGES)
+
+        # ---- per-row state (overlaps the first loads) ----
+        tok0 = start.to(gl.int64)
+        rows = q_lo + gl.arange(0, BM, layout=row_s)            # doc-local query rows
+        row_ok = rows < L
+        sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
+        row_f = sq * qk_scale
+        cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
+        # lr = log2(256 / cap): exact from the exponent bits (cap is a power of two or 0)
+        ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
+
+        # ---- tile 0: S_0, softmax (no PV in flight yet) ----
+        n0 = -shift
+        mbarrier.wait(bar_q.index(0), 0)
+        mbarrier.wait(bar_k.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
+                          gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        sk_s = _scale_view(sk_smem, 0, BN)
+        sv_s = _scale_view(sv_smem, 0, BN)
+        if (n0 < 0) | (n0 + BN > full_end):
+            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                               BN, True, CAUSAL, col_s, p_layout)
+        else:
+            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                               BN, False, CAUSAL, col_s, p_layout)
+        # K stage 0 is free (S_0 done, its scales read): refill it with tile STAGES
+        _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, STAGES, kv_row0, kvh,
+                 n_tiles, D, BN, STAGES)
+        acc = gl.zeros([BM, D], gl.float32, o_layout)
+
+        # ---- steady state: S_j in flight with PV_{j-1}; softmax_j overlaps PV_{j-1} ----
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            pst = (j - 1) % STAGES
+            n0_prev = n0
+            n0 = j * BN - shift
+            mbarrier.wait(bar_k.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)),
+                              gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+            mbarrier.wait(bar_v.index(pst), ((j - 1) // STAGES) & 1)
+            if (n0_prev < 0) | (n0_prev + BN > L):
+                _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, num_warps)
+            acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            sk_s = _scale_view(sk_smem, st, BN)
+            sv_s = _scale_view(sv_smem, st, BN)
+            if (n0 < 0) | (n0 + BN > full_end):
+                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
+                                                       n0, L, BN, True, CAUSAL, col_s, p_layout)
+            else:
+                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
+                                                       n0, L, BN, False, CAUSAL, col_s, p_layout)
+            # K stage st is free (S_j done, its scales read): tile j + STAGES gets a full
+            # iteration of slack even with two stages
+            _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j + STAGES,
+                     kv_row0, kvh, n_tiles, D, BN, STAGES)
+            # The PV wgmma reads `a` from registers until this wait (fp8 values cannot be wait
+            # deps in 3.6; ptxas keeps wgmma register operands alive up to wgmma.wait_group).
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            a = a_new
+            # V stage pst is free (read by the PV just waited on)
+            _issue_v(v_desc, v_smem, bar_v, j - 1 + STAGES, kv_row0, kvh, n_tiles, D, BN, STAGES)
+
+        # ---- last PV ----
+        last = n_tiles - 1
+        lst = last % STAGES
+        mbarrier.wait(bar_v.index(lst), (last // STAGES) & 1)
+        if (n0 < 0) | (n0 + BN > L):
+            _zero_v_outside(v_smem.index(lst), n0, L, D, BN, num_warps)
+        acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+        mbarrier.invalidate(bar_q.index(0))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bar_k.index(i))
+            mbarrier.invalidate(bar_v.index(i))
+
+        # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
+        inv_l = 1.0 / l_i
+        out = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
+        rows_o = q_lo + gl.arange(0, BM, layout=row_o)
+        offs_d = gl.arange(0, D, layout=col_o)
+        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
+                  + gl.expand_dims(offs_d, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
+        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
+        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+    # -----------------------------------------------------------------------------------------
+    # Warp-specialized variant: a 1-warp producer issues every TMA load into an empty/ready
+    # mbarrier ring; each consumer warpgroup (64 query rows) runs the loop body above with the
+    # TMA issues replaced by releases of the stages it has finished reading.
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j, kv_row0, kvh,
+                   pred):
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        D: gl.constexpr = k_smem.type.shape[2]
+        st = j % STAGES
+        row = kv_row0 + j * BN
+        bk = k_ready.index(st)
+        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st), pred)
+        tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st), pred)
+        tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st), pred)
+
+    @gluon.jit
+    def _ws_load_v(v_desc, v_smem, v_ready, j, kv_row0, kvh, pred):
+        STAGES: gl.constexpr = v_smem.type.shape[0]
+        D: gl.constexpr = v_smem.type.shape[1]
+        BN: gl.constexpr = v_smem.type.shape[2]
+        st = j % STAGES
+        bv = v_ready.index(st)
+        mbarrier.expect(bv, v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [kvh * D, kv_row0 + j * BN], bv, v_smem.index(st),
+                                        pred)
+
+    @gluon.jit
+    def _ws_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem,
+                     sv_smem, bar_q, k_ready, v_ready, rel, q_row, head, kv_row0, kvh, n_tiles):
+        """Q (one 64-row box per consumer) and the first STAGES tiles of K (+ sk, sv) and V^T,
+        then per consumer release r_j: K_{j+STAGES} into K_j's stage and V_{j+STAGES-1} into
+        V_{j-1}'s (r_j says both are free; r_0 frees K_0 only).
+
+        One release barrier per step instead of separate K / V empties because Triton 3.6 puts
+        a partition-wide bar.sync in front of every mbarrier.arrive. Sizes come from the
+        buffers' types: constexpr arguments of a worker partition arrive as tensors in 3.6."""
+        NC: gl.constexpr = q_smem.type.shape[0]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        D: gl.constexpr = k_smem.type.shape[2]
+        mbarrier.expect(bar_q.index(0), NC * q_desc.block_type.nbytes)
+        for c in gl.static_range(NC):
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * D], bar_q.index(0),
+                                            q_smem.index(c))
+        for i in gl.static_range(STAGES):
+            _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, i, kv_row0,
+                       kvh, i < n_tiles)
+        for i in gl.static_range(STAGES):
+            _ws_load_v(v_desc, v_smem, v_ready, i, kv_row0, kvh, i < n_tiles)
+        for j in range(0, n_tiles - STAGES + 1):
+            mbarrier.wait(rel.index(j % STAGES), (j // STAGES) & 1)
+            _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j + STAGES,
+                       kv_row0, kvh, j + STAGES < n_tiles)
+            _ws_load_v(v_desc, v_smem, v_ready, j + STAGES - 1, kv_row0, kvh, j > 0)
+
+    @gluon.jit
+    def _ws_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready, rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T, qk_scale, start, L, q_lo0,
+                     head, kvh, CID: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+        """Rows [q_lo0 + 64 CID, +64) of the item: the numerics of _attn_fwd_gluon_kernel, op for
+        op (same tile grid, same softmax / rounding / rescale order), so results are bitwise
+        those of the single-partition kernel up to the wgmma's own rounding."""
+        BM: gl.constexpr = 16 * NW
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        q_lo = q_lo0 + CID * BM
+        shift = start % 16
+        if CAUSAL:
+            hi = gl.minimum(q_lo + BM, L)
+            full_end = q_lo
+        else:
+            hi = L
+            full_end = L
+        # With two consumers the producer runs to the second one's n_tiles (>= this one's, by
+        # at most one tile); the extra tile needs no release: nothing is loaded after it.
+        n_tiles = (hi + shift + BN - 1) // BN
+
+        tok0 = start.to(gl.int64)
+        rows = q_lo + gl.arange(0, BM, layout=row_s)
+        row_ok = rows < L
+        sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
+        row_f = sq * qk_scale
+        cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
+        ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
+        q_tile = q_smem.index(CID)
+
+        # ---- tile 0 ----
+        n0 = -shift
+        mbarrier.wait(bar_q.index(0), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
+                          gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        sk_s = _scale_view(sk_smem, 0, BN)
+        sv_s = _scale_view(sv_smem, 0, BN)
+        if (n0 < 0) | (n0 + BN > full_end):
+            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                               BN, True, CAUSAL, col_s, p_layout)
+        else:
+            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                               BN, False, CAUSAL, col_s, p_layout)
+        _ws_release(rel, 0)                     # r_0: K_0 (and its scales) read
+        acc = gl.zeros([BM, D], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            pst = (j - 1) % STAGES
+            n0_prev = n0
+            n0 = j * BN - shift
+            mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
+                              gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+            if (n0_prev < 0) | (n0_prev + BN > L):
+                _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
+            acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            sk_s = _scale_view(sk_smem, st, BN)
+            sv_s = _scale_view(sv_smem, st, BN)
+            if (n0 < 0) | (n0 + BN > full_end):
+                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
+                                                       n0, L, BN, True, CAUSAL, col_s, p_layout)
+            else:
+                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
+                                                       n0, L, BN, False, CAUSAL, col_s, p_layout)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            # r_j: K_j (read by S_j, its scales by the softmax) and V_{j-1} (read by the PV
+            # just waited on) are free. PV_{j-1} was issued before softmax_j, so holding K_j
+            # until here costs ~nothing.
+            _ws_release(rel, st)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            a = a_new
+
+        last = n_tiles - 1
+        lst = last % STAGES
+        mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
+        if (n0 < 0) | (n0 + BN > L):
+            _zero_v_outside(v_smem.index(lst), n0, L, D, BN, NW)
+        acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+        inv_l = 1.0 / l_i
+        out = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
+        rows_o = q_lo + gl.arange(0, BM, layout=row_o)
+        offs_d = gl.arange(0, D, layout=col_o)
+        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
+                  + gl.expand_dims(offs_d, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
+        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
+        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+
+    @gluon.jit
+    def _ws_release(rel, st):
+        """One arrival of this consumer warpgroup on release barrier st. Triton puts a
+        partition-wide bar.sync before the arrive (issued by one thread), which is what makes
+        every warp's reads of the scales complete first; the fence orders those generic-proxy
+        reads (and the V zeroing stores) before the producer's next TMA write to the stage."""
+        fence_async_shared()
+        mbarrier.arrive(rel.index(st), count=1)
+
+    @gluon.jit
+    def _attn_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O, LSE,
+                                  ITEMS, CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
+                                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, NC: gl.constexpr,
+                                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  num_warps: gl.constexpr):
+        pid = gl.program_id(0)
+        head = pid % HQ
+        item = pid // HQ
+        doc = gl.load(ITEMS + item)
+        if doc < 0:
+            return
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(CU + doc)
+        L = gl.load(CU + doc + 1) - start
+        kvh = head // GROUP
+        q_lo = blk * BM
+        shift = start % 16
+        kv_row0 = start - shift
+        if CAUSAL:
+            hi = gl.minimum(q_lo + BM, L)       # the last consumer's rows reach furthest
+        else:
+            hi = L
+        n_tiles = (hi + shift + BN - 1) // BN
+
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NC, 64, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
+        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
+        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        bar_q = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        rel = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar_q.index(0), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(rel.index(i), count=NC)
+
+        prod_args = (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem,
+                     sv_smem, bar_q, k_ready, v_ready, rel, start + q_lo, head, kv_row0, kvh,
+                     n_tiles)
+        if NC == 1:
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
+                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                qk_scale, start, L, q_lo, head, kvh, 0, D, BN, STAGES, CAUSAL,
+                                num_warps)),
+                (_ws_producer, prod_args),
+            ], [1], [PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
+                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                qk_scale, start, L, q_lo, head, kvh, 0, D, BN, STAGES, CAUSAL,
+                                num_warps)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
+                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                qk_scale, start, L, q_lo, head, kvh, 1, D, BN, STAGES, CAUSAL,
+                                num_warps)),
+                (_ws_producer, prod_args),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+        mbarrier.invalidate(bar_q.index(0))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(rel.index(i))
+
+
+_LAYOUTS: dict = {}
+
+
+def _layout(block_shape, dtype=None):
+    # memoized: get_default_for is pure Python run 5 times per call otherwise
+    key = (tuple(block_shape), dtype)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape),
+                                                                    dtype or gl.float8e4nv)
+    return lay
+
+
+def _scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(Hkv, T) fp32 scales as a TMA-able matrix: the row stride must be a multiple of 16 bytes.
+
+    quantize_qkv writes sk / sv contiguous, so this is free whenever T % 4 == 0 (every
+    benchmark workload). Otherwise one copy kernel into a padded-stride buffer (its pad columns
+    are never read: the descriptor's extent is the true T). quantize_qkv could remove even that
+    by allocating sk / sv (and sq, vcap) as (H, T_pad) storage and returning [:, :T] views, as
+    it already does for vt8; every consumer reads them through (h * T + t) today, so that needs
+    a row-stride argument in the Triton kernels first."""
+    T = x.shape[1]
+    if x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
+        return x, x.stride(0)
+    tp = (T + 3) // 4 * 4
+    y = x.new_empty(x.shape[0], tp)
+    y[:, :T].copy_(x)
+    return y, tp
+
+
+def _descriptors(qkv: QuantizedQKV, BMQ: int, BN: int):
+    """Host TMA descriptors (plain Python objects; the launcher encodes them at launch, as
+    the Triton path does for its three). BMQ: rows of one Q box (64 per consumer when
+    warp-specialized)."""
+    T, Hq, Hkv, D = qkv.shape
+    q8, k8, vt = qkv.q8, qkv.k8, qkv.vt8
+    # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix; vt8 (Hkv, D, Tp) is (Hkv*D, Tp).
+    qd = GluonTensorDescriptor(q8, [T, Hq * D], [q8.stride(0), 1], [BMQ, D], _layout([BMQ, D]))
+    kd = GluonTensorDescriptor(k8, [T, Hkv * D], [k8.stride(0), 1], [BN, D], _layout([BN, D]))
+    vd = GluonTensorDescriptor(vt, [Hkv * D, vt.shape[2]], [vt.stride(1), 1], [D, BN],
+                               _layout([D, BN]))
+    # Scales as (Hkv, T) with box (1, BN): tile j's box starts at the same 16-aligned token as
+    # K's; the true T bounds it (zeros past the end), the stride may be padded.
+    sc = []
+    for x in (qkv.sk, qkv.sv):
+        xs, stride = _scale_rows(x)
+        sc.append(GluonTensorDescriptor(xs, [Hkv, T], [stride, 1], [1, BN],
+                                        _layout([1, BN], gl.float32)))
+    return qd, kd, vd, sc[0], sc[1]
+
+
+def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
+                            causal: bool, softmax_scale: float | None, out_dtype, *,
+                            config: GluonFwdConfig | None = None, schedule: Schedule | None = None,
+                            poison: bool = False):
+    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32; drop-in for forward.attention_forward
+    on the fp8 recipes (fp8, fp8_mixed: same forward). Raises NotImplementedError for bf16 or
+    when Gluon is missing, so a caller can fall back to the Triton kernel."""
+    if not HAVE_GLUON:
+        raise NotImplementedError("triton.experimental.gluon is not available")
+    if qkv.recipe == "bf16":
+        raise NotImplementedError("the Gluon forward implements the fp8 recipes only")
+    if qkv.vt8 is None:
+        raise ValueError("the Gluon forward needs the K-major V copy (quantize_qkv(write_vt=True))")
+    T, Hq, Hkv, D = qkv.shape
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    cfg = config or default_gluon_config(D)
+    _check_config(cfg, D)
+    dev = qkv.q8.device
+    for name, x in (("q", qkv.q8), ("k", qkv.k8)):
+        if x.stride(2) != 1 or x.stride(1) != D:
+            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
+    if qkv.vt8.stride(2) != 1:
+        raise ValueError("vt8 must be (Hkv, D, T_pad) with unit stride over tokens")
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
+        (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
+    out = alloc((T, Hq, D), out_dtype)
+    lse = alloc((Hq, T), torch.float32)
+    if T == 0:
+        return out, lse
+    BM, BN = cfg.block_m, cfg.block_n
+    if schedule is None or (schedule.block_m, schedule.block_n, schedule.causal) != (BM, BN, causal):
+        # memoized on cu_seqlens like the Triton path: building the work list is a dozen small
+        # torch ops (~0.8 ms of host time), more than the whole kernel on short documents
+        schedule = per_cu_seqlens(cu_seqlens, ("schedule", T, BM, BN, bool(causal)),
+                                  lambda: build_schedule(cu_seqlens, T, BM, BN, causal))
+    qd, kd, vd, skd, svd = _descriptors(qkv, 64 if cfg.ws else BM, BN)
+    n_items = schedule.items.shape[1]
+    args = (qd, kd, vd, skd, svd, qkv.sq, qkv.vcap, out, lse, schedule.items, cu_seqlens,
+            out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E)
+    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    global LAST_KERNEL
+    if cfg.ws:
+        LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
+            *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,
+            PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+            num_warps=cfg.num_warps, **extra)
+    else:
+        LAST_KERNEL = _attn_fwd_gluon_kernel[(n_items * Hq,)](
+            *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
+            num_warps=cfg.num_warps, **extra)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-only (CPU): build the sm_90a binary through the real launcher, nothing executes.
+# ---------------------------------------------------------------------------------------------
+
+PTX_COUNTS = {
+    "wgmma": r"wgmma\.mma_async",
+    "wait": r"wgmma\.wait_group",
+    "commit": r"wgmma\.commit_group",
+    "fence_wg": r"wgmma\.fence",
+    "bar": r"\bbar\.sync|barrier\.sync",
+    "ex2": r"ex2\.approx",
+    "cvt_e4m3": r"cvt\.rn\.satfinite\.e4m3x2",
+    "tma": r"cp\.async\.bulk\.tensor",
+    "mbar_wait": r"mbarrier\.try_wait",
+    "st_shared": r"\bst\.shared",
+    "ld_shared": r"\bld\.shared",
+    "shfl": r"shfl\.sync",
+    "local": r"\.local\.",
+    "setmaxnreg": r"setmaxnreg\.",
+}
+
+
+class gluon_compile_only:
+    """Context manager: Gluon (and Triton) kernel launches compile for sm_90a instead of running.
+
+    Like flamia.ops._interp.compile_only, but builds a GluonASTSource for Gluon functions. Needs
+    TRITON_INTERPRET unset when the kernels were defined (real JIT functions).
+    """
+
+    def __init__(self, arch: int = 90, warp_size: int = 32):
+        self.arch, self.warp_size = arch, warp_size
+        self.built: list = []
+
+    def __enter__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        target = GPUTarget("cuda", self.arch, self.warp_size)
+        backend = make_backend(target)
+        built = self.built
+        self._orig = JITFunction.run
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound_args, specialization, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                                  specialization, options)
+            src_cls = GluonASTSource if fn.is_gluon() else ASTSource
+            kernel = triton.compile(src_cls(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+            built.append((fn.__name__, kernel))
+            return kernel
+
+        JITFunction.run = run
+        return built
+
+    def __exit__(self, *exc):
+        from triton.runtime.jit import JITFunction
+        JITFunction.run = self._orig
+        return False
+
+
+def _fake_qkv(T: int, Hq: int, Hkv: int, D: int) -> QuantizedQKV:
+    f8 = torch.float8_e4m3fn
+    z = lambda *s: torch.zeros(*s, dtype=f8)            # noqa: E731
+    tp = (T + 15) // 16 * 16
+    return QuantizedQKV("fp8", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
+                        torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=True,
+                        vt8=z(Hkv, D, tp))
+
+
+def compile_report(cfg: GluonFwdConfig, D: int, causal: bool = True, T: int = 4096, Hq: int = 8,
+                   Hkv: int = 2) -> dict:
+    """Compile the Gluon forward for sm_90a on the CPU; registers / spills / smem / PTX counts."""
+    from ._interp import resource_usage
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_report needs TRITON_INTERPRET unset (run it in a subprocess)")
+    qkv = _fake_qkv(T, Hq, Hkv, D)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    with gluon_compile_only() as built:
+        attention_forward_gluon(qkv, cu, T, causal, None, torch.bfloat16, config=cfg)
+    (_, kern), = built
+    u = resource_usage(kern)
+    ptx = kern.asm["ptx"]
+    u.update({k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
+    # warp-specialized: "regs" is the launch budget (maxnreg); the partitions' own budgets are
+    # the setmaxnreg operands (consumer(s) first, producer last in the PTX)
+    u["partition_regs"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    u["ptx"] = ptx
+    u["kernel"] = kern
+    return u

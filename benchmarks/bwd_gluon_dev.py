@@ -40,6 +40,16 @@ Checks:
    2 * Hq * D * L^2 / 2 causal, i.e. 4 * Hq * D * sum(L^2) (the convention of NOTES.md's
    "77 ms, ~230 TFLOP/s" at doc32k).
 Every config / workload runs under try/except (tracebacks printed) so the table always prints.
+
+--kernel dq: the same phases for the Gluon dQ kernel (backward_gluon.launch_dq_gluon) against the
+Triton dQ (backward.launch_dq, FLAMIA_GLUON=0), dQ only; configs from DQ_CONFIGS, ladder
+DQ_LADDER (safe: 1 stage, sk / sv by gl.load, sync wgmma; sync: + 2-stage kv ring; vecload: +
+async wgmma; default: + sk / sv (1, BN) TMA boxes of padded (Hkv, Tp) copies; ns2: default with
+a 2-stage ring; w8: BM = 128, two warpgroups sharing each K / V / kT tile, 1 CTA / SM). P1 for dQ: dO zero after t, q / k / v after t
+perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 causal GEMMs.
+
+    python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
+    python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
 """
 from __future__ import annotations
 
@@ -65,6 +75,7 @@ from flamia.ops import backward_gluon as G  # noqa: E402
 T0 = time.time()
 RESULTS: dict = {"checks": [], "p1": [], "timing": [], "compile": [], "errors": [], "steps": []}
 JSON_PATH: str | None = None        # --json: progress file the --isolate parent reads
+KERNEL = "dkdv"                     # --kernel: dkdv or dq (set in main before anything runs)
 
 CONFIGS = {
     "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, no vector TMA, sync MMA
@@ -78,6 +89,31 @@ CONFIGS = {
     "w8ns4": "bn=128,num_warps=8,stages=4",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
+
+# --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
+DQ_CONFIGS = {
+    "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, sk / sv by gl.load, sync MMA
+    "sync": "stages=2,vec_tma=False,sync_mma=True",      # + kv TMA ring prefetch
+    "vecload": "vec_tma=False",                          # + async wgmma (default stages)
+    "default": None,                                     # default_dq_config: + sk / sv TMA boxes
+    "ns2": "stages=2",
+    "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
+    "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
+}
+DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
+
+
+def kernel_configs():
+    return DQ_CONFIGS if KERNEL == "dq" else CONFIGS
+
+
+def kernel_ladder():
+    return DQ_LADDER if KERNEL == "dq" else LADDER
+
+
+def out_names():
+    """The gradients the kernel under test writes, and their index in (dq, dk, dv)."""
+    return (("dq", 0),) if KERNEL == "dq" else (("dk", 1), ("dv", 2))
 
 # name -> (doc lengths, Hq, Hkv, D); longtail comes from the packaged suite when present
 WORKLOADS = {
@@ -128,20 +164,21 @@ def step_done(**kw):
 def expand_configs(spec: str) -> list[str]:
     names = []
     for c in spec.split(","):
-        names.extend(LADDER if c == "ladder" else [c.replace(";", ",")])
+        names.extend(kernel_ladder() if c == "ladder" else [c.replace(";", ",")])
     return names
 
 
 def make_cfg(name: str, D: int):
-    base = G.default_gluon_config(D)
-    spec = CONFIGS.get(name, name)          # unknown names are parsed as key=value lists
+    dq = KERNEL == "dq"
+    base = G.default_dq_config(D) if dq else G.default_gluon_config(D)
+    spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
     if not spec:
         return base
     over = {}
     for kv in spec.split(","):
         k, v = kv.split("=")
         over[k] = (v == "True") if v in ("True", "False") else int(v)
-    return G.GluonDkdvConfig(**{**base.__dict__, **over})
+    return (G.GluonDqConfig if dq else G.GluonDkdvConfig)(**{**base.__dict__, **over})
 
 
 def packaged_workloads():
@@ -167,24 +204,54 @@ def cmp(x, ref):
                 fro_rel=(d.norm() / ref.norm().clamp_min(1e-30)).item(), finite=fin)
 
 
+def outs(st):
+    return tuple(getattr(st, n) for n, _ in out_names())
+
+
 def poison(st):
-    st.dk.fill_(float("nan"))
-    st.dv.fill_(float("nan"))
+    for x in outs(st):
+        x.fill_(float("nan"))
+
+
+def triton_launch(st):
+    """The Triton kernel under comparison: backward.launch_dq / launch_dkdv with FLAMIA_GLUON=0,
+    so the reference stays the Triton kernel where the Gluon one is wired in."""
+    old = os.environ.get("FLAMIA_GLUON")
+    os.environ["FLAMIA_GLUON"] = "0"
+    try:
+        (B.launch_dq if KERNEL == "dq" else B.launch_dkdv)(st)
+    finally:
+        if old is None:
+            os.environ.pop("FLAMIA_GLUON", None)
+        else:
+            os.environ["FLAMIA_GLUON"] = old
+
+
+def gluon_launch(st, cfg, vecs=None):
+    if KERNEL == "dq":
+        G.launch_dq_gluon(st, cfg, vecs)
+    else:
+        G.launch_dkdv_gluon(st, cfg, vecs)
+
+
+def gluon_vecs(st):
+    """The padded vectors the vec_tma configs read (built once per state, timed apart)."""
+    return G.padded_kv_vectors(st) if KERNEL == "dq" else G.padded_vectors(st)
 
 
 def run_triton(st):
     poison(st)
-    B.launch_dkdv(st)
+    triton_launch(st)
     torch.cuda.synchronize()
-    return st.dk.clone(), st.dv.clone()
+    return tuple(x.clone() for x in outs(st))
 
 
 def run_gluon(st, cfg, vecs=None):
     poison(st)
     torch.cuda.synchronize()          # a fault in poison() is not the kernel's
-    G.launch_dkdv_gluon(st, cfg, vecs)
+    gluon_launch(st, cfg, vecs)
     torch.cuda.synchronize()
-    return st.dk.clone(), st.dv.clone()
+    return tuple(x.clone() for x in outs(st))
 
 
 def time_ms(fn, warmup=3, reps=20):
@@ -250,7 +317,7 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
         try:
             cfg = make_cfg(cname, D)
             if cfg.vec_tma:
-                bad = G.check_tma_coords(st, cfg)
+                bad = (G.check_tma_coords_dq if KERNEL == "dq" else G.check_tma_coords)(st, cfg)
                 if bad:
                     log(f"{tag} {cname}: TMA coordinate rules violated on the host side: {bad}")
             step(f"{tag} gluon", config=cname, D=D, causal=causal, Hq=Hq, Hkv=Hkv,
@@ -258,7 +325,9 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
             gk = run_gluon(st, cfg)
             line, row = [], dict(case=tag, D=D, causal=causal, config=cname)
             ok_case = True
-            for name, xg, xt, xr, x64_ in zip(("dk", "dv"), gk, tk, ref[1:], g64[1:]):
+            names = [n for n, _ in out_names()]
+            for name, xg, xt, xr, x64_ in zip(names, gk, tk, [ref[i] for _, i in out_names()],
+                                              [g64[i] for _, i in out_names()]):
                 e_g = (xg.double() - x64_).abs().max().item()
                 e_t = (xt.double() - x64_).abs().max().item()
                 e_r = (xr.double() - x64_).abs().max().item()
@@ -395,18 +464,19 @@ def p1_check(cfg_names):
 # ------------------------------------------------------------------------------------------------
 
 def print_table(rows):
-    print("\n| workload | D | impl | config | ms | TFLOP/s | vs triton | dK max/fro rel | "
-          "dV max/fro rel | finite |")
-    print("|" + "---|" * 10)
+    names = [n for n, _ in out_names()]
+    print("\n| workload | D | impl | config | ms | TFLOP/s | vs triton | "
+          + " | ".join(f"{n} max/fro rel" for n in names) + " | finite |")
+    print("|" + "---|" * (8 + len(names)))
     for r in rows:
         if r["impl"] == "triton":
-            print(f"| {r['workload']} | {r['D']} | triton | kv{r['config']} | {r['ms']:.3f} | "
-                  f"{r['tflops']:.0f} | 1.00x | - | - | - |")
+            print(f"| {r['workload']} | {r['D']} | triton | {r['config']} | {r['ms']:.3f} | "
+                  f"{r['tflops']:.0f} | 1.00x | " + " | ".join("-" for _ in names) + " | - |")
         else:
             print(f"| {r['workload']} | {r['D']} | gluon | {r['config']} | {r['ms']:.3f} | "
-                  f"{r['tflops']:.0f} | {r['speedup']:.2f}x | {r['dk']['max_rel']:.1e} / "
-                  f"{r['dk']['fro_rel']:.1e} | {r['dv']['max_rel']:.1e} / {r['dv']['fro_rel']:.1e}"
-                  f" | {r['dk']['finite'] and r['dv']['finite']} |")
+                  f"{r['tflops']:.0f} | {r['speedup']:.2f}x | "
+                  + " | ".join(f"{r[n]['max_rel']:.1e} / {r[n]['fro_rel']:.1e}" for n in names)
+                  + f" | {all(r[n]['finite'] for n in names)} |")
     sys.stdout.flush()
 
 
@@ -417,17 +487,20 @@ def workloads(names, cfg_names, reps):
             lengths, Hq, Hkv, D = WORKLOADS[wname]
             _, _, _, cu, dout, qkv, out, lse = kernel_inputs(lengths, Hq, Hkv, D)
             st = state(dout, out, lse, qkv, cu, max(lengths), True)
-            # 4 causal GEMMs of 2 * Hq * D * L^2 / 2 each (2x fwd_flops; NOTES' 230 TFLOP/s)
-            flops = 4 * sum(Hq * D * L * L for L in lengths)
+            # causal GEMMs of 2 * Hq * D * L^2 / 2 each: 4 for dK/dV (2x fwd_flops; NOTES' 230
+            # TFLOP/s), 3 for dQ (S, dP, dS K; "32 ms, ~410 TFLOP/s" at doc32k)
+            flops = (3 if KERNEL == "dq" else 4) * sum(Hq * D * L * L for L in lengths)
             step(f"{wname} triton")
             ref = run_triton(st)
-            t_tr = time_ms(lambda: B.launch_dkdv(st), reps=reps)
+            t_tr = time_ms(lambda: triton_launch(st), reps=reps)
             step_done()
-            rows.append(dict(workload=wname, D=D, impl="triton", config=str(st.cfg.kv_bn) + "x"
-                             + str(st.cfg.kv_bm), ms=t_tr, tflops=flops / t_tr / 1e9))
-            log(f"{wname}: triton dkdv {t_tr:.3f} ms ({flops / t_tr / 1e9:.0f} TFLOP/s)")
-            vecs = G.padded_vectors(st)
-            t_vec = time_ms(lambda: G.padded_vectors(st), reps=reps)
+            tcfg = (f"q{st.cfg.q_bm}x{st.cfg.q_bn}w{st.cfg.q_warps}" if KERNEL == "dq"
+                    else f"kv{st.cfg.kv_bn}x{st.cfg.kv_bm}")
+            rows.append(dict(workload=wname, D=D, impl="triton", config=tcfg, ms=t_tr,
+                             tflops=flops / t_tr / 1e9))
+            log(f"{wname}: triton {KERNEL} {t_tr:.3f} ms ({flops / t_tr / 1e9:.0f} TFLOP/s)")
+            vecs = gluon_vecs(st)
+            t_vec = time_ms(lambda: gluon_vecs(st), reps=reps)
             log(f"{wname}: padded-vector gather (vec_tma configs, not in the kernel times) "
                 f"{t_vec:.3f} ms")
         except Exception as e:   # noqa: BLE001
@@ -442,17 +515,18 @@ def workloads(names, cfg_names, reps):
                 cfg = make_cfg(cname, D)
                 step(f"{wname} gluon", config=cname)
                 gk = run_gluon(st, cfg, vecs)
-                c_dk, c_dv = cmp(gk[0], ref[0]), cmp(gk[1], ref[1])
-                t_g = time_ms(lambda: G.launch_dkdv_gluon(st, cfg, vecs), reps=reps)
+                cs = {n: cmp(x, y) for (n, _), x, y in zip(out_names(), gk, ref)}
+                t_g = time_ms(lambda: gluon_launch(st, cfg, vecs), reps=reps)
                 row = dict(workload=wname, D=D, impl="gluon", config=cname, ms=t_g,
-                           tflops=flops / t_g / 1e9, speedup=t_tr / t_g, dk=c_dk, dv=c_dv,
+                           tflops=flops / t_g / 1e9, speedup=t_tr / t_g, **cs,
                            gather_ms=t_vec if cfg.vec_tma else 0.0)
                 rows.append(row)
                 step_done()
                 log(f"{wname}: gluon {cname} {t_g:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
-                    f"{t_tr / t_g:.2f}x)  dk max {c_dk['max_rel']:.2e} fro {c_dk['fro_rel']:.2e}"
-                    f"  dv max {c_dv['max_rel']:.2e} fro {c_dv['fro_rel']:.2e}"
-                    f"  finite {c_dk['finite'] and c_dv['finite']}")
+                    f"{t_tr / t_g:.2f}x)  "
+                    + "  ".join(f"{n} max {c['max_rel']:.2e} fro {c['fro_rel']:.2e}"
+                                for n, c in cs.items())
+                    + f"  finite {all(c['finite'] for c in cs.values())}")
             except Exception as e:   # noqa: BLE001
                 traceback.print_exc()
                 RESULTS["errors"].append(dict(what=f"{wname} gluon {cname}", error=repr(e)[:400]))
@@ -478,7 +552,7 @@ def cpu_smoke(cfg_names):
                 try:
                     cfg = make_cfg(cname, D)
                     st = G.fake_state(D, causal=causal)
-                    kern = G.compile_sm90(st, cfg)
+                    kern = (G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90)(st, cfg)
                     r = G.resource_report(kern)
                     RESULTS["compile"].append(dict(D=D, causal=causal, config=cname, **r))
                     print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {r['spill_stores']:>5} "
@@ -502,7 +576,7 @@ def precompile_worker(job: str):
     st = G.fake_state(int(D), T=1024, Hq=8, Hkv=2, causal=causal == "True", rotate=True,
                       lengths=[300, 0, 1, 723],
                       grad_dtype=torch.float32 if dt == "f32" else torch.bfloat16)
-    G.compile_sm90(st, make_cfg(cname, int(D)))
+    (G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90)(st, make_cfg(cname, int(D)))
 
 
 def precompile(cfg_names, jobs, timeout):
@@ -515,7 +589,7 @@ def precompile(cfg_names, jobs, timeout):
     per = max(1, (len(todo) + jobs - 1) // jobs)
     for i in range(0, len(todo), per):
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--precompile-worker",
+            [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--precompile-worker",
              ",".join(todo[i:i + per])], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     for p in procs:
@@ -539,7 +613,8 @@ def _child(args_list, env_extra, timeout, json_path):
     env = dict(os.environ)
     env.pop("OUT", None)
     env.update(env_extra)
-    cmd = [sys.executable, os.path.abspath(__file__), "--json", json_path, *args_list]
+    cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", json_path,
+           *args_list]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -596,7 +671,8 @@ def isolate(args, cfg_names):
             jp = os.path.join(tmp, f"smoke_{c.replace(',', '_')}.json")
             sargs = ["--phase", "smoke", "--configs", c.replace(",", ";")]
             env = {"CUDA_LAUNCH_BLOCKING": "1"}
-            cmd = [sys.executable, os.path.abspath(__file__), "--json", jp, *sargs]
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", jp,
+                   *sargs]
             full_env = dict(os.environ)
             full_env.pop("OUT", None)
             full_env.update(env)
@@ -645,7 +721,7 @@ def isolate(args, cfg_names):
                 status = f"FAIL ({n_ok}/{len(checks)} checks ok)"
             worst = {}
             for r in checks:
-                for nm in ("dk", "dv"):
+                for nm, _ in out_names():
                     if nm in r:
                         w = worst.setdefault(nm, [0.0, 0.0])
                         w[0] = max(w[0], r[nm]["vs_triton"]["max_rel"])
@@ -707,11 +783,12 @@ def isolate(args, cfg_names):
         p1 = s.get("p1")
         p1s = (f" | P1 det={p1['deterministic']} prefix={p1['prefix_bitwise']} "
                f"suffix0={p1['suffix_zero']}" if p1 else "")
-        perf = "; ".join(f"{r['workload']} {r['ms']:.2f} ms {r['speedup']:.2f}x dk fro "
-                         f"{r['dk']['fro_rel']:.1e} dv fro {r['dv']['fro_rel']:.1e}"
-                         f"{'' if r['dk']['finite'] and r['dv']['finite'] else ' NONFINITE'}"
+        perf = "; ".join(f"{r['workload']} {r['ms']:.2f} ms {r['speedup']:.2f}x "
+                         + " ".join(f"{n} max {r[n]['max_rel']:.1e} fro {r[n]['fro_rel']:.1e}"
+                                    for n, _ in out_names())
+                         + ("" if all(r[n]["finite"] for n, _ in out_names()) else " NONFINITE")
                          for r in s.get("rows", []))
-        print(f"RESULT {c} [{make_cfg(c, 128)}]: smoke {s['smoke']}{p1s} | perf "
+        print(f"RESULT {'dq ' if KERNEL == 'dq' else ''}{c} [{make_cfg(c, 128)}]: smoke {s['smoke']}{p1s} | perf "
               f"{s['perf'] if not perf or s['perf'] != 'done' else ''}{perf}", flush=True)
     tr = {}
     for res in merged["perf"]:
@@ -719,19 +796,27 @@ def isolate(args, cfg_names):
             if r["impl"] == "triton":
                 tr[r["workload"]] = r["ms"]
     if tr:
-        print("RESULT triton reference: " + "; ".join(f"{w} {ms:.2f} ms" for w, ms in tr.items()))
+        print(f"RESULT triton {'dq ' if KERNEL == 'dq' else ''}reference: "
+              + "; ".join(f"{w} {ms:.2f} ms" for w, ms in tr.items()))
     log(f"isolate done in {time.time() - T0:.0f}s (deadline {args.deadline}s)")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "bwd_gluon_dev.json"), "w") as fh:
+        with open(os.path.join(out, json_name()), "w") as fh:
             json.dump(merged, fh, indent=1, default=str)
 
 
+def json_name():
+    return "bwd_gluon_dev_dq.json" if KERNEL == "dq" else "bwd_gluon_dev.json"
+
+
 def main():
-    global JSON_PATH
+    global JSON_PATH, KERNEL
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv",
+                    help="dkdv: Gluon dK/dV vs launch_dkdv; dq: Gluon dQ vs Triton launch_dq")
     ap.add_argument("--configs", default="default",
-                    help=f"comma list of {sorted(CONFIGS)}, 'ladder' ({','.join(LADDER)}), or "
+                    help=f"comma list of {sorted(CONFIGS)} (dq: {sorted(DQ_CONFIGS)}), 'ladder' "
+                         f"({','.join(LADDER)}; dq: {','.join(DQ_LADDER)}), or "
                          "key=value;key=value overrides")
     ap.add_argument("--workloads", default=None,
                     help=f"default: all ({','.join(WORKLOADS)}); with --isolate "
@@ -753,6 +838,7 @@ def main():
     ap.add_argument("--no-precompile", dest="precompile", action="store_false")
     ap.add_argument("--precompile-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    KERNEL = args.kernel
     if args.precompile_worker:
         for job in args.precompile_worker.split(","):
             try:
@@ -798,7 +884,7 @@ def main():
     if out and not JSON_PATH:
         RESULTS["env"] = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                               triton=__import__("triton").__version__, checks_ok=ok)
-        with open(os.path.join(out, "bwd_gluon_dev.json"), "w") as fh:
+        with open(os.path.join(out, json_name()), "w") as fh:
             json.dump(RESULTS, fh, indent=1, default=str)
 
 

@@ -68,3 +68,20 @@ for family in ("outliers", "mild"):
         diff = (s != st.T)
         print(f"{family:8s} S vs (k8 q8^T)^T, tiles {bm}x{bn}: {diff.sum().item()} of {T * T} "
               f"elements differ, max |diff| {(s - st.T).abs().max().item():.3e}", flush=True)
+
+# The same question for bf16 operands (the bf16 recipe's QK^T): does the bf16 wgmma sum in full
+# fp32? Scores of bf16-rounded q, k (unrotated, as the bf16 recipe uses them) vs float64.
+for family in ("outliers", "mild"):
+    q, k, v, cu = make_qkv((T,), 1, 1, D, family, device="cuda", seed=1)
+    qb, kb = q[:, 0].contiguous(), k[:, 0].contiguous()
+    exact = (qb.double() @ kb.double().T) * D ** -0.5
+    mask = torch.ones(T, T, dtype=torch.bool, device="cuda").triu(1)
+    for kc in (128, 32):
+        s = torch.empty(T, T, device="cuda")
+        _scores[(T // 64, T // 64)](qb, kb, s, T, D=D, KC=kc, BM=64, BN=64, num_warps=4)
+        err = ((s.double() * D ** -0.5) - exact).abs().masked_fill(mask, 0)
+        s32 = (qb.float() @ kb.float().T) * D ** -0.5          # torch fp32 GEMM (cuBLAS)
+        err32 = (s32.double() - exact).abs().masked_fill(mask, 0)
+        print(f"{family:8s} bf16 K-chunk {kc:3d}: max |score err| {err.max().item():.3e} "
+              f"(cuBLAS fp32 of the same bf16 values {err32.max().item():.3e}; max |score| "
+              f"{exact.masked_fill(mask, 0).abs().max().item():.1f})", flush=True)

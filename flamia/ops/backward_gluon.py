@@ -1,4 +1,4 @@
-"""Gluon (Hopper sm_90a) dK/dV kernel for the `fp8` recipe (experimental, not wired into the API).
+"""Gluon (Hopper sm_90a) dK/dV and dQ kernels for the `fp8` recipe.
 
 Same function as `backward._bwd_dkdv` with RECIPE == 0, fused dK and dV, no DQ_ATOMIC: it
 consumes the `BwdState` of `backward.make_state` + `backward.launch_preprocess` and writes
@@ -48,8 +48,30 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
-Importable without a GPU; `compile_sm90` builds the kernel for sm_90a on a CPU-only machine
-(benchmarks/bwd_gluon_dev.py --cpu-smoke, tests/test_ops_backward_gluon.py).
+dQ (`launch_dq_gluon`, experimental, not wired into backward.launch_dq): `backward._bwd_dq` /
+`_dq_tile` for RECIPE == 0 with the same ingredients. One program per (document, query head,
+query block of BM = 64 rows; the last block first), one warpgroup (GluonDqConfig.bm = 128: two
+warpgroups sharing each kv tile), loop over the kv blocks j0 = 0, BN, .. (j <= i causal):
+
+    S  = (q8_i k8_j^T) * sk_j * rowf_i              rowf_i = sq_i * sm_scale * log2(e)
+    P  = exp2(S - lse2_i)
+    t  = (do8_i v8_j^T) * sv_j - Delta_i             (Delta in units of sdo_i)
+    b  = P t sk_j                                    masked (where) on diagonal / end tiles
+    dQ_i += c_i * (e4m3(b / c_i) @ kT8_j)            c_i = _pow2_scale(max_j |b|) over the tile
+    epilogue: dQ_i * sdo_i * sm_scale, rotate back, cast
+
+q8_i / do8_i come once by TMA (A operands of S / dP from shared memory); an NS-stage TMA ring
+brings k8_j, v8_j (token-major, B operands of S / dP), kT8_j (K-major, padded columns, B operand
+of the dQ GEMM) and sk_j / sv_j as (1, BN) boxes of (Hkv, Tp) padded copies (`padded_kv_vectors`,
+same 16-byte rule as above). BN = 64 = the Triton kernel's, so the per-row scales c_i are over the
+same key subsets. The per-query lse / Delta / sq / sdo are plain masked loads, once per program.
+The end tile (keys past the document end, the next document's bytes) gets kT8's out-of-document
+columns zeroed in shared memory and b masked with `where`; rows past the end only reach their own
+(unstored) rows of dQ.
+
+Importable without a GPU; `compile_sm90` / `compile_dq_sm90` build the kernels for sm_90a on a
+CPU-only machine (benchmarks/bwd_gluon_dev.py --cpu-smoke [--kernel dq],
+tests/test_ops_backward_gluon.py).
 """
 from __future__ import annotations
 
@@ -84,6 +106,20 @@ class GluonDkdvConfig:
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
     return GluonDkdvConfig(stages=3 if D <= 64 else 2)
+
+
+@dataclass(frozen=True)
+class GluonDqConfig:
+    bm: int = 64          # query rows per CTA (16 per warp: one m64 wgmma block per warpgroup)
+    bn: int = 64          # keys per step
+    stages: int = 3       # kv ring depth (D=128: ~99 KB smem with the rotate tile -> 2 CTAs / SM)
+    vec_tma: bool = True  # sk / sv by (1, BN) TMA boxes of padded (Hkv, Tp) copies (False: gl.load)
+    num_warps: int = 4
+    sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
+
+
+def default_dq_config(D: int) -> GluonDqConfig:
+    return GluonDqConfig(stages=4 if D <= 64 else 3)
 
 
 if HAVE_GLUON:
@@ -426,6 +462,196 @@ if HAVE_GLUON:
             if NCH == 2:
                 _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
 
+    # ------------------------------------------------------------------------------------------
+    # dQ (same numerics as backward._dq_tile, RECIPE == 0)
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _issue_kv(jt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                  k_s, v_s, kT_s, sk_s, sv_s, ready, pred,
+                  D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, VEC_TMA: gl.constexpr):
+        """TMA loads of kv tile `jt` (keys j0 = jt * BN of the document) into ring slot jt % NS:
+        k8_j, v8_j (token-major), kT8_j (K-major, padded columns) and with VEC_TMA sk_j, sv_j
+        ((1, BN) boxes of the padded (Hkv, Tp) copies)."""
+        j0 = jt * BN
+        s = jt % NS
+        bar = ready.index(s)
+        if VEC_TMA:
+            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                    + kT_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
+        else:
+            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                    + kT_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], bar, k_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [start + j0, hk * D], bar, v_s.index(s), pred=pred)
+        # pstart % 16 == 0 and j0 % BN == 0: 16-byte aligned innermost coordinates (fp8, fp32)
+        tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], bar, kT_s.index(s),
+                                        pred=pred)
+        if VEC_TMA:
+            tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], bar, sk_s.index(s),
+                                            pred=pred)
+            tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
+                                            pred=pred)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dq_fp8_kernel(
+        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+        lse, delta, sq, sdo, sk, sv, dq, hmat, cu, pcu,
+        T, stride_dqt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        # One MMA layout for S, dP and the 64-column chunks of the dQ results / accumulators: the
+        # per-query vectors (ROW) and per-key vectors (COL) broadcast without conversions.
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per key (columns of S)
+
+        pid = gl.program_id(0)
+        doc = pid // HQ
+        h = pid % HQ
+        hk = h // GROUP
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        # the document's last (longest causal) query block first, as backward._bwd_dq
+        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)
+        if ib < 0:
+            return
+        m0 = ib * BM
+
+        # --- shared memory ------------------------------------------------------------------
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [BM, D], do_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
+        v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
+        kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
+        if VEC_TMA:   # (1, BN) boxes, the descriptors' (unswizzled) layout
+            sk_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sk_desc.layout)
+            sv_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sv_desc.layout)
+        else:   # placeholders, never touched
+            sk_s = k_s
+            sv_s = k_s
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for si in gl.static_range(NS):
+            mbarrier.init(ready.index(si), count=1)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
+        tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
+
+        if CAUSAL:
+            hi = gl.minimum(m0 + BM, L_doc)
+            mask_from = m0        # tiles reaching past the block's first row: causal mask
+            shift = 0             # key <= query on those tiles
+        else:
+            hi = L_doc
+            mask_from = L_doc     # only the end tile
+            shift = L_doc         # never binding
+        total = gl.cdiv(hi, BN)
+        for pi in gl.static_range(NS - 1):
+            _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                      k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
+
+        # per-query values, once per program (masked loads: rows past the end get lse = +inf)
+        m_idx = m0 + gl.arange(0, BM, layout=ROW)
+        m_ok = m_idx < L_doc
+        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
+                       other=float("inf")) * 1.4426950408889634
+        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
+        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+
+        zero = gl.zeros([BM, CH], gl.float32, L)
+        acc0 = gl.zeros([BM, CH], gl.float32, L)
+        acc1 = gl.zeros([BM, CH], gl.float32, L)
+        mbarrier.wait(q_bar, 0)
+
+        for jt in range(total):
+            # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with two
+            # warpgroups also the other one's wgmmas) before the TMA refill overwrites it
+            gl.thread_barrier()
+            nxt = jt + NS - 1
+            _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                      k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
+            s = jt % NS
+            j0 = jt * BN
+            end = j0 + BN > L_doc
+            need_mask = j0 + BN > mask_from
+            n_idx = j0 + gl.arange(0, BN, layout=COL)
+            mbarrier.wait(ready.index(s), (jt // NS) & 1)
+            ks = k_s.index(s)
+            vs = v_s.index(s)
+            kTs = kT_s.index(s)
+
+            s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
+            dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
+
+            if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
+                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            sc = _mma_wait(s_tok, 1, SYNC)
+            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
+            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                        - gl.expand_dims(lse2, 1))
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            dp = _mma_wait(dp_tok, 0, SYNC)
+            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
+            # sk_j again from shared memory / L1: not kept live across the wgmma waits
+            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = p * t * gl.expand_dims(sk_j2, 0)
+            if need_mask:   # where, not * 0: keys past the end (next document) may be NaN
+                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
+                      & gl.expand_dims(n_idx < L_doc, 0))
+                b = gl.where(ok, b, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+
+            # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
+            if NCH == 2:
+                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                d0 = _mma_wait(d0_tok, 1, SYNC)
+                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                d1 = _mma_wait(d1_tok, 0, SYNC)
+                acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+            else:
+                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
+                d0 = _mma_wait(d0_tok, 0, SYNC)
+                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(si))
+        mbarrier.invalidate(q_bar)
+
+        # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
+        f = gl.load(sdo + h * T + start + m_idx, mask=m_ok, other=0.0) * sm_scale
+        acc0 = acc0 * gl.expand_dims(f, 1)
+        acc1 = acc1 * gl.expand_dims(f, 1)
+        row_off = (start + m_idx) * stride_dqt + h * D
+        if ROTATE:
+            _rotate_store(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, D, BM, NCH, L,
+                          num_warps)
+        else:
+            _store_chunk(acc0, dq, m_ok, row_off, 0, L)
+            if NCH == 2:
+                _store_chunk(acc1, dq, m_ok, row_off, CH, L)
+
 
 # ----------------------------------------------------------------------------------------------
 # Launcher
@@ -546,22 +772,132 @@ def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> N
 
 
 # ----------------------------------------------------------------------------------------------
+# dQ launcher
+# ----------------------------------------------------------------------------------------------
+
+def padded_kv_vectors(st):
+    """sk, sv as (Hkv, Tp) fp32 in the padded per-document column layout (pads 0), so the dQ
+    kernel's (1, BN) boxes start at the 16-aligned column pcu[doc] + j0 (the packed (Hkv, T)
+    vectors' hk * T + start + j0 is not TMA-legal). 2 gathers of Hkv x Tp floats; production
+    would have the quantization write them padded."""
+    toc = st.tok_of_col.long()
+    pad = toc < 0
+    idx = toc.clamp(min=0)
+    out = []
+    for x in (st.sk, st.sv):
+        y = x.float().index_select(1, idx)
+        y.masked_fill_(pad, 0.0)
+        out.append(y)
+    return tuple(out)
+
+
+def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
+    """As check_tma_coords, for what the dQ kernel's TMA coordinates rely on; [] when fine."""
+    cfg = cfg or default_dq_config(st.D)
+    bad = []
+    pcu = st.pcu.tolist()
+    if any(c % 16 for c in pcu):
+        bad.append(f"pcu not 16-aligned: {[c for c in pcu if c % 16][:8]}")
+    if st.Tp % 16:
+        bad.append(f"Tp={st.Tp} not a multiple of 16")
+    if (st.D * st.Hq) % 16 or (st.D * st.Hkv) % 16:
+        bad.append(f"D={st.D}: Hq*D / Hkv*D not 16-byte multiples")
+    for name in ("q8", "k8", "v8", "do8", "kT8"):
+        if getattr(st, name).data_ptr() % 16:
+            bad.append(f"{name} base not 16-byte aligned")
+    if cfg.bn % 16:
+        bad.append(f"bn={cfg.bn}: box bytes not a multiple of 16")
+    return bad
+
+
+def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    f8 = gl.float8e4nv
+
+    def tok_major(x, rows):
+        x2 = x.view(x.shape[0], -1)
+        lay = gl.NVMMASharedLayout.get_default_for([rows, D], f8)
+        return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], lay)
+
+    def k_major(xT):
+        H, _, Tp = xT.shape
+        lay = gl.NVMMASharedLayout.get_default_for([D, BN], f8)
+        return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, BN], lay)
+
+    def vec(x):
+        lay = gl.NVMMASharedLayout.get_default_for([1, BN], gl.float32)
+        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, BN], lay)
+
+    if cfg.vec_tma:
+        vecs = vecs if vecs is not None else padded_kv_vectors(st)
+    else:
+        vecs = (_dummy_vec(st.lse.device, BN),) * 2
+    return (tok_major(st.q8, BM), tok_major(st.do8, BM), tok_major(st.k8, BN),
+            tok_major(st.v8, BN), k_major(st.kT8), *map(vec, vecs))
+
+
+def _dq_args(st, cfg: GluonDqConfig, vecs=None):
+    if not HAVE_GLUON:
+        raise RuntimeError("triton.experimental.gluon is not available")
+    if st.recipe != 0 or st.dq_atomic:
+        raise ValueError("the Gluon dQ kernel implements the fp8 recipe without dq_atomic")
+    if st.D not in (64, 128):
+        raise ValueError(f"the Gluon dQ kernel supports D in (64, 128), not {st.D}")
+    if cfg.bn != CH_ or cfg.bm != 16 * cfg.num_warps or cfg.stages < 1:
+        raise ValueError(f"unsupported Gluon dQ config {cfg}")
+    for x in (st.q8, st.k8, st.v8, st.do8, st.kT8, st.lse, st.delta, st.sq, st.sdo, st.sk,
+              st.sv, st.dq):
+        assert x.is_contiguous()
+    grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.bm))
+    args = (*_dq_descs(st, cfg, vecs), st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq,
+            st.hmat, st.cu, st.pcu, st.T, st.dq.stride(0), st.sm_scale, st.sm_scale * LOG2E,
+            st.D ** -0.5)
+    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
+                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  num_warps=cfg.num_warps)
+    return grid, args, kwargs
+
+
+def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
+    """dQ of the fp8 recipe into st.dq (same contract as backward.launch_dq without dq_atomic:
+    * sdo_i * sm_scale, Hadamard rotate-back when st.rotate, cast to st.dq's dtype). `st` from
+    backward.make_state + backward.launch_preprocess (kT8 needed), on an sm_90a GPU. `vecs`:
+    padded_kv_vectors(st) when the caller already has them (else built here if vec_tma)."""
+    cfg = config or default_dq_config(st.D)
+    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
+        st.dq.zero_()
+        return
+    grid, args, kwargs = _dq_args(st, cfg, vecs)
+    _dq_fp8_kernel[grid](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
 # Compile without a GPU (sm_90a), for the CPU smoke test and the resource report
 # ----------------------------------------------------------------------------------------------
 
 def compile_sm90(st, config: GluonDkdvConfig | None = None):
     """Compile the kernel for `st` (CPU tensors are fine: nothing runs) for sm_90a; returns the
     triton CompiledKernel (asm['ptx'], metadata.shared). Needs TRITON_INTERPRET unset."""
+    cfg = config or default_gluon_config(st.D)
+    _, args, kwargs = _args(st, cfg)
+    return _compile_sm90(_dkdv_fp8_kernel, args, kwargs)
+
+
+def compile_dq_sm90(st, config: GluonDqConfig | None = None):
+    """compile_sm90 for the dQ kernel."""
+    cfg = config or default_dq_config(st.D)
+    _, args, kwargs = _dq_args(st, cfg)
+    return _compile_sm90(_dq_fp8_kernel, args, kwargs)
+
+
+def _compile_sm90(fn, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
-    cfg = config or default_gluon_config(st.D)
-    _, args, kwargs = _args(st, cfg)
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    fn = _dkdv_fp8_kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,

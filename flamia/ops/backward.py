@@ -558,8 +558,10 @@ class BwdConfig:
     # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
     split_dkdv: bool = False
     kv_bm_dv: int = 64
-    # fp8 on sm_90: dK / dV by the Gluon kernel (see _gluon_dkdv_applies); kv_* then unused
+    # fp8 on sm_90: dK / dV and dQ by the Gluon kernels (see _gluon_dkdv_applies); kv_* / q_*
+    # then unused
     gluon_dkdv: bool = True
+    gluon_dq: bool = True
 
 
 # Longest document from which fp8_mixed splits the dK/dV launch (see default_config).
@@ -753,12 +755,13 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
     return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
-def _gluon_dkdv_applies(st: BwdState) -> bool:
-    """The Gluon dK/dV kernel (flamia/ops/backward_gluon.py: TMA ring, async wgmma; 1.6-1.9x
-    the Triton kernel on the H200, benchmarks/NOTES.md) runs the fp8 recipe on sm_90 GPUs.
-    BwdConfig.gluon_dkdv=False or FLAMIA_GLUON=0 keep the Triton kernel (the one CPU CI tests
-    under the interpreter; the GPU tests check both)."""
-    if not (st.cfg.gluon_dkdv and st.recipe == 0 and not st.dq_atomic and not st.interp
+def _gluon_dkdv_applies(st: BwdState, enabled: bool | None = None) -> bool:
+    """The Gluon kernels (flamia/ops/backward_gluon.py: TMA rings, async wgmma; on the H200
+    dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels, benchmarks/NOTES.md) run the fp8 recipe
+    on sm_90 GPUs. BwdConfig.gluon_dkdv=False or FLAMIA_GLUON=0 keep the Triton kernels (the
+    ones CPU CI tests under the interpreter; the GPU tests check both)."""
+    enabled = st.cfg.gluon_dkdv if enabled is None else enabled
+    if not (enabled and st.recipe == 0 and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
     if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
@@ -801,6 +804,10 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
 
 def launch_dq(st: BwdState) -> None:
     cfg = st.cfg
+    if _gluon_dkdv_applies(st, cfg.gluon_dq):
+        from .backward_gluon import launch_dq_gluon
+        launch_dq_gluon(st)       # bitwise the Triton kernel's result (same tiles, same scales)
+        return
     if st.dq_atomic:     # the dK/dV launch accumulated dq_acc
         _dq_finalize[(triton.cdiv(st.T, cfg.pre_bt), st.Hq)](
             st.dq_acc, st.dq, st.hmat, st.T, st.dq.stride(0), st.D ** -0.5,

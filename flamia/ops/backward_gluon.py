@@ -48,7 +48,7 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
-dQ (`launch_dq_gluon`, experimental, not wired into backward.launch_dq): `backward._bwd_dq` /
+dQ (`launch_dq_gluon`, the fp8 default of backward.launch_dq on sm_90): `backward._bwd_dq` /
 `_dq_tile` for RECIPE == 0 with the same ingredients. One program per (document, query head,
 query block of BM = 64 rows; the last block first), one warpgroup (GluonDqConfig.bm = 128: two
 warpgroups sharing each kv tile), loop over the kv blocks j0 = 0, BN, .. (j <= i causal):

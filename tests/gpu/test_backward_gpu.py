@@ -25,7 +25,7 @@ CONFIGS = {
     "small": B.BwdConfig(kv_bn=64, kv_bm=64, kv_warps=4, q_bm=64, q_bn=64, q_warps=4),
     "bm32": B.BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, q_bm=128, q_bn=32, q_warps=8),
     "dq_atomic": B.BwdConfig(dq_atomic=True),     # used with deterministic=False
-    "triton_dkdv": B.BwdConfig(gluon_dkdv=False),  # fp8: the Triton dK/dV kernel, not Gluon's
+    "triton": B.BwdConfig(gluon_dkdv=False, gluon_dq=False),  # fp8: Triton kernels, not Gluon
 }
 
 

@@ -1,0 +1,901 @@
+"""A/B of the Gluon fp8_mixed dK/dV and dQ kernels (flamia/ops/backward_gluon_mixed.py) against
+the Triton fp8_mixed kernels (backward.launch_dkdv / launch_dq with FLAMIA_GLUON=0 and the default
+fp8_mixed BwdConfig: fused BM=32 below 4096 tokens, split dK / dV launches above) on the H200.
+A copy of benchmarks/bwd_gluon_dev.py (same phases, same report lines) with recipe fp8_mixed.
+
+    # the whole run, < 4 minutes: dK/dV ladder, then dQ ladder, each config isolated
+    python benchmarks/bwd_gluon_mixed_dev.py --isolate --kernel dkdv --configs ladder --deadline 125; \
+    python benchmarks/bwd_gluon_mixed_dev.py --isolate --kernel dq --configs ladder --deadline 95
+    python benchmarks/bwd_gluon_mixed_dev.py --cpu-smoke --kernel dq --configs ladder   # no GPU
+
+Config ladders (most conservative first):
+  dK/dV: safe     1 stage, vectors by masked gl.load, every wgmma waited for at once
+         sync     + the 2-stage TMA ring
+         default  + async wgmma, (1, BM) TMA boxes of the padded vectors: the full design
+         earlydv  default with dV's first half issued before dS^T (the fp8 kernel's order)
+  dQ:    safe     1 stage, sk / sv by gl.load, every wgmma waited for at once
+         sync     + the 2-stage kv ring
+         default  + async wgmma, sk / sv TMA boxes: the full design
+         w8       BM = 128, two warpgroups sharing each kv tile
+The host-side bf16 operands (mixed_operands: bf16 V, K copies, bf16 dO) and the padded vectors
+are built once per state and timed apart (not in the kernel times).
+
+--isolate runs every config in its own subprocess, in two phases:
+  smoke (CUDA_LAUNCH_BLOCKING=1, so a crash names its launch): tiny single-document launches
+     (256 tokens, Hq = Hkv = 1: D 128 causal / not, D 64), a packed unaligned GQA case, then the
+     packed small checks (empty / length-1 / unaligned documents) vs float64 autograd and vs the
+     Triton kernel, and NaN-document isolation. Each step prints "STEP ..." before it launches.
+  perf (one subprocess for the configs whose smoke did not crash or hang; restarted past a
+     config that crashes): P1 with the kernel forward, then per workload agreement with the
+     Triton kernel and CUDA-event timing (kernel only; the padded-vector gather timed apart).
+Each config ends with a line "RESULT <config>: smoke PASS|FAIL|CRASH|TIMEOUT ... perf ...".
+The Gluon kernels are compiled for sm_90a beforehand in parallel CPU processes into the Triton
+cache the subprocesses share (--no-precompile to skip), and --deadline bounds the whole run.
+
+Checks (recipe fp8_mixed throughout):
+1. Small checks: reference forward's saved operands -> make_state + launch_preprocess; the
+   Triton and Gluon dK/dV (or dQ) on the same state with NaN-poisoned outputs; both vs float64 autograd
+   (FlashAttention rule against the reference emulation) and vs each other. NaN isolation: a NaN
+   document next to the others must not change their dK/dV bitwise.
+2. P1 for the Gluon path with the kernel forward: dO zero after t, q/k/v after t perturbed
+   (forward re-run): dK/dV at <= t bitwise equal, after t exactly zero; deterministic.
+3. Per workload (kernel quantize + forward make the operands once): Triton and Gluon dK/dV on
+   the same state, max |diff| / max |ref| and relative Frobenius per tensor, then CUDA-event
+   timing (warm-up, median of --reps). dK/dV FLOPs: 4 of the backward's 5 GEMMs, each
+   2 * Hq * D * L^2 / 2 causal, i.e. 4 * Hq * D * sum(L^2) (the convention of NOTES.md's
+   "77 ms, ~230 TFLOP/s" at doc32k).
+Every config / workload runs under try/except (tracebacks printed) so the table always prints.
+
+--kernel dq: the same phases for the Gluon dQ kernel (backward_gluon.launch_dq_gluon) against the
+Triton dQ (backward.launch_dq, FLAMIA_GLUON=0), dQ only; configs from DQ_CONFIGS, ladder
+DQ_LADDER (safe: 1 stage, sk / sv by gl.load, sync wgmma; sync: + 2-stage kv ring; vecload: +
+async wgmma; default: + sk / sv (1, BN) TMA boxes of padded (Hkv, Tp) copies; ns2: default with
+a 2-stage ring; w8: BM = 128, two warpgroups sharing each K / V / kT tile, 1 CTA / SM). P1 for dQ: dO zero after t, q / k / v after t
+perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 causal GEMMs.
+
+    python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
+    python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+if "--cpu-smoke" in sys.argv or "--precompile-worker" in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the interpreter
+
+import torch  # noqa: E402
+
+from flamia.ops import backward as B  # noqa: E402
+from flamia.ops import backward_gluon as G  # noqa: E402
+from flamia.ops import backward_gluon_mixed as M  # noqa: E402
+
+RECIPE = "fp8_mixed"
+
+T0 = time.time()
+RESULTS: dict = {"checks": [], "p1": [], "timing": [], "compile": [], "errors": [], "steps": []}
+JSON_PATH: str | None = None        # --json: progress file the --isolate parent reads
+KERNEL = "dkdv"                     # --kernel: dkdv or dq (set in main before anything runs)
+
+CONFIGS = {
+    "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, no vector TMA, sync MMA
+    "sync": "stages=2,vec_tma=False,sync_mma=True",      # + TMA ring prefetch
+    "vecload": "vec_tma=False",                          # + async wgmma, vectors by gl.load
+    "default": None,                                     # default_mixed_dkdv_config
+    "earlydv": "early_dv=True",                          # dV half 0 before dS^T (more spills)
+    "ns3": "stages=3",                                   # 1 CTA/SM at D=128
+    "carry": "carry=True",                               # C7515-serialized (compile report)
+}
+LADDER = ["safe", "sync", "default", "earlydv"]
+
+DQ_CONFIGS = {
+    "safe": "stages=1,vec_tma=False,sync_mma=True",
+    "sync": "stages=2,vec_tma=False,sync_mma=True",
+    "vecload": "vec_tma=False",
+    "default": None,                                     # default_mixed_dq_config
+    "ns3": "stages=3",                                   # 1 CTA/SM at D=128
+    "w8": "bm=128,num_warps=8",                          # 2 warpgroups share K / V tiles
+    "carry": "carry=True",
+}
+DQ_LADDER = ["safe", "sync", "default", "w8"]
+
+
+def kernel_configs():
+    return DQ_CONFIGS if KERNEL == "dq" else CONFIGS
+
+
+def kernel_ladder():
+    return DQ_LADDER if KERNEL == "dq" else LADDER
+
+
+def out_names():
+    """The gradients the kernel under test writes, and their index in (dq, dk, dv)."""
+    return (("dq", 0),) if KERNEL == "dq" else (("dk", 1), ("dv", 2))
+
+# name -> (doc lengths, Hq, Hkv, D); longtail comes from the packaged suite when present
+WORKLOADS = {
+    "doc32k": ((32768,), 32, 8, 128),
+    "doc8k_x4": ((8192,) * 4, 32, 8, 128),
+    "doc2k_x16": ((2048,) * 16, 32, 8, 128),
+    "doc512_x64": ((512,) * 64, 32, 8, 128),
+    "longtail": ((2167, 130, 309, 1091, 206, 641, 867, 258, 145, 883, 2305, 322, 37, 1, 4099),
+                 32, 8, 128),
+    "d64_doc8k_x4": ((8192,) * 4, 32, 32, 64),
+}
+ISOLATE_WORKLOADS = "doc8k_x4,longtail,d64_doc8k_x4,doc32k"
+
+# smoke steps before the packed checks: (name, lengths, Hq, Hkv, D, causal)
+TINY_STEPS = [
+    ("tiny_d128_causal", (256,), 1, 1, 128, True),
+    ("tiny_d128_full", (256,), 1, 1, 128, False),
+    ("tiny_d64_causal", (256,), 1, 1, 64, True),
+    ("packed_gqa_unaligned", (100, 37, 300), 4, 2, 128, True),
+]
+SMALL_LENGTHS = (300, 0, 1, 777, 1024, 45)
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def dump_progress():
+    if JSON_PATH:
+        tmp = JSON_PATH + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(RESULTS, fh, default=str)
+        os.replace(tmp, JSON_PATH)
+
+
+def step(name, **kw):
+    """Mark the launch about to run (printed and in the progress file: a crash names it)."""
+    RESULTS["steps"].append(dict(step=name, done=False, **kw))
+    dump_progress()
+    log("STEP", name, *(f"{k}={v}" for k, v in kw.items()))
+
+
+def step_done(**kw):
+    RESULTS["steps"][-1].update(done=True, **kw)
+    dump_progress()
+
+
+def expand_configs(spec: str) -> list[str]:
+    names = []
+    for c in spec.split(","):
+        names.extend(kernel_ladder() if c == "ladder" else [c.replace(";", ",")])
+    return names
+
+
+def make_cfg(name: str, D: int):
+    dq = KERNEL == "dq"
+    base = M.default_mixed_dq_config(D) if dq else M.default_mixed_dkdv_config(D)
+    spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
+    if not spec:
+        return base
+    over = {}
+    for kv in spec.split(","):
+        k, v = kv.split("=")
+        over[k] = (v == "True") if v in ("True", "False") else int(v)
+    return (M.MixedDqConfig if dq else M.MixedDkdvConfig)(**{**base.__dict__, **over})
+
+
+def packaged_workloads():
+    try:
+        from flamia.bench.workloads import load_workloads
+        ws, _ = load_workloads()
+        for w in ws:
+            if w.name in ("longtail", "d64_longtail", "d64_doc8k_x4"):
+                WORKLOADS[w.name] = (tuple(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim)
+    except Exception as e:   # noqa: BLE001
+        log("packaged workloads not loaded (using built-in longtail):", e)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def cmp(x, ref):
+    x, ref = x.float(), ref.float()
+    d = (x - ref)
+    fin = bool(torch.isfinite(x).all())
+    return dict(max_rel=(d.abs().max() / ref.abs().max().clamp_min(1e-30)).item(),
+                fro_rel=(d.norm() / ref.norm().clamp_min(1e-30)).item(), finite=fin)
+
+
+def outs(st):
+    return tuple(getattr(st, n) for n, _ in out_names())
+
+
+def poison(st):
+    for x in outs(st):
+        x.fill_(float("nan"))
+
+
+def triton_launch(st):
+    """The Triton kernel under comparison: backward.launch_dq / launch_dkdv with FLAMIA_GLUON=0,
+    so the reference stays the Triton kernel where the Gluon one is wired in."""
+    old = os.environ.get("FLAMIA_GLUON")
+    os.environ["FLAMIA_GLUON"] = "0"
+    try:
+        (B.launch_dq if KERNEL == "dq" else B.launch_dkdv)(st)
+    finally:
+        if old is None:
+            os.environ.pop("FLAMIA_GLUON", None)
+        else:
+            os.environ["FLAMIA_GLUON"] = old
+
+
+def gluon_launch(st, cfg, vecs=None):
+    """vecs: (padded vectors, mixed_operands) built once per state, or None (built here)."""
+    v, ops = vecs if vecs is not None else (None, None)
+    if KERNEL == "dq":
+        M.launch_dq_gluon_mixed(st, cfg, v, ops)
+    else:
+        M.launch_dkdv_gluon_mixed(st, cfg, v, ops)
+
+
+def gluon_vecs(st):
+    """The padded vectors the vec_tma configs read and the bf16 operands (host side, built
+    once per state, timed apart)."""
+    v = G.padded_kv_vectors(st) if KERNEL == "dq" else G.padded_vectors(st)
+    return v, M.mixed_operands(st, need_k=KERNEL == "dq")
+
+
+def run_triton(st):
+    poison(st)
+    triton_launch(st)
+    torch.cuda.synchronize()
+    return tuple(x.clone() for x in outs(st))
+
+
+def run_gluon(st, cfg, vecs=None):
+    poison(st)
+    torch.cuda.synchronize()          # a fault in poison() is not the kernel's
+    gluon_launch(st, cfg, vecs)
+    torch.cuda.synchronize()
+    return tuple(x.clone() for x in outs(st))
+
+
+def time_ms(fn, warmup=3, reps=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def kernel_inputs(lengths, Hq, Hkv, D, causal=True, seed=0, family="mild"):
+    from flamia.inputs import make_qkv
+    from flamia.ops.forward import attention_forward
+    from flamia.ops.quantize import quantize_qkv
+    q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, family, device="cuda", seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dout = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
+    qkv = quantize_qkv(q, k, v, cu, RECIPE, causal)
+    out, lse = attention_forward(qkv, cu, max(lengths), causal, None, torch.bfloat16)
+    return q, k, v, cu, dout, qkv, out, lse
+
+
+def state(dout, out, lse, qkv, cu, max_len, causal, grad_dtype=None):
+    st = B.make_state(dout, out, lse, qkv, cu, max_len, causal, None, None, grad_dtype)
+    B.launch_preprocess(st)
+    return st
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. checks vs float64 (tiny steps + packed small checks)
+# ------------------------------------------------------------------------------------------------
+
+def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
+    """Triton and Gluon dK/dV of one case vs float64 autograd and vs each other; with nan_doc,
+    also NaN isolation (that document's q and dO NaN must not change the others bitwise).
+    Gradients in fp32 (one compiled variant per (config, D, causal) for all check cases)."""
+    from flamia import reference as R
+    from flamia.inputs import make_qkv
+    ok_all = True
+    q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device="cuda", seed=1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    dout = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    R.attention_exact(*x64, cu, causal).backward(dout.double())
+    g64 = [x.grad for x in x64]
+    out, lse, saved = R.forward(q, k, v, cu, RECIPE, causal)
+    out = out.to(torch.bfloat16)
+    ref = R.backward(dout, out, lse, saved, cu, RECIPE, causal)
+    qkv = B.quantized_qkv_from_reference(saved, RECIPE, cu, causal)
+    st = state(dout, out, lse.float(), qkv, cu, max(lengths), causal, torch.float32)
+    step(f"{tag} triton", D=D, causal=causal)
+    tk = run_triton(st)
+    step_done()
+    for cname in cfg_names:
+        try:
+            cfg = make_cfg(cname, D)
+            if cfg.vec_tma:
+                bad = (G.check_tma_coords_dq if KERNEL == "dq" else G.check_tma_coords)(st, cfg)
+                if bad:
+                    log(f"{tag} {cname}: TMA coordinate rules violated on the host side: {bad}")
+            step(f"{tag} gluon", config=cname, D=D, causal=causal, Hq=Hq, Hkv=Hkv,
+                 lengths=list(lengths))
+            gk = run_gluon(st, cfg)
+            line, row = [], dict(case=tag, D=D, causal=causal, config=cname)
+            ok_case = True
+            names = [n for n, _ in out_names()]
+            for name, xg, xt, xr, x64_ in zip(names, gk, tk, [ref[i] for _, i in out_names()],
+                                              [g64[i] for _, i in out_names()]):
+                e_g = (xg.double() - x64_).abs().max().item()
+                e_t = (xt.double() - x64_).abs().max().item()
+                e_r = (xr.double() - x64_).abs().max().item()
+                atol = 2e-3 * x64_.abs().max().item()
+                fa = bool(torch.isfinite(xg).all()) and e_g <= 2 * e_r + atol
+                vs_t = cmp(xg, xt)
+                row[name] = dict(err64_gluon=e_g, err64_triton=e_t, err64_reference=e_r,
+                                 fa_rule=fa, vs_triton=vs_t)
+                ok_case &= fa
+                line.append(f"{name}: err64 gluon {e_g:.3e} triton {e_t:.3e} ref {e_r:.3e}"
+                            f" vs triton max {vs_t['max_rel']:.2e} fro {vs_t['fro_rel']:.2e}"
+                            f"{'' if fa else ' FAIL'}")
+            ok_all &= ok_case
+            row["ok"] = ok_case
+            RESULTS["checks"].append(row)
+            step_done(ok=ok_case)
+            log(f"check {tag} D={D} causal={causal} {cname}: " + " | ".join(line))
+        except Exception as e:   # noqa: BLE001
+            ok_all = False
+            traceback.print_exc()
+            RESULTS["errors"].append(dict(what=f"check {tag} D={D} causal={causal} {cname}",
+                                          error=repr(e)[:400]))
+            dump_progress()
+            if "CUDA error" in repr(e) or "illegal" in repr(e):
+                raise           # the context is dead: let the process end (the parent reports)
+    if nan_doc is None:
+        return ok_all
+    # NaN isolation: document nan_doc gets NaN q and dO
+    try:
+        cu_l = cu.tolist()
+        a, b = cu_l[nan_doc], cu_l[nan_doc + 1]
+        q2 = q.clone()
+        q2[a:b] = float("nan")
+        d2 = dout.clone()
+        d2[a:b] = float("nan")
+        out2, lse2, saved2 = R.forward(q2, k, v, cu, RECIPE, causal)
+        qkv2 = B.quantized_qkv_from_reference(saved2, RECIPE, cu, causal)
+        st2 = state(d2, out2.to(torch.bfloat16), lse2.float(), qkv2, cu, max(lengths),
+                    causal, torch.float32)
+        for cname in cfg_names:
+            cfg = make_cfg(cname, D)
+            step(f"{tag} nan-isolation", config=cname, D=D, causal=causal)
+            g1 = run_gluon(st, cfg)
+            g2 = run_gluon(st2, cfg)
+            keep = torch.ones(cu_l[-1], dtype=torch.bool, device="cuda")
+            keep[a:b] = False
+            iso = all(torch.equal(x[keep], y[keep]) for x, y in zip(g1, g2))
+            ok_all &= iso
+            RESULTS["checks"].append(dict(case=tag, D=D, causal=causal, config=cname,
+                                          nan_isolation_bitwise=iso, ok=iso))
+            step_done(ok=iso)
+            log(f"check {tag} D={D} causal={causal} {cname}: NaN document isolation "
+                f"bitwise={iso}")
+    except Exception as e:   # noqa: BLE001
+        ok_all = False
+        traceback.print_exc()
+        RESULTS["errors"].append(dict(what=f"nan isolation {tag} D={D}", error=repr(e)[:400]))
+        dump_progress()
+        if "CUDA error" in repr(e) or "illegal" in repr(e):
+            raise
+    return ok_all
+
+
+def tiny_checks(cfg_names):
+    ok = True
+    for name, lengths, Hq, Hkv, D, causal in TINY_STEPS:
+        ok &= check_case(name, lengths, Hq, Hkv, D, causal, cfg_names)
+    return ok
+
+
+def small_checks(cfg_names):
+    ok = True
+    for D in (128, 64):
+        for causal in (True, False):
+            # doc 3 (777 tokens, right after an unaligned tail) is the NaN document
+            ok &= check_case("packed", SMALL_LENGTHS, 8, 2, D, causal, cfg_names, nan_doc=3)
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. P1 with the kernel forward
+# ------------------------------------------------------------------------------------------------
+
+def p1_check(cfg_names):
+    from flamia.inputs import make_qkv
+    from flamia.ops.forward import attention_forward
+    from flamia.ops.quantize import quantize_qkv
+    lengths = (1000, 3000, 517)
+    Hq, Hkv, D = 8, 2, 128
+    t = 1000 + 1234           # a position inside the second document
+    ok_all = True
+    q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device="cuda", seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    dout = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
+    dout[t + 1:] = 0
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[t + 1:] = (torch.randn(x[t + 1:].shape, generator=g, device="cuda") * 16).to(x.dtype)
+
+    def grads(q_, k_, v_, cfg):
+        qkv = quantize_qkv(q_, k_, v_, cu, RECIPE, True)
+        out, lse = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16)
+        st = state(dout, out, lse, qkv, cu, max(lengths), True)
+        return run_gluon(st, cfg)
+
+    for cname in cfg_names:
+        try:
+            cfg = make_cfg(cname, D)
+            step("P1", config=cname)
+            a = grads(q, k, v, cfg)
+            a2 = grads(q, k, v, cfg)
+            b = grads(q2, k2, v2, cfg)
+            det = all(torch.equal(x, y) for x, y in zip(a, a2))
+            pre = all(torch.equal(x[:t + 1], y[:t + 1]) for x, y in zip(a, b))
+            # keys after t are only seen by queries after t, whose dO is zero
+            zero = all(bool((y[t + 1:] == 0).all()) for y in b)
+            ok_all &= det and pre and zero
+            RESULTS["p1"].append(dict(config=cname, deterministic=det, prefix_bitwise=pre,
+                                      suffix_zero=zero))
+            step_done(ok=det and pre and zero)
+            log(f"P1 {cname}: deterministic={det} prefix bitwise={pre} suffix zero={zero}")
+        except Exception as e:   # noqa: BLE001
+            ok_all = False
+            traceback.print_exc()
+            RESULTS["errors"].append(dict(what=f"P1 {cname}", error=repr(e)[:400]))
+            dump_progress()
+            if "CUDA error" in repr(e) or "illegal" in repr(e):
+                raise
+    return ok_all
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. workloads: A/B + timing
+# ------------------------------------------------------------------------------------------------
+
+def print_table(rows):
+    names = [n for n, _ in out_names()]
+    print("\n| workload | D | impl | config | ms | TFLOP/s | vs triton | "
+          + " | ".join(f"{n} max/fro rel" for n in names) + " | finite |")
+    print("|" + "---|" * (8 + len(names)))
+    for r in rows:
+        if r["impl"] == "triton":
+            print(f"| {r['workload']} | {r['D']} | triton | {r['config']} | {r['ms']:.3f} | "
+                  f"{r['tflops']:.0f} | 1.00x | " + " | ".join("-" for _ in names) + " | - |")
+        else:
+            print(f"| {r['workload']} | {r['D']} | gluon | {r['config']} | {r['ms']:.3f} | "
+                  f"{r['tflops']:.0f} | {r['speedup']:.2f}x | "
+                  + " | ".join(f"{r[n]['max_rel']:.1e} / {r[n]['fro_rel']:.1e}" for n in names)
+                  + f" | {all(r[n]['finite'] for n in names)} |")
+    sys.stdout.flush()
+
+
+def workloads(names, cfg_names, reps):
+    rows = RESULTS["timing"]
+    for wname in names:
+        try:
+            lengths, Hq, Hkv, D = WORKLOADS[wname]
+            _, _, _, cu, dout, qkv, out, lse = kernel_inputs(lengths, Hq, Hkv, D)
+            st = state(dout, out, lse, qkv, cu, max(lengths), True)
+            # causal GEMMs of 2 * Hq * D * L^2 / 2 each: 4 for dK/dV (2x fwd_flops; NOTES' 230
+            # TFLOP/s), 3 for dQ (S, dP, dS K; "32 ms, ~410 TFLOP/s" at doc32k)
+            flops = (3 if KERNEL == "dq" else 4) * sum(Hq * D * L * L for L in lengths)
+            step(f"{wname} triton")
+            ref = run_triton(st)
+            t_tr = time_ms(lambda: triton_launch(st), reps=reps)
+            step_done()
+            tcfg = (f"q{st.cfg.q_bm}x{st.cfg.q_bn}w{st.cfg.q_warps}" if KERNEL == "dq" else f"kv{st.cfg.kv_bn}x{st.cfg.kv_bm}split{st.cfg.kv_bm_dv}" if st.cfg.split_dkdv
+                    else f"kv{st.cfg.kv_bn}x{st.cfg.kv_bm}")
+            rows.append(dict(workload=wname, D=D, impl="triton", config=tcfg, ms=t_tr,
+                             tflops=flops / t_tr / 1e9))
+            log(f"{wname}: triton {KERNEL} {t_tr:.3f} ms ({flops / t_tr / 1e9:.0f} TFLOP/s)")
+            vecs = gluon_vecs(st)
+            t_vec = time_ms(lambda: gluon_vecs(st), reps=reps)
+            log(f"{wname}: padded vectors + bf16 operands (host side, not in the kernel times) "
+                f"{t_vec:.3f} ms")
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            RESULTS["errors"].append(dict(what=f"{wname} setup/triton", error=repr(e)[:400]))
+            dump_progress()
+            if "CUDA error" in repr(e) or "illegal" in repr(e):
+                raise
+            continue
+        for cname in cfg_names:
+            try:
+                cfg = make_cfg(cname, D)
+                step(f"{wname} gluon", config=cname)
+                gk = run_gluon(st, cfg, vecs)
+                cs = {n: cmp(x, y) for (n, _), x, y in zip(out_names(), gk, ref)}
+                t_g = time_ms(lambda: gluon_launch(st, cfg, vecs), reps=reps)
+                row = dict(workload=wname, D=D, impl="gluon", config=cname, ms=t_g,
+                           tflops=flops / t_g / 1e9, speedup=t_tr / t_g, **cs,
+                           gather_ms=t_vec if cfg.vec_tma else 0.0)
+                rows.append(row)
+                step_done()
+                log(f"{wname}: gluon {cname} {t_g:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
+                    f"{t_tr / t_g:.2f}x)  "
+                    + "  ".join(f"{n} max {c['max_rel']:.2e} fro {c['fro_rel']:.2e}"
+                                for n, c in cs.items())
+                    + f"  finite {all(c['finite'] for c in cs.values())}")
+            except Exception as e:   # noqa: BLE001
+                traceback.print_exc()
+                RESULTS["errors"].append(dict(what=f"{wname} gluon {cname}", error=repr(e)[:400]))
+                dump_progress()
+                if "CUDA error" in repr(e) or "illegal" in repr(e):
+                    raise
+        st = dout = qkv = out = lse = ref = vecs = None     # free before the next workload
+        torch.cuda.empty_cache()
+    print_table(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: compile report, parallel precompile
+# ------------------------------------------------------------------------------------------------
+
+def cpu_smoke(cfg_names):
+    print(f"{'D':>3} {'causal':6} {'config':9} {'regs':>4} {'spill':>5} {'C7515':>5} {'smem':>7} "
+          + " ".join(f"{k:>8}" for k in M.PTX_COUNTS))
+    ok = True
+    for D in (128, 64):
+        for causal in (True, False):
+            for cname in cfg_names:
+                try:
+                    cfg = make_cfg(cname, D)
+                    st = M.fake_state(D, causal=causal)
+                    kern = (M.compile_dq_sm90 if KERNEL == "dq" else M.compile_dkdv_sm90)(st, cfg)
+                    r = M.resource_report(kern)
+                    RESULTS["compile"].append(dict(D=D, causal=causal, config=cname, **r))
+                    print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {r['spill_stores']:>5} "
+                          f"{'Y' if r['wgmma_serialized'] else '-':>5} {r['shared']:>7} "
+                          + " ".join(f"{r[k]:>8}" for k in M.PTX_COUNTS), flush=True)
+                    if r["tma_1d"]:
+                        print("   ^ 1-D TMA in the PTX (its coordinates must be 16-byte aligned)")
+                except Exception:   # noqa: BLE001
+                    ok = False
+                    traceback.print_exc()
+    return ok
+
+
+# the variants the GPU phases launch: checks in fp32 (D x causal), P1 / workloads in bf16 causal
+PRECOMPILE_VARIANTS = [(128, True, "f32"), (128, False, "f32"), (64, True, "f32"),
+                       (64, False, "f32"), (128, True, "bf16"), (64, True, "bf16")]
+
+
+def precompile_worker(job: str):
+    cname, D, causal, dt = job.split("|")
+    st = M.fake_state(int(D), T=1024, Hq=8, Hkv=2, causal=causal == "True", rotate=True,
+                      lengths=[300, 0, 1, 723],
+                      grad_dtype=torch.float32 if dt == "f32" else torch.bfloat16)
+    (M.compile_dq_sm90 if KERNEL == "dq" else M.compile_dkdv_sm90)(st, make_cfg(cname, int(D)))
+
+
+def precompile(cfg_names, jobs, timeout):
+    """Compile every (config, variant) for sm_90a in parallel CPU subprocesses into the Triton
+    cache (the kernel's cache key does not depend on T / head counts). Failures only cost time:
+    the GPU phases compile what is missing."""
+    todo = [f"{c}|{D}|{causal}|{dt}" for c in cfg_names for D, causal, dt in PRECOMPILE_VARIANTS]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs, t0, n_ok = [], time.time(), 0
+    per = max(1, (len(todo) + jobs - 1) // jobs)
+    for i in range(0, len(todo), per):
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--precompile-worker",
+             ",".join(todo[i:i + per])], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+            n_ok += out.count("PRECOMPILED")
+            if p.returncode:
+                log("precompile worker failed:", out[-1500:])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            log("precompile worker timed out")
+    log(f"precompiled {n_ok}/{len(todo)} kernels in {time.time() - t0:.1f}s ({len(procs)} procs)")
+
+
+# ------------------------------------------------------------------------------------------------
+# --isolate: one subprocess per config (smoke), one for the survivors (perf)
+# ------------------------------------------------------------------------------------------------
+
+def _child(args_list, env_extra, timeout, json_path):
+    env = dict(os.environ)
+    env.pop("OUT", None)
+    env.update(env_extra)
+    cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", json_path,
+           *args_list]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out, timed_out = p.returncode, p.stdout + p.stderr, False
+    except subprocess.TimeoutExpired as e:
+        def txt(x):
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+        rc, out, timed_out = None, txt(e.stdout) + txt(e.stderr), True
+    res = {}
+    try:
+        with open(json_path) as fh:
+            res = json.load(fh)
+    except (OSError, ValueError):
+        pass
+    return rc, out, timed_out, res, time.time() - t0
+
+
+def _first_error(out: str) -> str:
+    for key in ("illegal", "CUDA error", "Error", "error"):
+        for ln in out.splitlines():
+            if key in ln and "STEP" not in ln:
+                return ln.strip()[:300]
+    return ""
+
+
+def _last_step(res) -> dict | None:
+    """The step in flight when the child died (the last one, if it never finished)."""
+    st = res.get("steps", [])
+    return st[-1] if st and not st[-1].get("done") else None
+
+
+def _print_child(tag, out):
+    print(f"----- {tag} output -----")
+    for ln in out.splitlines():
+        print(f"[{tag}] {ln}")
+    print(f"----- end {tag} -----", flush=True)
+
+
+def isolate(args, cfg_names):
+    deadline = T0 + args.deadline
+    tmp = tempfile.mkdtemp(prefix="bwd_gluon_mixed_dev_")
+    summary = {c: dict(smoke="NOT RUN", perf="NOT RUN") for c in cfg_names}
+    merged = {"smoke": {}, "perf": [], "summary": summary}
+    if args.precompile:
+        precompile(cfg_names, args.jobs_compile, timeout=min(120, args.deadline / 3))
+
+    # smoke: one subprocess per config, a few at a time (a crashed or hung context is per
+    # process; the GPU time-slices the others)
+    pending = list(cfg_names)
+    running = []
+    while pending or running:
+        while pending and len(running) < args.jobs and time.time() < deadline - 20:
+            c = pending.pop(0)
+            jp = os.path.join(tmp, f"smoke_{c.replace(',', '_')}.json")
+            sargs = ["--phase", "smoke", "--configs", c.replace(",", ";")]
+            env = {"CUDA_LAUNCH_BLOCKING": "1"}
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", jp,
+                   *sargs]
+            full_env = dict(os.environ)
+            full_env.pop("OUT", None)
+            full_env.update(env)
+            fh = open(os.path.join(tmp, f"smoke_{c.replace(',', '_')}.log"), "w+")
+            p = subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+            running.append((c, p, fh, jp, time.time()))
+            log(f"smoke {c}: started (pid {p.pid})")
+        if not running:
+            for c in pending:
+                summary[c]["smoke"] = "SKIPPED (deadline)"
+            break
+        time.sleep(0.5)
+        for item in list(running):
+            c, p, fh, jp, t0 = item
+            limit = min(args.smoke_timeout, deadline - t0)
+            timed_out = False
+            if p.poll() is None:
+                if time.time() - t0 < limit:
+                    continue
+                p.kill()
+                p.wait()
+                timed_out = True
+            running.remove(item)
+            fh.seek(0)
+            out = fh.read()
+            fh.close()
+            res = {}
+            try:
+                with open(jp) as jf:
+                    res = json.load(jf)
+            except (OSError, ValueError):
+                pass
+            _print_child(f"smoke {c}", out)
+            last = _last_step(res)
+            ctx = {k: v for k, v in (last or {}).items() if k not in ("step", "done")}
+            where = f" at {last['step']} {ctx}" if last else ""
+            checks = [r for r in res.get("checks", []) if r.get("config") == c]
+            n_ok = sum(bool(r.get("ok")) for r in checks)
+            if timed_out:
+                status = f"TIMEOUT after {time.time() - t0:.0f}s{where}"
+            elif p.returncode != 0:
+                status = f"CRASH rc={p.returncode}{where}: {_first_error(out)}"
+            elif res.get("ok"):
+                status = f"PASS ({n_ok}/{len(checks)} checks)"
+            else:
+                status = f"FAIL ({n_ok}/{len(checks)} checks ok)"
+            worst = {}
+            for r in checks:
+                for nm, _ in out_names():
+                    if nm in r:
+                        w = worst.setdefault(nm, [0.0, 0.0])
+                        w[0] = max(w[0], r[nm]["vs_triton"]["max_rel"])
+                        w[1] = max(w[1], r[nm]["vs_triton"]["fro_rel"])
+            if worst:
+                status += " | worst vs triton " + " ".join(
+                    f"{nm} max {w[0]:.1e} fro {w[1]:.1e}" for nm, w in worst.items())
+            summary[c]["smoke"] = status
+            merged["smoke"][c] = res
+            log(f"smoke {c}: {status} ({time.time() - t0:.0f}s)")
+
+    # perf: the configs that neither crashed nor hung, one subprocess, restarted past a crash
+    todo = [c for c in cfg_names if summary[c]["smoke"].startswith(("PASS", "FAIL"))]
+    for c in cfg_names:
+        if c not in todo and summary[c]["perf"] == "NOT RUN":
+            summary[c]["perf"] = "skipped (smoke)"
+    attempt = 0
+    while todo and not args.skip_perf:
+        left = deadline - time.time()
+        if left < 30:
+            for c in todo:
+                summary[c]["perf"] = "SKIPPED (deadline)"
+            break
+        attempt += 1
+        jp = os.path.join(tmp, f"perf_{attempt}.json")
+        pargs = ["--phase", "perf", "--configs", ",".join(x.replace(",", ";") for x in todo),
+                 "--workloads", args.workloads, "--reps", str(args.reps)]
+        if args.skip_p1:
+            pargs.append("--skip-p1")
+        rc, out, timed_out, res, dt = _child(pargs, {}, left - 5, jp)
+        _print_child(f"perf#{attempt}", out)
+        merged["perf"].append(res)
+        for c in todo:      # a restarted child re-measures its configs: keep the latest
+            summary[c].pop("rows", None)
+            summary[c].pop("p1", None)
+        for r in res.get("timing", []):
+            if r["impl"] == "gluon" and r["config"] in summary:
+                summary[r["config"]].setdefault("rows", []).append(r)
+        for r in res.get("p1", []):
+            if r["config"] in summary:
+                summary[r["config"]]["p1"] = r
+        if rc == 0 and not timed_out:
+            for c in todo:
+                summary[c]["perf"] = "done"
+            break
+        last = _last_step(res)
+        bad = last.get("config") if last else None
+        what = "TIMEOUT" if timed_out else f"CRASH rc={rc}: {_first_error(out)}"
+        if bad not in todo:     # not inside a config's launch (setup / Triton): stop here
+            for c in todo:
+                summary[c]["perf"] = f"{what} (outside a Gluon launch: {last})"
+            break
+        summary[bad]["perf"] = f"{what} at {last['step']}"
+        todo = [c for c in todo if c != bad]
+
+    print("\n==================== per-config results ====================")
+    for c in cfg_names:
+        s = summary[c]
+        p1 = s.get("p1")
+        p1s = (f" | P1 det={p1['deterministic']} prefix={p1['prefix_bitwise']} "
+               f"suffix0={p1['suffix_zero']}" if p1 else "")
+        perf = "; ".join(f"{r['workload']} {r['ms']:.2f} ms {r['speedup']:.2f}x "
+                         + " ".join(f"{n} max {r[n]['max_rel']:.1e} fro {r[n]['fro_rel']:.1e}"
+                                    for n, _ in out_names())
+                         + ("" if all(r[n]["finite"] for n, _ in out_names()) else " NONFINITE")
+                         for r in s.get("rows", []))
+        print(f"RESULT {'dq ' if KERNEL == 'dq' else ''}{c} [{make_cfg(c, 128)}]: smoke {s['smoke']}{p1s} | perf "
+              f"{s['perf'] if not perf or s['perf'] != 'done' else ''}{perf}", flush=True)
+    tr = {}
+    for res in merged["perf"]:
+        for r in res.get("timing", []):
+            if r["impl"] == "triton":
+                tr[r["workload"]] = r["ms"]
+    if tr:
+        print(f"RESULT triton {'dq ' if KERNEL == 'dq' else ''}reference: "
+              + "; ".join(f"{w} {ms:.2f} ms" for w, ms in tr.items()))
+    log(f"isolate done in {time.time() - T0:.0f}s (deadline {args.deadline}s)")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, json_name()), "w") as fh:
+            json.dump(merged, fh, indent=1, default=str)
+
+
+def json_name():
+    return "bwd_gluon_mixed_dev_dq.json" if KERNEL == "dq" else "bwd_gluon_mixed_dev.json"
+
+
+def main():
+    global JSON_PATH, KERNEL
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv",
+                    help="dkdv: Gluon dK/dV vs launch_dkdv; dq: Gluon dQ vs Triton launch_dq")
+    ap.add_argument("--configs", default="default",
+                    help=f"comma list of {sorted(CONFIGS)} (dq: {sorted(DQ_CONFIGS)}), 'ladder' "
+                         f"({','.join(LADDER)}; dq: {','.join(DQ_LADDER)}), or "
+                         "key=value;key=value overrides")
+    ap.add_argument("--workloads", default=None,
+                    help=f"default: all ({','.join(WORKLOADS)}); with --isolate "
+                         f"{ISOLATE_WORKLOADS}")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-p1", action="store_true")
+    ap.add_argument("--skip-perf", action="store_true", help="--isolate: smoke phase only")
+    ap.add_argument("--cpu-smoke", action="store_true", help="compile-only report, no GPU")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each config in its own subprocess (smoke), then perf; see docstring")
+    ap.add_argument("--phase", choices=("all", "smoke", "perf"), default="all")
+    ap.add_argument("--json", default=None, help="progress / results file (subprocess mode)")
+    ap.add_argument("--deadline", type=float, default=225.0,
+                    help="--isolate: seconds for the whole run; nothing new starts after it")
+    ap.add_argument("--smoke-timeout", type=float, default=150.0)
+    ap.add_argument("--jobs", type=int, default=3, help="--isolate: smoke subprocesses at once")
+    ap.add_argument("--jobs-compile", type=int, default=12)
+    ap.add_argument("--no-precompile", dest="precompile", action="store_false")
+    ap.add_argument("--precompile-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    KERNEL = args.kernel
+    if args.precompile_worker:
+        for job in args.precompile_worker.split(","):
+            try:
+                precompile_worker(job)
+                print("PRECOMPILED", job, flush=True)
+            except Exception:   # noqa: BLE001
+                traceback.print_exc()
+        return
+    cfg_names = expand_configs(args.configs)
+    if args.cpu_smoke:
+        sys.exit(0 if cpu_smoke(cfg_names) else 1)
+    if args.workloads is None:
+        args.workloads = ISOLATE_WORKLOADS if args.isolate else ",".join(WORKLOADS)
+    if args.isolate:
+        isolate(args, cfg_names)
+        return
+    JSON_PATH = args.json
+    assert torch.cuda.is_available(), "needs the H200 (or use --cpu-smoke)"
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} "
+        f"triton {__import__('triton').__version__} configs {cfg_names} phase {args.phase} "
+        f"CUDA_LAUNCH_BLOCKING={os.environ.get('CUDA_LAUNCH_BLOCKING', '0')}")
+    for c in cfg_names:
+        log(f"config {c}: {make_cfg(c, 128)} (D=128) / {make_cfg(c, 64)} (D=64)")
+    packaged_workloads()
+    ok = True
+    RESULTS["ok"] = False
+    dump_progress()
+    if args.phase in ("all", "smoke") and not args.skip_checks:
+        ok &= tiny_checks(cfg_names)
+        ok &= small_checks(cfg_names)
+    if args.phase in ("all", "perf") and not args.skip_checks and not args.skip_p1:
+        ok &= p1_check(cfg_names)
+    if not args.skip_checks:
+        log("CHECKS", "PASS" if ok else "FAIL")
+    RESULTS["ok"] = ok
+    dump_progress()
+    if args.phase in ("all", "perf"):
+        workloads(args.workloads.split(","), cfg_names, args.reps)
+    if RESULTS["errors"]:
+        log(f"{len(RESULTS['errors'])} errors:", *(e["what"] for e in RESULTS["errors"]))
+    dump_progress()
+    out = os.environ.get("OUT")
+    if out and not JSON_PATH:
+        RESULTS["env"] = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                              triton=__import__("triton").__version__, checks_ok=ok)
+        with open(os.path.join(out, json_name()), "w") as fh:
+            json.dump(RESULTS, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,789 @@
+"""Gluon (Hopper sm_90a) dK/dV and dQ kernels for the `fp8_mixed` recipe (backward RECIPE == 1).
+
+Not wired into backward.launch_dkdv / launch_dq yet: benchmarks/bwd_gluon_mixed_dev.py checks
+them against the Triton RECIPE == 1 kernels on the H200 first. Same contract as those launchers:
+`st` from backward.make_state + backward.launch_preprocess (recipe fp8_mixed), results written to
+st.dk / st.dv / st.dq (dK, dQ * sm_scale, Hadamard rotate-back when st.rotate, cast).
+
+Per tile, the formulas of backward._dkdv_tile / _dq_tile for RECIPE == 1:
+
+  dK/dV (one program per document, kv head, BN = 64 keys; loop over GROUP heads x query blocks):
+    S^T  = (k8_j q8_i^T) * rowf_j * sq_i            fp8 wgmma (bitwise the forward's S)
+    P^T  = exp2(S^T - lse2_i)
+    a    = P^T sdo_i
+    dV_j += c_j * (e4m3(a / c_j) @ doT8_i)          fp8 wgmma, as the fp8 recipe; per-tile fp32
+                                                    promotion (zero-started wgmma, CUDA-core add)
+    dS^T = P^T ((bf16(V_j) bf16(dO_i)^T) sv_j - Delta_i)         bf16 wgmma, fp32 sums
+    dK_j += bf16(dS^T sq_i) @ bf16(q8_i)             bf16 wgmma accumulating in place
+  dQ (one program per document, query head, BM = 64 queries; loop over kv blocks j <= i):
+    S    = (q8_i k8_j^T) * sk_j * rowf_i            fp8 wgmma
+    P    = exp2(S - lse2_i)
+    dS   = P ((bf16(dO_i) bf16(V_j)^T) sv_j - Delta_i)           bf16 wgmma
+    dQ_i += bf16(dS sk_j) @ bf16(k8_j)               bf16 wgmma accumulating in place
+    epilogue: * sm_scale (no sdo: the bf16 path never scaled dO), rotate back, cast.
+Delta is preprocess's rowsum(bf16(dO) * O) (not in sdo units for fp8_mixed). Only the dV GEMM has
+a per-tile scale (c_j over BM = 64 queries, the Triton split config's kv_bm_dv; the fused Triton
+config uses 32), so dK and dQ match the Triton kernels up to fp32 summation order and dV by the
+FlashAttention rule. Hopper's bf16 wgmma sums in fp32 (benchmarks/NOTES.md session 3, item 5),
+so the bf16 GEMMs chain their accumulators across tiles; only fp8 results are promoted per tile.
+
+Operands. e4m3 values are exact in bf16, so the bf16 GEMMs read bf16 copies of fp8 bytes:
+  - dK's B operand Q_i (BM x D, N = D contiguous): MN-major, which the 16-bit wgmma accepts from
+    shared memory (no K-major copy qT8; make_state only allocates qT8 / kT8 for fp8). It is made
+    in the kernel: the q8_i tile that TMA brought for S^T is converted e4m3 -> bf16 into a
+    (BM, 64)-chunked bf16 buffer while the S^T / dP^T wgmmas run (the same 8 KB per tile as
+    fp8's qT8 comes from L2; a host bf16 copy of Q would stream 16 KB more per tile and push the
+    ring past 2 CTAs / SM).
+  - V_j (dK/dV: A of dP^T; dQ: B of dP, K-major from token-major), K_j (dQ: B of the dQ GEMM,
+    MN-major) and dO (bf16, the caller's dO rounded like the Triton kernel's _bf16_op) come by
+    TMA from host bf16 tensors (`mixed_operands`: v8 / k8 -> bf16, (T, Hkv, D) each, one pass;
+    dO as is when already bf16). dQ re-reads every kv tile once per query block, so converting
+    there per tile would cost more than the pass.
+  - Every bf16 tile is a (rows, 64) box (128-byte rows, the 128-byte swizzle's width): D = 128
+    GEMMs reducing over D are two chained wgmmas (K = 64 each), those producing D columns two
+    64-column halves (as the fp8 kernels' chunks).
+Everything else is backward_gluon's design (its docstring): one warpgroup per CTA aiming at 2
+CTAs / SM, an NS-stage TMA + mbarrier ring, the per-row vectors as (1, BM) / (1, BN) boxes of
+padded copies (16-byte aligned innermost coordinates: an unaligned 1-D TMA was an illegal
+instruction on the H200), out-of-document columns zeroed in shared memory on the end tile
+(K-major doT8 columns; bf16 q rows at conversion; bf16 k rows in dQ) and `where` masks on a /
+dS (never 0 * x: the next document's bytes may be NaN).
+
+Config: `sync_mma` waits for every wgmma at once (the bisection baseline). `carry` would keep
+the in-place bf16 accumulator wgmmas (dK, dQ) in flight into the next tile (they complete, in
+order, before that tile's S wait); off by default because ptxas 3.6 then serializes all wgmmas
+(warning C7515) in both kernels. dK/dV `early_dv` issues dV's first half before dS^T is
+computed, as the fp8 kernel does: 240 vs 144 bytes of spills at D = 128, so off by default.
+
+Helpers (_pow2_scale_g, _row_vec, _mma, _mma_wait, _zero_tail_cols, _rotate_store, _store_chunk,
+padded_vectors, padded_kv_vectors, _compile_sm90, resource_report) are imported from
+backward_gluon unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import backward_gluon as G
+
+HAVE_GLUON = G.HAVE_GLUON
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from .backward_gluon import (  # noqa: F401  (gluon.jit resolves them from this module)
+        _mma, _mma_wait, _pow2_scale_g, _rotate_store, _row_vec, _store_chunk, _zero_tail_cols)
+
+LOG2E = 1.4426950408889634
+CH_ = G.CH_     # 64: column chunk of D; also BM (dK/dV) / BN (dQ)
+RECIPE_MIXED = 1
+
+
+@dataclass(frozen=True)
+class MixedDkdvConfig:
+    bn: int = 64            # keys per CTA (one warpgroup: 16 * num_warps)
+    bm: int = 64            # query rows per step (== 64)
+    stages: int = 2         # TMA ring depth (D=128: ~106 KB smem -> 2 CTAs / SM)
+    vec_tma: bool = True    # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
+    num_warps: int = 4
+    sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
+    # dK wgmmas left in flight into the next tile. Off: ptxas serializes every wgmma of the
+    # kernel when an accumulator stays in flight across the loop's back edge (C7515, compile
+    # report); kept as a knob for a later compiler
+    carry: bool = False
+    early_dv: bool = False  # dV's first half issued before dS^T is computed (more registers)
+
+
+def default_mixed_dkdv_config(D: int) -> MixedDkdvConfig:
+    return MixedDkdvConfig(stages=3 if D <= 64 else 2)
+
+
+@dataclass(frozen=True)
+class MixedDqConfig:
+    bm: int = 64            # query rows per CTA (16 * num_warps)
+    bn: int = 64            # keys per step (== 64)
+    stages: int = 2         # kv ring depth (D=128: 40.5 KB per stage)
+    vec_tma: bool = True    # sk / sv by (1, BN) TMA boxes (False: gl.load)
+    num_warps: int = 4
+    sync_mma: bool = False
+    carry: bool = False     # dQ wgmmas left in flight (stages >= 2); off: C7515, as dK/dV's
+
+
+def default_mixed_dq_config(D: int) -> MixedDqConfig:
+    return MixedDqConfig(stages=3 if D <= 64 else 2)
+
+
+if HAVE_GLUON:
+    CH = gl.constexpr(CH_)
+
+    @gluon.jit
+    def _mma_acc(a, b, acc, SYNC: gl.constexpr):
+        """acc + a @ b (in place: the bf16 GEMMs, and the second K-half of a D = 128 GEMM)."""
+        if SYNC:
+            r = warpgroup_mma(a, b, acc)
+        else:
+            r = warpgroup_mma(a, b, acc, is_async=True)
+        return r
+
+    @gluon.jit
+    def _wait_pair(x0, x1, N: gl.constexpr, NCH: gl.constexpr, SYNC: gl.constexpr):
+        """Wait until at most N wgmma groups are pending; the (one or two) chunk accumulators
+        as tensors (x1 passes through untouched when NCH == 1)."""
+        if SYNC:
+            r0 = x0
+            r1 = x1
+        elif NCH == 2:
+            r0, r1 = warpgroup_mma_wait(N, deps=(x0, x1))
+        else:
+            r0 = warpgroup_mma_wait(N, deps=(x0,))
+            r1 = x1
+        return r0, r1
+
+    @gluon.jit
+    def _e4m3_to_bf16_rows(src, dst, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """dst (ROWS, 64) bf16 <- the e4m3 values of src (ROWS, 64) (exact), rows with
+        row0 + r >= L zeroed (the next document's bytes: 0 * NaN would reach the GEMM)."""
+        BLQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        x = src.load(BLQ).to(gl.float32)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, BLQ))
+        x = gl.where(gl.expand_dims(rows < L, 1), x, 0.0)
+        dst.store(x.to(gl.bfloat16))
+
+    @gluon.jit
+    def _zero_tail_rows(x_s, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """Zero the rows (tokens) row0 + r >= L of a token-major (ROWS, 64) bf16 tile."""
+        BLR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        x = x_s.load(BLR)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, BLR))
+        x = gl.where(gl.expand_dims(rows < L, 1), x, gl.zeros_like(x))
+        x_s.store(x)
+
+    # ------------------------------------------------------------------------------------------
+    # dK / dV
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _issue_q_tile(it, nb, lo, start, pstart, hk,
+                      q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                      q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
+                      GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
+                      NCH: gl.constexpr, VEC_TMA: gl.constexpr):
+        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS:
+        q8_i (fp8, token-major), dO_i (bf16, NCH (BM, 64) chunks), doT8_i (fp8 K-major, padded
+        columns) and with VEC_TMA lse / Delta / sq / sdo ((1, BM) boxes, padded columns)."""
+        g = it // nb
+        i0 = lo + (it - g * nb) * BM
+        h = hk * GROUP + g
+        s = it % NS
+        bar = ready.index(s)
+        if VEC_TMA:
+            NBYTES: gl.constexpr = (q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes
+                                    + doT_desc.block_type.nbytes + 4 * lse_desc.block_type.nbytes)
+        else:
+            NBYTES: gl.constexpr = (q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes
+                                    + doT_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
+        for cc in gl.static_range(NCH):
+            # bf16 column h * D + 64 c: 128-byte aligned
+            tma.async_copy_global_to_shared(dob_desc, [start + i0, h * D + cc * CH], bar,
+                                            dob_s.index(s * NCH + cc), pred=pred)
+        tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
+                                        pred=pred)
+        if VEC_TMA:
+            c0 = pstart + i0     # 16-aligned column of the padded (Hq, Tp) copies
+            tma.async_copy_global_to_shared(lse_desc, [h, c0], bar, lse_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(dl_desc, [h, c0], bar, dl_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(sq_desc, [h, c0], bar, sq_s.index(s), pred=pred)
+            tma.async_copy_global_to_shared(sdo_desc, [h, c0], bar, sdo_s.index(s), pred=pred)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dkdv_mixed_kernel(
+        k_desc, vb_desc, q_desc, dob_desc, doT_desc,
+        lse_desc, dl_desc, sq_desc, sdo_desc,
+        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, cu, pcu,
+        T, stride_dkt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, CARRY: gl.constexpr,
+        EARLY_DV: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(BM == CH, "S^T / dP^T tiles share the chunk layout (BM == 64)")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        # fp8 wgmma results (S^T, dV; N = 64): per-key and per-query vectors broadcast without
+        # conversions
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        # bf16 wgmma results (dP^T, dK): k = 16 instructions; the same registers as L
+        # (the accumulator layout does not depend on k), so the conversions are free
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])
+        AOP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per query
+        BF_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, CH], gl.bfloat16)
+
+        pid = gl.program_id(0)
+        jb = gl.program_id(1)
+        doc = pid // HKV
+        hk = pid % HKV
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        n0 = jb * BN
+        if n0 >= L_doc:
+            return
+
+        # --- shared memory ------------------------------------------------------------------
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+        vb_s = gl.allocate_shared_memory(vb_desc.dtype, [NCH, BN, CH], vb_desc.layout)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
+        dob_s = gl.allocate_shared_memory(dob_desc.dtype, [NS * NCH, BM, CH], dob_desc.layout)
+        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
+        qb_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, BM, CH], BF_LAYOUT)
+        if VEC_TMA:
+            lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], lse_desc.layout)
+            dl_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], dl_desc.layout)
+            sq_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sq_desc.layout)
+            sdo_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sdo_desc.layout)
+        else:   # placeholders, never touched
+            lse_s = q_s
+            dl_s = q_s
+            sq_s = q_s
+            sdo_s = q_s
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for si in gl.static_range(NS):
+            mbarrier.init(ready.index(si), count=1)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        # --- K_j (fp8, for S^T) and bf16 V_j (A of dP^T), once ---------------------------
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NCH * vb_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(vb_desc, [start + n0, hk * D + cc * CH], kv_bar,
+                                            vb_s.index(cc))
+
+        if CAUSAL:
+            lo = n0
+        else:
+            lo = 0
+        nb = gl.cdiv(L_doc - lo, BM)
+        total = GROUP * nb
+        for pi in gl.static_range(NS - 1):
+            _issue_q_tile(pi, nb, lo, start, pstart, hk, q_desc, dob_desc, doT_desc,
+                          lse_desc, dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s,
+                          lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, NCH,
+                          VEC_TMA)
+
+        n_idx = n0 + gl.arange(0, BN, layout=ROW)
+        n_ok = n_idx < L_doc
+        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        rowf = sk_j * qk_scale2
+        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+
+        zero = gl.zeros([BN, CH], gl.float32, L)
+        zero_b = gl.zeros([BN, CH], gl.float32, LB)
+        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk0 = gl.zeros([BN, CH], gl.float32, LB)
+        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk1 = gl.zeros([BN, CH], gl.float32, LB)
+        if CAUSAL:
+            shift = 0             # query >= key on the diagonal tiles
+        else:
+            shift = L_doc         # never binding
+        mbarrier.wait(kv_bar, 0)
+
+        for it in range(total):
+            s = it % NS
+            g = it // nb
+            i0 = lo + (it - g * nb) * BM
+            h = hk * GROUP + g
+            m_idx = i0 + gl.arange(0, BM, layout=COL)
+            tail = i0 + BM > L_doc
+            if CAUSAL:
+                need_mask = tail | (i0 < n0 + BN)
+            else:
+                need_mask = tail
+            # every warp is past its reads of slot (it - 1) % NS (vectors, q8 by ld.shared)
+            # before the refill; that slot's wgmmas were waited for in tile it - 1 (dK reads
+            # only qb_s)
+            gl.thread_barrier()
+            nxt = it + NS - 1
+            _issue_q_tile(nxt, nb, lo, start, pstart, hk, q_desc, dob_desc, doT_desc,
+                          lse_desc, dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s,
+                          lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM, NS, NCH,
+                          VEC_TMA)
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            qs = q_s.index(s)
+            doTs = doT_s.index(s)
+
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)                       # fp8
+            dp_tok = _mma(vb_s.index(0), dob_s.index(s * NCH).permute((1, 0)), zero_b, SYNC)
+            if NCH == 2:   # second half of the reduction over D, chained in place
+                dp_tok = _mma_acc(vb_s.index(1), dob_s.index(s * NCH + 1).permute((1, 0)),
+                                  dp_tok, SYNC)
+
+            # bf16 copy of q8_i for the dK GEMM, while S^T / dP^T run; the previous tile's dK
+            # wgmmas (issued before S^T) must be done reading qb_s
+            if CARRY:
+                acc_dk0, acc_dk1 = _wait_pair(acc_dk0, acc_dk1, 1 + NCH, NCH, SYNC)
+            for cc in gl.static_range(NCH):
+                _e4m3_to_bf16_rows(qs.slice(cc * CH, CH, dim=1), qb_s.index(cc), i0, L_doc, BM,
+                                   num_warps)
+            if tail:   # at most once per head: doT8 columns past the document end
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
+            fence_async_shared()
+            gl.thread_barrier()
+
+            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
+                            VEC_TMA) * 1.4426950408889634
+            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            st = _mma_wait(s_tok, NCH, SYNC)
+            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
+                        - gl.expand_dims(lse2, 0))
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            a = p * gl.expand_dims(sdo_i, 0)
+            if need_mask:   # on a (not P): sdo of another document's token may be NaN
+                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                      & gl.expand_dims(m_idx < L_doc, 0))
+                a = gl.where(ok, a, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP8)
+            if EARLY_DV:   # dV's first half overlaps dS^T (its 32 result registers in flight)
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            if EARLY_DV:
+                dp = gl.convert_layout(_mma_wait(dp_tok, 1, SYNC), L)
+            else:
+                dp = gl.convert_layout(_mma_wait(dp_tok, 0, SYNC), L)
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            # _dkdv_tile: ds_t = p_t (dP^T sv_j - Delta_i); dK operand bf16(ds_t sq_i)
+            b = p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)) \
+                * gl.expand_dims(sq_i2, 0)
+            if need_mask:   # dP^T / Delta / sq of out-of-document columns may be anything
+                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                       & gl.expand_dims(m_idx < L_doc, 0))
+                b = gl.where(ok2, b, 0.0)
+            b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
+            if not EARLY_DV:
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0, SYNC)
+                dk1_tok = _mma_acc(b16, qb_s.index(1), acc_dk1, SYNC)
+                dv0 = _mma_wait(dv0_tok, 3, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dv1 = _mma_wait(dv1_tok, 2, SYNC)
+                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                if CARRY:
+                    acc_dk0, acc_dk1 = _wait_pair(dk0_tok, dk1_tok, 2, NCH, SYNC)
+                else:
+                    acc_dk0, acc_dk1 = _wait_pair(dk0_tok, dk1_tok, 0, NCH, SYNC)
+            else:
+                dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                if CARRY:
+                    acc_dk0, acc_dk1 = _wait_pair(dk0_tok, acc_dk1, 1, NCH, SYNC)
+                else:
+                    acc_dk0, acc_dk1 = _wait_pair(dk0_tok, acc_dk1, 0, NCH, SYNC)
+
+        if CARRY:
+            acc_dk0, acc_dk1 = _wait_pair(acc_dk0, acc_dk1, 0, NCH, SYNC)
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(si))
+        mbarrier.invalidate(kv_bar)
+
+        # --- epilogue (as backward_gluon's) ---------------------------------------------------
+        row_off = (start + n_idx) * stride_dkt + hk * D
+        _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
+        if NCH == 2:
+            _store_chunk(acc_dv1, dv, n_ok, row_off, CH, L)
+        acc_dk0 = gl.convert_layout(acc_dk0, L) * sm_scale
+        acc_dk1 = gl.convert_layout(acc_dk1, L) * sm_scale
+        if ROTATE:
+            _rotate_store(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, D, BN, NCH, L,
+                          num_warps)
+        else:
+            _store_chunk(acc_dk0, dk, n_ok, row_off, 0, L)
+            if NCH == 2:
+                _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
+
+    # ------------------------------------------------------------------------------------------
+    # dQ
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _issue_kv_tile(jt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+                       k_s, kb_s, vb_s, sk_s, sv_s, ready, pred,
+                       D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr,
+                       VEC_TMA: gl.constexpr):
+        """TMA loads of kv tile `jt` into slot jt % NS: k8_j (fp8, for S), bf16 K_j and V_j in
+        (BN, 64) chunks, and with VEC_TMA sk_j / sv_j ((1, BN) boxes, padded columns)."""
+        j0 = jt * BN
+        s = jt % NS
+        bar = ready.index(s)
+        if VEC_TMA:
+            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + NCH * kb_desc.block_type.nbytes
+                                    + NCH * vb_desc.block_type.nbytes
+                                    + 2 * sk_desc.block_type.nbytes)
+        else:
+            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + NCH * kb_desc.block_type.nbytes
+                                    + NCH * vb_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], bar, k_s.index(s), pred=pred)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(kb_desc, [start + j0, hk * D + cc * CH], bar,
+                                            kb_s.index(s * NCH + cc), pred=pred)
+            tma.async_copy_global_to_shared(vb_desc, [start + j0, hk * D + cc * CH], bar,
+                                            vb_s.index(s * NCH + cc), pred=pred)
+        if VEC_TMA:
+            tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], bar, sk_s.index(s),
+                                            pred=pred)
+            tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
+                                            pred=pred)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dq_mixed_kernel(
+        q_desc, dob_desc, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+        lse, delta, sq, sk, sv, dq, hmat, cu, pcu,
+        T, stride_dqt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, CARRY: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        gl.static_assert(NS >= 2 or not CARRY, "carry needs a ring of 2+ stages")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])    # bf16 results
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per key
+
+        pid = gl.program_id(0)
+        doc = pid // HQ
+        h = pid % HQ
+        hk = h // GROUP
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)    # longest causal rows first
+        if ib < 0:
+            return
+        m0 = ib * BM
+
+        # --- shared memory ------------------------------------------------------------------
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        dob_s = gl.allocate_shared_memory(dob_desc.dtype, [NCH, BM, CH], dob_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
+        kb_s = gl.allocate_shared_memory(kb_desc.dtype, [NS * NCH, BN, CH], kb_desc.layout)
+        vb_s = gl.allocate_shared_memory(vb_desc.dtype, [NS * NCH, BN, CH], vb_desc.layout)
+        if VEC_TMA:
+            sk_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sk_desc.layout)
+            sv_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sv_desc.layout)
+        else:   # placeholders, never touched
+            sk_s = k_s
+            sv_s = k_s
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for si in gl.static_range(NS):
+            mbarrier.init(ready.index(si), count=1)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        # --- q8_i (fp8, A of S) and bf16 dO_i (A of dP), once --------------------------------
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(dob_desc, [start + m0, h * D + cc * CH], q_bar,
+                                            dob_s.index(cc))
+
+        if CAUSAL:
+            hi = gl.minimum(m0 + BM, L_doc)
+            mask_from = m0
+            shift = 0
+        else:
+            hi = L_doc
+            mask_from = L_doc
+            shift = L_doc
+        total = gl.cdiv(hi, BN)
+        for pi in gl.static_range(NS - 1):
+            _issue_kv_tile(pi, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+                           k_s, kb_s, vb_s, sk_s, sv_s, ready, pi < total, D, BN, NS, NCH,
+                           VEC_TMA)
+
+        m_idx = m0 + gl.arange(0, BM, layout=ROW)
+        m_ok = m_idx < L_doc
+        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
+                       other=float("inf")) * 1.4426950408889634
+        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
+        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+
+        zero = gl.zeros([BM, CH], gl.float32, L)
+        zero_b = gl.zeros([BM, CH], gl.float32, LB)
+        acc0 = gl.zeros([BM, CH], gl.float32, LB)
+        acc1 = gl.zeros([BM, CH], gl.float32, LB)
+        mbarrier.wait(q_bar, 0)
+
+        for jt in range(total):
+            s = jt % NS
+            j0 = jt * BN
+            end = j0 + BN > L_doc
+            need_mask = j0 + BN > mask_from
+            n_idx = j0 + gl.arange(0, BN, layout=COL)
+            if NS == 1:   # no prefetch: this tile's own loads (tile jt - 1's wgmmas all done)
+                gl.thread_barrier()
+                _issue_kv_tile(jt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc,
+                               sv_desc, k_s, kb_s, vb_s, sk_s, sv_s, ready, jt < total, D, BN,
+                               NS, NCH, VEC_TMA)
+            mbarrier.wait(ready.index(s), (jt // NS) & 1)
+            ks = k_s.index(s)
+
+            s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)                         # fp8
+            dp_tok = _mma(dob_s.index(0), vb_s.index(s * NCH).permute((1, 0)), zero_b, SYNC)
+            if NCH == 2:
+                dp_tok = _mma_acc(dob_s.index(1), vb_s.index(s * NCH + 1).permute((1, 0)),
+                                  dp_tok, SYNC)
+
+            if end:   # once per program: bf16 K rows past the document end (0 * NaN is NaN)
+                for cc in gl.static_range(NCH):
+                    _zero_tail_rows(kb_s.index(s * NCH + cc), j0, L_doc, BN, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            # waits for S and (issued before it) tile jt - 1's dQ wgmmas
+            sc = _mma_wait(s_tok, NCH, SYNC)
+            if NS > 1:
+                # slot (jt - 1) % NS is free now (S, dP, dQ of tile jt - 1 done; every warp past
+                # its vector reads): prefetch tile jt + NS - 1 into it
+                gl.thread_barrier()
+                nxt = jt + NS - 1
+                _issue_kv_tile(nxt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc,
+                               sv_desc, k_s, kb_s, vb_s, sk_s, sv_s, ready, nxt < total, D, BN,
+                               NS, NCH, VEC_TMA)
+            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                        - gl.expand_dims(lse2, 1))
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            dp = gl.convert_layout(_mma_wait(dp_tok, 0, SYNC), L)
+            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            # _dq_tile: ds = p (dP sv_j - Delta_i); dQ operand bf16(ds sk_j)
+            b = p * (dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)) \
+                * gl.expand_dims(sk_j2, 0)
+            if need_mask:
+                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
+                      & gl.expand_dims(n_idx < L_doc, 0))
+                b = gl.where(ok, b, 0.0)
+            b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
+
+            q0_tok = _mma_acc(b16, kb_s.index(s * NCH), acc0, SYNC)
+            if NCH == 2:
+                q1_tok = _mma_acc(b16, kb_s.index(s * NCH + 1), acc1, SYNC)
+            else:
+                q1_tok = acc1
+            if CARRY:
+                acc0, acc1 = _wait_pair(q0_tok, q1_tok, NCH, NCH, SYNC)
+            else:
+                acc0, acc1 = _wait_pair(q0_tok, q1_tok, 0, NCH, SYNC)
+
+        acc0, acc1 = _wait_pair(acc0, acc1, 0, NCH, SYNC)
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(si))
+        mbarrier.invalidate(q_bar)
+
+        # --- epilogue: * sm_scale, rotate back, cast -------------------------------------------
+        acc0 = gl.convert_layout(acc0, L) * sm_scale
+        acc1 = gl.convert_layout(acc1, L) * sm_scale
+        row_off = (start + m_idx) * stride_dqt + h * D
+        if ROTATE:
+            _rotate_store(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, D, BM, NCH, L,
+                          num_warps)
+        else:
+            _store_chunk(acc0, dq, m_ok, row_off, 0, L)
+            if NCH == 2:
+                _store_chunk(acc1, dq, m_ok, row_off, CH, L)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+def mixed_operands(st, need_k: bool = True):
+    """(dO bf16 (T, Hq, D), V bf16 (T, Hkv, D), K bf16 (T, Hkv, D) or None): the bf16 GEMMs'
+    token-major operands. V / K: e4m3 values, exact in bf16 (one pass over v8 / k8). dO: the
+    caller's, rounded to bf16 as backward._bf16_op does when it is fp16 / fp32. Production would
+    have launch_preprocess / the quantization write these."""
+    bf = torch.bfloat16
+    dob = st.dout if st.dout.dtype == bf else st.dout.to(bf)
+    vb = st.v8.to(bf)
+    kb = st.k8.to(bf) if need_k else None
+    return dob.contiguous(), vb.contiguous(), kb.contiguous() if need_k else None
+
+
+def _check_state(st, what: str):
+    if not HAVE_GLUON:
+        raise RuntimeError("triton.experimental.gluon is not available")
+    if st.recipe != RECIPE_MIXED or st.dq_atomic:
+        raise ValueError(f"the Gluon fp8_mixed {what} kernel implements fp8_mixed without "
+                         "dq_atomic")
+    if st.D not in (64, 128):
+        raise ValueError(f"the Gluon fp8_mixed {what} kernel supports D in (64, 128), not {st.D}")
+
+
+def _tok_major(x, rows, cols, dtype):
+    """(T, heads, D) -> (T, heads * D) descriptor with (rows, cols) boxes."""
+    x2 = x.view(x.shape[0], -1)
+    lay = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+    return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, cols], lay)
+
+
+def _vec_desc(x, n):
+    lay = gl.NVMMASharedLayout.get_default_for([1, n], gl.float32)
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, n], lay)
+
+
+def _dkdv_args(st, cfg: MixedDkdvConfig, vecs=None, ops=None):
+    _check_state(st, "dK/dV")
+    if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
+        raise ValueError(f"unsupported fp8_mixed dK/dV config {cfg}")
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    dob, vb, _ = ops if ops is not None else mixed_operands(st, need_k=False)
+    for x in (st.q8, st.k8, st.doT8, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk,
+              st.dv, dob, vb):
+        assert x.is_contiguous()
+    f8, bf = gl.float8e4nv, gl.bfloat16
+    H, _, Tp = st.doT8.shape
+    doT_desc = GluonTensorDescriptor(st.doT8, [H * D, Tp], [Tp, 1], [D, BM],
+                                     gl.NVMMASharedLayout.get_default_for([D, BM], f8))
+    if cfg.vec_tma:
+        vecs = vecs if vecs is not None else G.padded_vectors(st)
+    else:
+        vecs = (G._dummy_vec(st.lse.device, BM),) * 4
+    descs = (_tok_major(st.k8, BN, D, f8), _tok_major(vb, BN, CH_, bf),
+             _tok_major(st.q8, BM, D, f8), _tok_major(dob, BM, CH_, bf), doT_desc,
+             *(_vec_desc(x, BM) for x in vecs))
+    grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, BN))
+    args = (*descs, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv, st.hmat, st.cu,
+            st.pcu, st.T, st.dk.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)
+    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=D, BM=BM, BN=BN, NS=cfg.stages, CAUSAL=st.causal,
+                  ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  CARRY=cfg.carry and not cfg.sync_mma, EARLY_DV=cfg.early_dv,
+                  num_warps=cfg.num_warps)
+    return grid, args, kwargs
+
+
+def launch_dkdv_gluon_mixed(st, config: MixedDkdvConfig | None = None, vecs=None,
+                            ops=None) -> None:
+    """dK, dV of fp8_mixed into st.dk / st.dv (the contract of backward.launch_dkdv). `vecs`:
+    G.padded_vectors(st), `ops`: mixed_operands(st) when the caller already has them."""
+    cfg = config or default_mixed_dkdv_config(st.D)
+    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
+        st.dk.zero_()
+        st.dv.zero_()
+        return
+    grid, args, kwargs = _dkdv_args(st, cfg, vecs, ops)
+    _dkdv_mixed_kernel[grid](*args, **kwargs)
+
+
+def _dq_args(st, cfg: MixedDqConfig, vecs=None, ops=None):
+    _check_state(st, "dQ")
+    if cfg.bn != CH_ or cfg.bm != 16 * cfg.num_warps or cfg.stages < 1:
+        raise ValueError(f"unsupported fp8_mixed dQ config {cfg}")
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    dob, vb, kb = ops if ops is not None else mixed_operands(st)
+    for x in (st.q8, st.k8, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, dob, vb, kb):
+        assert x.is_contiguous()
+    f8, bf = gl.float8e4nv, gl.bfloat16
+    if cfg.vec_tma:
+        vecs = vecs if vecs is not None else G.padded_kv_vectors(st)
+    else:
+        vecs = (G._dummy_vec(st.lse.device, BN),) * 2
+    descs = (_tok_major(st.q8, BM, D, f8), _tok_major(dob, BM, CH_, bf),
+             _tok_major(st.k8, BN, D, f8), _tok_major(kb, BN, CH_, bf),
+             _tok_major(vb, BN, CH_, bf), *(_vec_desc(x, BN) for x in vecs))
+    grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, BM))
+    args = (*descs, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, st.hmat, st.cu, st.pcu, st.T,
+            st.dq.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)
+    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=D, BM=BM, BN=BN, NS=cfg.stages, CAUSAL=st.causal,
+                  ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  CARRY=cfg.carry and not cfg.sync_mma and cfg.stages >= 2,
+                  num_warps=cfg.num_warps)
+    return grid, args, kwargs
+
+
+def launch_dq_gluon_mixed(st, config: MixedDqConfig | None = None, vecs=None, ops=None) -> None:
+    """dQ of fp8_mixed into st.dq (the contract of backward.launch_dq without dq_atomic).
+    `vecs`: G.padded_kv_vectors(st), `ops`: mixed_operands(st) when already built."""
+    cfg = config or default_mixed_dq_config(st.D)
+    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
+        st.dq.zero_()
+        return
+    grid, args, kwargs = _dq_args(st, cfg, vecs, ops)
+    _dq_mixed_kernel[grid](*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile without a GPU (sm_90a)
+# ----------------------------------------------------------------------------------------------
+
+def compile_dkdv_sm90(st, config: MixedDkdvConfig | None = None):
+    cfg = config or default_mixed_dkdv_config(st.D)
+    _, args, kwargs = _dkdv_args(st, cfg)
+    return G._compile_sm90(_dkdv_mixed_kernel, args, kwargs)
+
+
+def compile_dq_sm90(st, config: MixedDqConfig | None = None):
+    cfg = config or default_mixed_dq_config(st.D)
+    _, args, kwargs = _dq_args(st, cfg)
+    return G._compile_sm90(_dq_mixed_kernel, args, kwargs)
+
+
+def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
+               rotate: bool = True, lengths=None, grad_dtype=None):
+    """A CPU fp8_mixed BwdState with the real shapes / dtypes (zeros) for compile-only use."""
+    from . import backward as B
+    from .layout import QuantizedQKV
+    f8 = torch.float8_e4m3fn
+    z = lambda *s: torch.zeros(*s, dtype=f8)           # noqa: E731
+    qkv = QuantizedQKV("fp8_mixed", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
+                       torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=rotate)
+    lengths = lengths or [T]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    dout = torch.zeros(T, Hq, D, dtype=torch.bfloat16)
+    st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu, max(lengths), causal,
+                      grad_dtype=grad_dtype)
+    st.interp = False
+    return st
+
+
+PTX_COUNTS = dict(G.PTX_COUNTS, wgmma_bf16=r"wgmma\.mma_async\S*\.bf16\.bf16",
+                  wgmma_e4m3=r"wgmma\.mma_async\S*\.e4m3\.e4m3")
+
+
+def resource_report(kern) -> dict:
+    """G.resource_report plus wgmma counts by operand type."""
+    import re
+    u = G.resource_report(kern)
+    ptx = kern.asm["ptx"]
+    for k in ("wgmma_bf16", "wgmma_e4m3"):
+        u[k] = len(re.findall(PTX_COUNTS[k], ptx))
+    return u

@@ -50,6 +50,18 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
 
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
     python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
+
+--configs next (both kernels): the production default and the opt-in variants of
+_dkdv_fp8_v2_kernel / _dq_fp8_v2_kernel (NEXT / DQ_NEXT): gather (padded vectors by one Triton
+launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload bitwise
+against the torch gathers and timed apart), xo1 / xo2 (tile j+1's S (xo2: and dP) issued before
+tile j's last promotion GEMM is waited for), ws (1-warp TMA producer partition, maxnreg 128: 2
+CTAs / SM, consumer setmaxnreg 232), ws1cta (dK/dV: 256 registers, 1 CTA / SM), wsxo1 / wsxo2.
+The v2 kernels keep the defaults' per-tile numerics op for op: expected bitwise equal to default.
+
+    python benchmarks/bwd_gluon_dev.py --isolate --configs next
+    python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
+    python benchmarks/bwd_gluon_dev.py --cpu-smoke --configs next [--kernel dq]
 """
 from __future__ import annotations
 
@@ -87,8 +99,17 @@ CONFIGS = {
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA
     "w8ns4": "bn=128,num_warps=8,stages=4",
+    # opt-in variants (GluonDkdvConfig.overlap / ws / vec_gather; _dkdv_fp8_v2_kernel)
+    "gather": "vec_gather=True",                         # padded vectors by one Triton launch
+    "xo1": "overlap=1",                                  # next S^T during the dK1 promotion
+    "xo2": "overlap=2",                                  # next S^T and dP^T
+    "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
+    "ws1cta": "ws=True",                                 # same, 256 regs, 1 CTA / SM
+    "wsxo1": "ws=True,overlap=1,maxnreg=128",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
+# --configs next: the production default and the opt-in variants
+NEXT = ["default", "gather", "xo1", "xo2", "ws", "ws1cta", "wsxo1"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {
@@ -99,8 +120,16 @@ DQ_CONFIGS = {
     "ns2": "stages=2",
     "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
+    # opt-in variants (GluonDqConfig.overlap / ws / vec_gather; _dq_fp8_v2_kernel)
+    "gather": "vec_gather=True",                         # sk / sv by one Triton launch
+    "xo1": "overlap=1",                                  # next S during the dQ promotions
+    "xo2": "overlap=2",                                  # next S and dP
+    "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
+    "wsxo1": "ws=True,overlap=1,maxnreg=128",
+    "wsxo2": "ws=True,overlap=2,maxnreg=128",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
+DQ_NEXT = ["default", "gather", "xo1", "xo2", "ws", "wsxo1", "wsxo2"]
 
 
 def kernel_configs():
@@ -109,6 +138,10 @@ def kernel_configs():
 
 def kernel_ladder():
     return DQ_LADDER if KERNEL == "dq" else LADDER
+
+
+def kernel_next():
+    return DQ_NEXT if KERNEL == "dq" else NEXT
 
 
 def out_names():
@@ -164,7 +197,12 @@ def step_done(**kw):
 def expand_configs(spec: str) -> list[str]:
     names = []
     for c in spec.split(","):
-        names.extend(kernel_ladder() if c == "ladder" else [c.replace(";", ",")])
+        if c == "ladder":
+            names.extend(kernel_ladder())
+        elif c == "next":
+            names.extend(kernel_next())
+        else:
+            names.append(c.replace(";", ","))
     return names
 
 
@@ -237,6 +275,11 @@ def gluon_launch(st, cfg, vecs=None):
 def gluon_vecs(st):
     """The padded vectors the vec_tma configs read (built once per state, timed apart)."""
     return G.padded_kv_vectors(st) if KERNEL == "dq" else G.padded_vectors(st)
+
+
+def gluon_vecs_triton(st):
+    """The same padded vectors by one Triton launch (flamia.ops.kmajor.padded_rows)."""
+    return G.padded_kv_vectors_triton(st) if KERNEL == "dq" else G.padded_vectors_triton(st)
 
 
 def run_triton(st):
@@ -503,6 +546,19 @@ def workloads(names, cfg_names, reps):
             t_vec = time_ms(lambda: gluon_vecs(st), reps=reps)
             log(f"{wname}: padded-vector gather (vec_tma configs, not in the kernel times) "
                 f"{t_vec:.3f} ms")
+            try:   # the one-launch Triton gather (config vec_gather / launchers' vecs="triton")
+                vt = gluon_vecs_triton(st)
+                same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                           for a, b in zip(vecs, vt))
+                t_vt = time_ms(lambda: gluon_vecs_triton(st), reps=reps)
+                RESULTS.setdefault("gather", []).append(dict(workload=wname, torch_ms=t_vec,
+                                                             triton_ms=t_vt, bitwise=same))
+                log(f"{wname}: Triton padded-vector gather {t_vt:.3f} ms (torch {t_vec:.3f}), "
+                    f"bitwise equal {same}")
+                vt = None
+            except Exception as e:   # noqa: BLE001
+                traceback.print_exc()
+                RESULTS["errors"].append(dict(what=f"{wname} triton gather", error=repr(e)[:400]))
         except Exception as e:   # noqa: BLE001
             traceback.print_exc()
             RESULTS["errors"].append(dict(what=f"{wname} setup/triton", error=repr(e)[:400]))
@@ -543,7 +599,7 @@ def workloads(names, cfg_names, reps):
 # ------------------------------------------------------------------------------------------------
 
 def cpu_smoke(cfg_names):
-    print(f"{'D':>3} {'causal':6} {'config':9} {'regs':>4} {'spill':>5} {'C7515':>5} {'smem':>7} "
+    print(f"{'D':>3} {'causal':6} {'config':9} {'regs':>4} {'setmx':>5} {'spill':>5} {'C7515':>5} {'smem':>7} "
           + " ".join(f"{k:>8}" for k in G.PTX_COUNTS))
     ok = True
     for D in (128, 64):
@@ -555,7 +611,7 @@ def cpu_smoke(cfg_names):
                     kern = (G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90)(st, cfg)
                     r = G.resource_report(kern)
                     RESULTS["compile"].append(dict(D=D, causal=causal, config=cname, **r))
-                    print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {r['spill_stores']:>5} "
+                    print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {str(r['setmaxnreg'] or '-'):>5} {r['spill_stores']:>5} "
                           f"{'Y' if r['wgmma_serialized'] else '-':>5} {r['shared']:>7} "
                           + " ".join(f"{r[k]:>8}" for k in G.PTX_COUNTS), flush=True)
                     if r["tma_1d"]:
@@ -816,7 +872,8 @@ def main():
                     help="dkdv: Gluon dK/dV vs launch_dkdv; dq: Gluon dQ vs Triton launch_dq")
     ap.add_argument("--configs", default="default",
                     help=f"comma list of {sorted(CONFIGS)} (dq: {sorted(DQ_CONFIGS)}), 'ladder' "
-                         f"({','.join(LADDER)}; dq: {','.join(DQ_LADDER)}), or "
+                         f"({','.join(LADDER)}; dq: {','.join(DQ_LADDER)}), 'next' "
+                         f"({','.join(NEXT)}; dq: {','.join(DQ_NEXT)}), or "
                          "key=value;key=value overrides")
     ap.add_argument("--workloads", default=None,
                     help=f"default: all ({','.join(WORKLOADS)}); with --isolate "

@@ -247,3 +247,111 @@ def test_padded_kv_vectors_layout():
             assert torch.equal(y[:, pcu[d]:pcu[d] + n], x[:, cu[d]:cu[d + 1]])
             assert bool((y[:, pcu[d] + n:pcu[d + 1]] == 0).all())
     assert G.check_tma_coords_dq(st) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Opt-in variants (_dkdv_fp8_v2_kernel / _dq_fp8_v2_kernel: overlap, ws; vec_gather is host-only)
+# ----------------------------------------------------------------------------------------------
+
+# name -> (kernel, D, config overrides, spill bound in bytes). Measured when written (causal,
+# ptxas of triton 3.6): dK/dV D=128 xo1 788, xo2 808, ws (maxnreg 128, consumer 232 regs) 464,
+# ws1cta 168, wsxo1 1040; D=64 xo1 20, ws 0; dQ every variant 0.
+VARIANTS = {
+    "dkdv_xo1": ("dkdv", 128, dict(overlap=1), 1024),
+    "dkdv_xo2": ("dkdv", 128, dict(overlap=2), 1024),
+    "dkdv_ws": ("dkdv", 128, dict(ws=True, maxnreg=128), 768),
+    "dkdv_ws1cta": ("dkdv", 128, dict(ws=True), 512),
+    "dkdv_wsxo1": ("dkdv", 128, dict(ws=True, overlap=1, maxnreg=128), 1280),
+    "dkdv_xo1_d64": ("dkdv", 64, dict(overlap=1), 64),
+    "dkdv_ws_d64": ("dkdv", 64, dict(ws=True, maxnreg=128), 64),
+    "dq_xo1": ("dq", 128, dict(overlap=1), 64),
+    "dq_xo2": ("dq", 128, dict(overlap=2), 64),
+    "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
+    "dq_wsxo1": ("dq", 128, dict(ws=True, overlap=1, maxnreg=128), 64),
+    "dq_wsxo2": ("dq", 128, dict(ws=True, overlap=2, maxnreg=128), 64),
+    "dq_xo1_d64": ("dq", 64, dict(overlap=1), 64),
+    "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
+}
+
+_VAR_SCRIPT = r"""
+import json
+from flamia.ops import backward_gluon as G
+VARIANTS = %r
+out = {}
+for name, (kern, D, kw, _) in VARIANTS.items():
+    st = G.fake_state(D, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
+    if kern == "dq":
+        k = G.compile_dq_sm90(st, G.GluonDqConfig(**{**G.default_dq_config(D).__dict__, **kw}))
+    else:
+        k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.default_gluon_config(D).__dict__, **kw}))
+    r = G.resource_report(k)
+    r["v2"] = "_fp8_v2_kernel" in k.asm["ptx"]
+    r["maxnreg_directive"] = ".maxnreg" in k.asm["ptx"]
+    out[name] = r
+print("REPORT" + json.dumps(out))
+""" % (VARIANTS,)
+
+
+@pytest.fixture(scope="module")
+def variant_report():
+    if not _gluon_available():
+        pytest.skip("triton.experimental.gluon (Hopper) or the bundled ptxas is not available")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _VAR_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"sm_90a compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
+    return json.loads(line[len("REPORT"):])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants_compile_for_sm90a(variant_report, name):
+    kern, D, kw, spill_bound = VARIANTS[name]
+    r = variant_report[name]
+    assert r["v2"], r                              # the opt-in kernel, not the production one
+    loop = 2 * (D // 32) + (2 * 2 * (D // 64) if kern == "dkdv" else 2 * (D // 64))
+    assert r["wgmma"] >= loop, r
+    assert r["tma_1d"] == 0 and r["tma"] >= (10 if kern == "dkdv" else 7), r
+    assert r["cvt_e4m3"] > 0 and r["ex2"] > 0, r
+    assert not r["wgmma_serialized"], r            # no ptxas C7514 / C7515
+    assert r["ld_local"] == 0, r
+    assert r["regs"] <= 255, r
+    assert r["spill_stores"] is not None and r["spill_stores"] <= spill_bound, r
+    if kw.get("ws"):
+        # producer warp padded to a warpgroup: setmaxnreg (consumer up, producer down to 24)
+        assert r["setmaxnreg"] is not None and r["setmaxnreg"] <= 256, r
+        if kw.get("maxnreg") == 128:               # 8 warps x 128 regs: 2 CTAs / SM
+            assert r["regs"] <= 128 and r["setmaxnreg"] >= 224, r
+    assert r["shared"] <= 227 * 1024 // 2, r       # 2 CTAs / SM by shared memory
+
+
+def test_variant_routing_and_validation():
+    from flamia.ops import backward_gluon as G
+    assert G._dkdv_kernel(G.default_gluon_config(128)) is G._dkdv_fp8_kernel
+    assert G._dq_kernel(G.default_dq_config(128)) is G._dq_fp8_kernel
+    assert G._dkdv_kernel(G.GluonDkdvConfig(overlap=1)) is G._dkdv_fp8_v2_kernel
+    assert G._dq_kernel(G.GluonDqConfig(ws=True)) is G._dq_fp8_v2_kernel
+    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    for bad in (G.GluonDkdvConfig(overlap=1, stages=1), G.GluonDkdvConfig(ws=True, vec_tma=False),
+                G.GluonDkdvConfig(overlap=1, sync_mma=True), G.GluonDkdvConfig(overlap=3)):
+        with pytest.raises(ValueError):
+            G._args(st, bad)
+    for bad in (G.GluonDqConfig(overlap=1, stages=1), G.GluonDqConfig(ws=True, bm=128, num_warps=8)):
+        with pytest.raises(ValueError):
+            G._dq_args(st, bad)
+
+
+def test_vecs_option_resolution():
+    """launch_*_gluon(vecs=...): tensors as given; None -> the config's choice (vec_gather: the
+    one-launch Triton gather, tested bitwise in tests/test_ops_kmajor.py); 'torch' / 'triton'."""
+    from flamia.ops import backward_gluon as G
+    torch_fn, triton_fn = (lambda st: "torch"), (lambda st: "triton")
+    d, g = G.GluonDkdvConfig(), G.GluonDkdvConfig(vec_gather=True)
+    assert G._resolve_vecs(None, d, None, torch_fn, triton_fn) == "torch"
+    assert G._resolve_vecs(None, g, None, torch_fn, triton_fn) == "triton"
+    assert G._resolve_vecs("triton", d, None, torch_fn, triton_fn) == "triton"
+    assert G._resolve_vecs("torch", g, None, torch_fn, triton_fn) == "torch"
+    assert G._resolve_vecs((1, 2), g, None, torch_fn, triton_fn) == (1, 2)
+    with pytest.raises(ValueError):
+        G._resolve_vecs("cuda", d, None, torch_fn, triton_fn)

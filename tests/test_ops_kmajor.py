@@ -55,3 +55,24 @@ def test_bad_arguments():
         kmajor_copy(src.float(), torch.zeros(2, 16, 16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="same heads"):
         kmajor_copy(src, torch.zeros(3, 16, 16, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("lengths", [(300, 0, 1, 777, 1024, 45), (5,), (16, 32), (0, 3)])
+def test_padded_rows_bitwise_equal_torch_gathers(lengths):
+    """kmajor.padded_rows (one Triton launch) == backward_gluon.padded_vectors /
+    padded_kv_vectors (torch index_select + masked_fill), bitwise, pads included (lse +inf)."""
+    from flamia.ops import backward_gluon as G
+    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    g = torch.Generator().manual_seed(0)
+    for x in (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv):
+        x.copy_(torch.randn(x.shape, generator=g))
+    if st.T:
+        st.sdo[1, st.T // 2] = float("nan")         # NaN / inf copied as they are
+        st.lse[0, 0] = float("-inf")
+    for ref, got in ((G.padded_vectors(st), G.padded_vectors_triton(st)),
+                     (G.padded_kv_vectors(st), G.padded_kv_vectors_triton(st))):
+        assert len(ref) == len(got)
+        for a, b in zip(ref, got):
+            assert b.shape == a.shape and b.dtype == torch.float32 and b.is_contiguous()
+            assert (b.data_ptr() % 16) == 0 and (b.stride(0) * 4) % 16 == 0
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))

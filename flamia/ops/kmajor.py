@@ -91,3 +91,56 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
         src.view(torch.uint8), dst.view(torch.uint8), dst if plain else tok_of_col, T, Tp,
         src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, num_warps=4)
     return dst
+
+
+@triton.jit
+def _padded_rows_kernel(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H,
+                        NV: tl.constexpr, FILL0_INF: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst[v, h, c] = src_v[h, tok_of_col[c]] (fp32), pads (tok < 0) 0, or +inf for v = 0 with
+    FILL0_INF. One program per (block of output columns, head): every column written."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    h = tl.program_id(1)
+    c_ok = c < Tp
+    tok = tl.load(tok_of_col + c, mask=c_ok, other=-1)
+    ok = tok >= 0
+    src_off = h * T + tok            # H * Tp < 2^31 (backward.make_state's int32 rule)
+    out = dst + h * Tp + c
+    plane = H * Tp
+    x = tl.load(src0 + src_off, mask=ok, other=0.0).to(tl.float32)
+    if FILL0_INF:
+        x = tl.where(ok, x, float("inf"))
+    tl.store(out, x, mask=c_ok)
+    if NV > 1:
+        x = tl.load(src1 + src_off, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + plane, x, mask=c_ok)
+    if NV > 2:
+        x = tl.load(src2 + src_off, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + 2 * plane, x, mask=c_ok)
+    if NV > 3:
+        x = tl.load(src3 + src_off, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + 3 * plane, x, mask=c_ok)
+
+
+def padded_rows(srcs, tok_of_col: torch.Tensor, Tp: int, fill0_inf: bool = False,
+                block_c: int = 256) -> tuple:
+    """Per-token row vectors (H, T) -> (H, Tp) fp32 copies in the padded column layout, all in
+    one launch in the destination's frame (like kmajor_copy): column c holds src[:, tok_of_col[c]],
+    pad columns 0 (the first source's +inf with fill0_inf, for lse). 1-4 sources of one shape.
+    Returns views of one (len(srcs), H, Tp) buffer: each contiguous, row stride Tp * 4 bytes and
+    base offset H * Tp * 4 bytes (16-byte multiples when 4 | Tp), so TMA-legal like the separate
+    tensors of backward_gluon.padded_vectors, and bitwise equal to them (pure copies)."""
+    nv = len(srcs)
+    if not 1 <= nv <= 4:
+        raise ValueError(f"padded_rows: 1-4 sources, not {nv}")
+    H, T = srcs[0].shape
+    srcs = [s.contiguous() for s in srcs]
+    for s in srcs:
+        if tuple(s.shape) != (H, T):
+            raise ValueError(f"padded_rows: sources of shape {(H, T)}, got {tuple(s.shape)}")
+    dst = torch.empty((nv, H, Tp), dtype=torch.float32, device=srcs[0].device)
+    if Tp > 0 and H > 0:
+        s = srcs + [srcs[0]] * (4 - nv)
+        _padded_rows_kernel[(triton.cdiv(Tp, block_c), H)](
+            s[0], s[1], s[2], s[3], dst, tok_of_col, T, Tp, H, NV=nv, FILL0_INF=fill0_inf,
+            BLOCK_C=block_c, num_warps=4)
+    return tuple(dst[i] for i in range(nv))

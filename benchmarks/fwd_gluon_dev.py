@@ -8,13 +8,22 @@
     python benchmarks/fwd_gluon_dev.py --isolate                        # one subprocess per config
     OUT=/dir python benchmarks/fwd_gluon_dev.py                         # also $OUT/fwd_gluon_dev.json
 
+    python benchmarks/fwd_gluon_dev.py --isolate --quick --configs nextfwd   # the next candidates
+
+--configs nextfwd = the current best (g64x128w4s3-ws1-p24-r128) and forward_gluon.NEXT_FWD
+(ping-pong ws2, folded exponent, lazy rescale, polynomial exp2). With --quick it also means
+head dim 128 only in agreement / P1 / P2, forward-only timing on doc32k, doc8k_x4, doc2k_x16,
+longtail, and --parallel 4: the correctness children (which also compile every timing
+specialization into the Triton cache) run 4 at a time, then the timing children one at a time.
+
 --isolate runs the Triton timing and then each config (agreement, P1/P2, timing) in its own
 subprocess with a timeout (--child-timeout), so a hang, a CUDA error or a corrupted context in one
 config costs only that config; the parent merges the children's results into one table / JSON.
 
-Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG]; -wsN is the warp-specialized
-kernel with N consumer warpgroups (BM = 64 N), a 1-warp producer with PREGS registers, the second
-consumer (N = 2) with CREGS.
+Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG][-pp][-f][-k][-eN]; -wsN is the
+warp-specialized kernel with N consumer warpgroups (BM = 64 N), a 1-warp producer with PREGS
+registers, the second consumer (N = 2) with CREGS; -pp ping-pong (ws2), -f folded exponent,
+-k lazy rescale, -eN one exp2 in N by polynomial (see forward_gluon.GluonFwdConfig).
 
 Phases (each config / kernel in its own try/except: one failure never stops the table):
 1. Resources: registers, spills, shared memory, C7515, PTX counts (wgmma, waits, barriers...)
@@ -61,6 +70,9 @@ DEFAULT_CONFIGS = ("g64x128w4s2,g64x128w4s2-ws1-p24-r128,g64x128w4s3-ws1-p24-r12
                    "g128x128w4s2-ws2-p24-c240-r168,g128x128w4s3-ws2-p24-c240-r168")
 BASE = "g64x128w4s2"      # warp-specialized configs are compared bitwise with this one
 WORKLOADS = ["doc32k", "doc8k_x4", "doc2k_x16", "doc512_x64", "longtail", "d64_doc8k_x4"]
+NEXTFWD_BEST = "g64x128w4s3-ws1-p24-r128"
+NEXTFWD_QUICK_WORKLOADS = "doc32k,doc8k_x4,doc2k_x16,longtail"
+DIMS = (128, 64)            # head dims of agreement / P1 / P2 (--dims)
 
 
 def log(*a):
@@ -89,16 +101,21 @@ def parse_configs(spec: str):
             continue
         if name == "none":          # --isolate's Triton-only child
             continue
-        m = re.fullmatch(r"g(\d+)x(\d+)w(\d+)s(\d+)(?:-ws(\d)-p(\d+)(?:-c(\d+))?)?(?:-r(\d+))?",
-                         name)
+        if name == "nextfwd":
+            cfgs += [G.CONFIGS[NEXTFWD_BEST]] + list(G.NEXT_FWD)
+            continue
+        m = re.fullmatch(r"g(\d+)x(\d+)w(\d+)s(\d+)(?:-ws(\d)-p(\d+)(?:-c(\d+))?)?(?:-r(\d+))?"
+                         r"(-pp)?(-f)?(-k)?(?:-e(\d))?", name)
         if not m:
-            sys.exit(f"unknown config {name!r}: use gBMxBNwWARPSsSTAGES[-wsN-pP[-cC]][-rMAXNREG], "
-                     "e.g. g64x128w4s2 or g64x128w4s2-ws1-p24-r128")
-        bm, bn, w, s, ws, p, c, r = m.groups()
+            sys.exit(f"unknown config {name!r}: use gBMxBNwWARPSsSTAGES[-wsN-pP[-cC]][-rMAXNREG]"
+                     "[-pp][-f][-k][-eN], e.g. g64x128w4s2 or g64x128w4s2-ws1-p24-r128-f-k")
+        bm, bn, w, s, ws, p, c, r, pp, f, k, e = m.groups()
         cfg = G.GluonFwdConfig(int(bm), int(bn), int(w), int(s), int(r) if r else None)
         if ws:
             cfg = cfg.with_(ws=int(ws), producer_regs=int(p),
                             **({"consumer_regs": int(c)} if c else {}))
+        cfg = cfg.with_(pingpong=bool(pp), fold=bool(f), lazy=bool(k), poly=int(e or 0))
+        G._check_config(cfg, 128)
         cfgs.append(cfg)
     return cfgs
 
@@ -154,7 +171,7 @@ def phase_agreement(cfgs, dev, quick):
     slices = [((700, 1, 0, 300, 17, 129, 1000), 8, 2), ((37, 0, 1, 70, 19, 260), 4, 4)]
     seen_usage = set()
     passed = {c.name: True for c in cfgs}
-    for D in (128, 64):
+    for D in DIMS:
         for lengths, Hq, Hkv in slices:
             for family in (("mild", "outliers") if not quick else ("outliers",)):
                 q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, family, device=dev, seed=3)
@@ -241,7 +258,7 @@ def phase_properties(cfgs, dev):
     cu_host = [0]
     for n in lengths:
         cu_host.append(cu_host[-1] + n)
-    for D in (128, 64):
+    for D in DIMS:
         q, k, v, cu = make_qkv(lengths, 8, 2, D, "outliers", device=dev, seed=11)
         for cfg in cfgs:
             def run(q_, k_, v_, causal=True):
@@ -315,7 +332,9 @@ def load_workloads():
         return {w["name"]: w for w in json.load(f)["workloads"]}
 
 
-def phase_timing(cfgs, dev, names, reps, with_triton=True):
+def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, warm_only=False):
+    """warm_only: one call of each timed function, nothing recorded (fills the Triton cache for
+    --parallel's timing children)."""
     from flamia.ops.forward import attention_forward, default_config
     from flamia.ops.quantize import quantize_qkv
     from flamia.ops.schedule import build_schedule
@@ -336,7 +355,16 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True):
             record_error(f"timing setup {name}", e)
             continue
 
+        def timed(fn):
+            if warm_only:
+                fn()
+                torch.cuda.synchronize()
+                return None
+            return cuda_time(fn, reps)
+
         def rec(kernel, what, ms):
+            if ms is None:
+                return
             tf = flops / (ms * 1e-3) / 1e12
             RESULTS["timing"].append({"workload": name, "kernel": kernel, "what": what, "ms": ms,
                                       "tflops": tf})
@@ -347,10 +375,12 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True):
         try:
             if not with_triton:
                 raise StopIteration
-            rec("triton", "forward", cuda_time(lambda: attention_forward(
-                qkv, cu, max(lengths), True, None, q.dtype, schedule=sch_t), reps))
-            rec("triton", "quant+forward", cuda_time(lambda: attention_forward(
-                quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None, q.dtype), reps))
+            rec("triton", "forward", timed(lambda: attention_forward(
+                qkv, cu, max(lengths), True, None, q.dtype, schedule=sch_t)))
+            if not forward_only:
+                rec("triton", "quant+forward", timed(lambda: attention_forward(
+                    quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None,
+                    q.dtype)))
         except StopIteration:
             pass
         except Exception as e:   # noqa: BLE001
@@ -358,11 +388,12 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True):
         for cfg in cfgs:
             try:
                 sch = build_schedule(cu, T, cfg.block_m, cfg.block_n, True)
-                rec(cfg.name, "forward", cuda_time(lambda: G.attention_forward_gluon(
-                    qkv, cu, max(lengths), True, None, q.dtype, config=cfg, schedule=sch), reps))
-                rec(cfg.name, "quant+forward", cuda_time(lambda: G.attention_forward_gluon(
-                    quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None, q.dtype,
-                    config=cfg), reps))
+                rec(cfg.name, "forward", timed(lambda: G.attention_forward_gluon(
+                    qkv, cu, max(lengths), True, None, q.dtype, config=cfg, schedule=sch)))
+                if not forward_only:
+                    rec(cfg.name, "quant+forward", timed(lambda: G.attention_forward_gluon(
+                        quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None,
+                        q.dtype, config=cfg)))
             except Exception as e:   # noqa: BLE001
                 record_error(f"timing {cfg.name} {name}", e)
         q = k = v = qkv = None      # free before the next workload
@@ -415,27 +446,63 @@ def summarize(cfgs):
 def run_isolated(args, cfgs, env):
     """Triton timing, then each config, each in a child process of this script with a timeout;
     the children write their RESULTS as JSON, merged here."""
-    import subprocess
-    import tempfile
-    passthrough = ["--only", args.only, "--reps", str(args.reps)]
-    for flag in ("quick", "skip_agreement", "skip_properties", "skip_timing", "time_failing"):
+    passthrough = ["--only", args.only, "--reps", str(args.reps), "--dims", args.dims]
+    for flag in ("quick", "skip_agreement", "skip_properties", "skip_timing", "time_failing",
+                 "forward_only"):
         if getattr(args, flag):
             passthrough.append("--" + flag.replace("_", "-"))
-    jobs = [("triton", ["--configs", "none", "--skip-agreement", "--skip-properties"])]
-    jobs += [(c.name, ["--configs", c.name, "--no-triton"]) for c in cfgs]
+    triton_job = ("triton", ["--configs", "none", "--skip-agreement", "--skip-properties"])
+    cfg_jobs = [(c.name, ["--configs", c.name, "--no-triton"]) for c in cfgs]
+    if args.parallel > 1 and cfgs:
+        # correctness (plus one untimed call per timing workload, so every specialization is
+        # compiled into the shared Triton cache) N at a time; then timing alone on the GPU
+        run_children(args, passthrough, [(n, x + ["--skip-timing", "--warm-timing"])
+                                         for n, x in cfg_jobs], args.parallel)
+        if args.skip_timing:
+            return
+        failed = {r["config"] for r in RESULTS["agreement"] if not r["passed"]}
+        failed |= {e["where"].split()[1] for e in RESULTS["errors"]
+                   if e["where"].startswith("isolate ")}
+        timed = [(n, x + ["--skip-agreement", "--skip-properties"]) for n, x in cfg_jobs
+                 if args.time_failing or n not in failed]
+        run_children(args, passthrough, [triton_job] + timed, 1)
+        return
+    jobs = [triton_job] + cfg_jobs
     if args.skip_timing:
         jobs = jobs[1:]
-    for label, extra in jobs:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "child.json")
-            cmd = [sys.executable, os.path.abspath(__file__), *passthrough, *extra,
-                   "--child-json", path]
-            log(f"--- isolate: {label} (timeout {args.child_timeout}s)")
-            try:
-                proc = subprocess.run(cmd, timeout=args.child_timeout)
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+    run_children(args, passthrough, jobs, 1)
+
+
+def run_children(args, passthrough, jobs, parallel):
+    """Run (label, extra args) children of this script, `parallel` at a time, each with the
+    --child-timeout; merge their JSON results into RESULTS in job order."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        pending = list(enumerate(jobs))
+        running = []        # (index, label, proc, path, t0)
+        done = {}
+        while pending or running:
+            while pending and len(running) < parallel:
+                i, (label, extra) = pending.pop(0)
+                path = os.path.join(d, f"child{i}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), *passthrough, *extra,
+                       "--child-json", path]
+                log(f"--- isolate: {label} (timeout {args.child_timeout}s)")
+                running.append((i, label, subprocess.Popen(cmd), path, time.time()))
+            time.sleep(0.2)
+            for item in list(running):
+                i, label, proc, path, t0 = item
+                rc = proc.poll()
+                if rc is None and time.time() - t0 > args.child_timeout:
+                    proc.kill()
+                    proc.wait()
+                    rc = "timeout"
+                if rc is not None:
+                    running.remove(item)
+                    done[i] = (label, rc, path)
+        for i in sorted(done):
+            label, rc, path = done[i]
             if os.path.exists(path):
                 with open(path) as f:
                     child = json.load(f)
@@ -464,8 +531,24 @@ def main():
                     help="run the Triton timing and each config in its own subprocess")
     ap.add_argument("--child-timeout", type=int, default=150, help="seconds per --isolate child")
     ap.add_argument("--no-triton", action="store_true", help="do not time the Triton forward")
+    ap.add_argument("--dims", default=None, help="head dims of agreement / P1 / P2 (default 128,64)")
+    ap.add_argument("--forward-only", action="store_true", help="skip the quant+forward timing")
+    ap.add_argument("--parallel", type=int, default=None,
+                    help="--isolate: correctness children N at a time, then timing children alone")
+    ap.add_argument("--warm-timing", action="store_true",
+                    help="after correctness, one untimed call per timing workload (cache warm-up)")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    nextfwd_quick = args.quick and "nextfwd" in args.configs.split(",")
+    if args.only == ",".join(WORKLOADS) and nextfwd_quick:
+        args.only = NEXTFWD_QUICK_WORKLOADS
+    if args.dims is None:
+        args.dims = "128" if nextfwd_quick else "128,64"
+    if args.parallel is None:
+        args.parallel = 4 if nextfwd_quick else 1
+    args.forward_only |= nextfwd_quick
+    global DIMS
+    DIMS = tuple(int(x) for x in args.dims.split(","))
     cfgs = parse_configs(args.configs)
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "triton": triton.__version__, "argv": sys.argv[1:]}
@@ -507,8 +590,11 @@ def main():
         if not args.skip_timing:
             reps = 20 if args.quick and args.reps == 30 else max(args.reps, 20)
             phase_timing(cfgs if args.time_failing else good, dev, args.only.split(","), reps,
-                         with_triton=not args.no_triton)
+                         with_triton=not args.no_triton, forward_only=args.forward_only)
             dump()
+        elif args.warm_timing:
+            phase_timing(good, dev, args.only.split(","), 1, with_triton=False,
+                         forward_only=args.forward_only, warm_only=True)
         if args.child_json:
             return
     summarize(cfgs)

@@ -101,3 +101,29 @@ def test_gluon_forward_importable_and_falls_back_for_bf16():
         G.attention_forward_gluon(qkv, cu, 40, True, None, torch.bfloat16)
     with pytest.raises(ValueError):
         G._check_config(G.GluonFwdConfig(block_m=128, num_warps=4), 128)
+
+
+def test_gluon_forward_next_variants_compile():
+    """The opt-in next-forward variants (ping-pong ws2, folded exponent, lazy rescale, polynomial
+    exp2) compile clean for sm_90a, and leave the default kernels' PTX alone (flags are
+    constexpr: off = the old code path)."""
+    from flamia.ops import forward_gluon as G
+    pp_all = "g128x128w4s2-ws2-p24-c240-r168-pp-f-k-e4"
+    ws1_all = "g64x128w4s3-ws1-p24-r128-f-k-e8"
+    assert pp_all in G.CONFIGS and ws1_all in G.CONFIGS
+    for cfg in G.NEXT_FWD:
+        assert G.CONFIGS[cfg.name] is cfg
+        G._check_config(cfg, 128)
+    with pytest.raises(ValueError):
+        G._check_config(G.CONFIGS["g64x128w4s2-ws1-p24-r128"].with_(pingpong=True), 128)
+    with pytest.raises(ValueError):
+        G._check_config(G.CONFIGS["g64x128w4s2"].with_(poly=3), 128)
+    for u in _compile([(pp_all, 128, True), (ws1_all, 64, False)]):
+        tag = f"{u['name']} D={u['D']}"
+        assert u["regs"] is not None and u["regs"] <= 255, tag
+        assert (u["spill_stores"] or 0) <= SPILL_BOUND, f"{tag}: {u['spill_stores']} B spilled"
+        assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
+        assert u["local"] == 0, tag
+        assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
+        # part of the exp2 went to the FMA pipe: fewer MUFU ex2 than S elements per tile
+        assert u["ex2"] > 0, tag

@@ -75,6 +75,14 @@ class GluonFwdConfig:
     ws: int = 0
     producer_regs: int = 24     # setmaxnreg of the producer warp(group)
     consumer_regs: int = 240    # setmaxnreg of the second consumer (ws=2); the first gets the rest
+    # Opt-in variants (all off = the kernels above, bitwise). Name suffixes in this order.
+    pingpong: bool = False  # -pp, ws=2 only: the consumers take turns issuing their wgmmas (FA3)
+    fold: bool = False      # -f: unmasked tiles: p = exp2(fma(s sk, row_f, lr - m)), 1 FFMA
+                            #     instead of FMUL + 2 FADD (fp32 rounding of the exponent only)
+    lazy: bool = False      # -k: skip acc *= alpha when every alpha of the warpgroup is 1.0
+                            #     (no row max changed): bitwise the same result
+    poly: int = 0           # -eN: 1 of every N exp2 of unmasked tiles on the FMA pipe (degree-5
+                            #     polynomial, ~2e-7 relative like MUFU); N in (2, 4, 8)
 
     def with_(self, **kw) -> "GluonFwdConfig":
         return replace(self, **kw)
@@ -86,7 +94,11 @@ class GluonFwdConfig:
             s += f"-ws{self.ws}-p{self.producer_regs}"
             if self.ws == 2:
                 s += f"-c{self.consumer_regs}"
-        return s + (f"-r{self.maxnreg}" if self.maxnreg else "")
+        s += f"-r{self.maxnreg}" if self.maxnreg else ""
+        s += "-pp" if self.pingpong else ""
+        s += "-f" if self.fold else ""
+        s += "-k" if self.lazy else ""
+        return s + (f"-e{self.poly}" if self.poly else "")
 
 
 # Named variants for benchmarks (--configs) and the compile test.
@@ -109,6 +121,23 @@ CONFIGS = {
                                                      consumer_regs=240),
 }
 
+# Next-forward candidates (opt-in flags on the two warp-specialized shapes; see GluonFwdConfig).
+# ws2 registers: 12 warps x 168 = 2 x 4 x 240 + 4 x 24, the whole 64K file at one CTA per SM; a
+# 40-register producer would need maxnreg 176 (> 64K), so 240 / 24 is already the rebalanced split.
+_WS1 = CONFIGS["g64x128w4s3-ws1-p24-r128"]
+_WS2 = CONFIGS["g128x128w4s2-ws2-p24-c240-r168"]
+_WS2S3 = CONFIGS["g128x128w4s3-ws2-p24-c240-r168"]
+NEXT_FWD = [
+    _WS1.with_(fold=True),
+    _WS1.with_(fold=True, lazy=True),
+    _WS1.with_(fold=True, lazy=True, poly=8),
+    _WS2.with_(pingpong=True),
+    _WS2.with_(pingpong=True, fold=True, lazy=True),
+    _WS2S3.with_(pingpong=True, fold=True, lazy=True),
+    _WS2.with_(pingpong=True, fold=True, lazy=True, poly=4),
+]
+CONFIGS.update({c.name: c for c in NEXT_FWD})
+
 
 def default_gluon_config(head_dim: int) -> GluonFwdConfig:
     """To be re-tuned on the H200 (benchmarks/fwd_gluon_dev.py); compile-clean on CPU."""
@@ -122,10 +151,43 @@ def _check_config(cfg: GluonFwdConfig, D: int):
                              "warpgroup per partition) and block_m = 64 * ws")
     elif cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
         raise ValueError(f"{cfg}: block_m must be 16 * num_warps (64 rows per warpgroup)")
+    if cfg.pingpong and cfg.ws != 2:
+        raise ValueError(f"{cfg}: ping-pong needs two consumer warpgroups (ws=2)")
+    if cfg.poly not in (0, 2, 4, 8):
+        raise ValueError(f"{cfg}: poly is 0 or one exp2 in 2, 4 or 8 on the FMA pipe")
     if cfg.block_n not in (64, 128) or cfg.stages < 2:
         raise ValueError(f"{cfg}: block_n in (64, 128), stages >= 2")
     if D not in (64, 128):
         raise ValueError(f"head dim {D}: the Gluon forward supports 64 and 128")
+
+
+# exp2 on the FMA pipe for one of every `pack` elements (the rest stay on MUFU, which is 16/clk/SM
+# against 128 FMA/clk): x clamped at -126 (result >= 2^-126: only unmasked tiles, where the true
+# value is <= 2^-126 * 2^lr and vanishes in l and in e4m3 anyway), j = rint(x) by the 1.5 * 2^23
+# trick, r = x - j in [-0.5, 0.5], 2^r by a degree-5 fit (max rel. error 2.2e-7 in fp32 Horner,
+# MUFU's ex2.approx is ~2 ulp), then j is added to the exponent field: f's low bits hold j, so
+# (f << 23) + bits(2^r) in one integer multiply-add.
+_POLY_C = ("0f3AAE0A20", "0f3C1E8639", "0f3D635B64", "0f3E75FC8B", "0f3F317214", "0f3F800000")
+
+
+def _exp2_mixed_asm(pack: int) -> str:
+    body = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - 1)]
+    o, x = f"${pack - 1}", f"${2 * pack - 1}"
+    body += ["{", ".reg .f32 xc, fj, jf, r, q;", ".reg .b32 fb, qb, ob;",
+             f"max.ftz.f32 xc, {x}, 0fC2FC0000;",
+             "add.rn.f32 fj, xc, 0f4B400000;", "sub.rn.f32 jf, fj, 0f4B400000;",
+             "sub.rn.f32 r, xc, jf;", f"fma.rn.f32 q, {_POLY_C[0]}, r, {_POLY_C[1]};"]
+    body += [f"fma.rn.f32 q, q, r, {c};" for c in _POLY_C[2:]]
+    body += ["mov.b32 fb, fj;", "mov.b32 qb, q;", "mad.lo.s32 ob, fb, 8388608, qb;",
+             f"mov.b32 {o}, ob;", "}"]
+    return "\n".join(body)
+
+
+EXP2_MIXED_ASM = {n: _exp2_mixed_asm(n) for n in (2, 4, 8)}
+if HAVE_GLUON:      # jit code reads globals only as constexpr
+    _EXP2_ASM2 = gl.constexpr(EXP2_MIXED_ASM[2])
+    _EXP2_ASM4 = gl.constexpr(EXP2_MIXED_ASM[4])
+    _EXP2_ASM8 = gl.constexpr(EXP2_MIXED_ASM[8])
 
 
 if HAVE_GLUON:
@@ -160,9 +222,25 @@ if HAVE_GLUON:
         return ring.index(st)._reinterpret(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
+    def _exp2_mixed(x, POLY: gl.constexpr):
+        """exp2(x), 1 of every POLY elements by the polynomial of EXP2_MIXED_ASM (x > -inf)."""
+        if POLY == 2:
+            return gl.inline_asm_elementwise(_EXP2_ASM2, "=f,=f,f,f", [x], dtype=gl.float32,
+                                             is_pure=True, pack=2)
+        elif POLY == 4:
+            return gl.inline_asm_elementwise(_EXP2_ASM4, "=f,=f,=f,=f,f,f,f,f", [x],
+                                             dtype=gl.float32, is_pure=True, pack=4)
+        else:
+            gl.static_assert(POLY == 8)
+            return gl.inline_asm_elementwise(_EXP2_ASM8,
+                                             "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
+                                             dtype=gl.float32, is_pure=True, pack=8)
+
+    @gluon.jit
     def _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                       BN: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                      col_layout: gl.constexpr, p_layout: gl.constexpr):
+                      col_layout: gl.constexpr, p_layout: gl.constexpr,
+                      FOLD: gl.constexpr = False, POLY: gl.constexpr = 0):
         """Online softmax of one S tile, written like forward._attn_inner (log2 units, lr riding
         on the subtracted max) -> (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
 
@@ -183,13 +261,28 @@ if HAVE_GLUON:
         else:
             sv = sv_s.load(col_layout)
             m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_f)      # row_f >= 0
-            p = gl.exp2((s * gl.expand_dims(row_f, 1) - gl.expand_dims(m_new, 1))
-                        + gl.expand_dims(lr, 1))
+            if FOLD:
+                # (x - m) + lr as one FFMA per element; lr - m rounds once per row instead
+                arg = gl.fma(s, gl.expand_dims(row_f, 1), gl.expand_dims(lr - m_new, 1))
+            else:
+                arg = (s * gl.expand_dims(row_f, 1) - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1)
+            if POLY > 0:
+                p = _exp2_mixed(arg, POLY)
+            else:
+                p = gl.exp2(arg)
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
         a = gl.convert_layout(a, p_layout)
         return a, m_new, l_i, alpha
+
+    @gluon.jit
+    def _any_rescale(alpha):
+        """Does any row of the warpgroup need acc *= alpha? alpha == 1.0 exactly when the row max
+        did not move (exp2(0) = 1), and multiplying by 1.0 is the identity, so skipping is bitwise
+        neutral; NaN compares unequal and still multiplies. One cross-warp max per tile: each
+        warp holds 16 of the 64 rows; a per-warp branch is not expressible in Gluon 3.6."""
+        return gl.max(gl.where(alpha != 1.0, 1, 0), axis=0) != 0
 
     @gluon.jit
     def _zero_v_outside(v_tile, n0, L, D: gl.constexpr, BN: gl.constexpr,
@@ -214,6 +307,7 @@ if HAVE_GLUON:
                                CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
                                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               FOLD: gl.constexpr, LAZY: gl.constexpr, POLY: gl.constexpr,
                                num_warps: gl.constexpr):
         # ---- layouts: one m64 wgmma row block per warpgroup (warps stacked along M) ----
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -297,7 +391,8 @@ if HAVE_GLUON:
                                                BN, True, CAUSAL, col_s, p_layout)
         else:
             a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, False, CAUSAL, col_s, p_layout)
+                                               BN, False, CAUSAL, col_s, p_layout,
+                                               FOLD, POLY)
         # K stage 0 is free (S_0 done, its scales read): refill it with tile STAGES
         _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, STAGES, kv_row0, kvh,
                  n_tiles, D, BN, STAGES)
@@ -324,15 +419,22 @@ if HAVE_GLUON:
                                                        n0, L, BN, True, CAUSAL, col_s, p_layout)
             else:
                 a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, False, CAUSAL, col_s, p_layout)
+                                                       n0, L, BN, False, CAUSAL, col_s, p_layout,
+                                               FOLD, POLY)
             # K stage st is free (S_j done, its scales read): tile j + STAGES gets a full
             # iteration of slack even with two stages
             _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j + STAGES,
                      kv_row0, kvh, n_tiles, D, BN, STAGES)
+            if LAZY:
+                resc = _any_rescale(alpha)
             # The PV wgmma reads `a` from registers until this wait (fp8 values cannot be wait
             # deps in 3.6; ptxas keeps wgmma register operands alive up to wgmma.wait_group).
             acc = warpgroup_mma_wait(0, deps=[acc])
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if LAZY:
+                if resc:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             a = a_new
             # V stage pst is free (read by the PV just waited on)
             _issue_v(v_desc, v_smem, bar_v, j - 1 + STAGES, kv_row0, kvh, n_tiles, D, BN, STAGES)
@@ -421,9 +523,12 @@ if HAVE_GLUON:
             _ws_load_v(v_desc, v_smem, v_ready, j + STAGES - 1, kv_row0, kvh, j > 0)
 
     @gluon.jit
-    def _ws_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready, rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T, qk_scale, start, L, q_lo0,
+    def _ws_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready, rel,
+                     turn, SQ, VCAP, O, LSE, stride_ot, stride_oh, T, qk_scale, start, L, q_lo0,
                      head, kvh, CID: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
+                     FOLD: gl.constexpr, LAZY: gl.constexpr, POLY: gl.constexpr,
+                     PP: gl.constexpr):
         """Rows [q_lo0 + 64 CID, +64) of the item: the numerics of _attn_fwd_gluon_kernel, op for
         op (same tile grid, same softmax / rounding / rescale order), so results are bitwise
         those of the single-partition kernel up to the wgmma's own rounding."""
@@ -449,6 +554,15 @@ if HAVE_GLUON:
         # With two consumers the producer runs to the second one's n_tiles (>= this one's, by
         # at most one tile); the extra tile needs no release: nothing is loaded after it.
         n_tiles = (hi + shift + BN - 1) // BN
+        if PP:
+            # the other consumer's tile count: both run max(n) + 1 turns (the extra ones empty)
+            # so that neither waits for a hand-over that never comes
+            q_lo_o = q_lo0 + (1 - CID) * BM
+            if CAUSAL:
+                hi_o = gl.minimum(q_lo_o + BM, L)
+            else:
+                hi_o = L
+            n_other = (hi_o + shift + BN - 1) // BN
 
         tok0 = start.to(gl.int64)
         rows = q_lo + gl.arange(0, BM, layout=row_s)
@@ -466,8 +580,13 @@ if HAVE_GLUON:
         n0 = -shift
         mbarrier.wait(bar_q.index(0), 0)
         mbarrier.wait(k_ready.index(0), 0)
+        if PP:
+            if CID == 1:                        # consumer 0 takes the first turn
+                mbarrier.wait(turn.index(1), 0)
         s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
                           gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        if PP:
+            _pp_handover(turn, CID)
         s = warpgroup_mma_wait(0, deps=[s])
         sk_s = _scale_view(sk_smem, 0, BN)
         sv_s = _scale_view(sv_smem, 0, BN)
@@ -476,7 +595,8 @@ if HAVE_GLUON:
                                                BN, True, CAUSAL, col_s, p_layout)
         else:
             a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, False, CAUSAL, col_s, p_layout)
+                                               BN, False, CAUSAL, col_s, p_layout,
+                                               FOLD, POLY)
         _ws_release(rel, 0)                     # r_0: K_0 (and its scales) read
         acc = gl.zeros([BM, D], gl.float32, o_layout)
 
@@ -486,12 +606,26 @@ if HAVE_GLUON:
             n0_prev = n0
             n0 = j * BN - shift
             mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
-                              gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-            if (n0_prev < 0) | (n0_prev + BN > L):
-                _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
-            acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
+            if PP:
+                # data first, then the turn: the turn is held only while issuing (FA3 ping-pong:
+                # this group's GEMMs queue behind the other's, its softmax runs under them)
+                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+                if (n0_prev < 0) | (n0_prev + BN > L):
+                    _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
+                _pp_acquire(turn, CID, j)
+                s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
+                                  gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
+                acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
+                _pp_handover(turn, CID)
+            else:
+                s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
+                                  gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
+                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
+                if (n0_prev < 0) | (n0_prev + BN > L):
+                    _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
+                acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
             sk_s = _scale_view(sk_smem, st, BN)
             sv_s = _scale_view(sv_smem, st, BN)
@@ -500,13 +634,20 @@ if HAVE_GLUON:
                                                        n0, L, BN, True, CAUSAL, col_s, p_layout)
             else:
                 a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, False, CAUSAL, col_s, p_layout)
+                                                       n0, L, BN, False, CAUSAL, col_s, p_layout,
+                                               FOLD, POLY)
+            if LAZY:
+                resc = _any_rescale(alpha)
             acc = warpgroup_mma_wait(0, deps=[acc])
             # r_j: K_j (read by S_j, its scales by the softmax) and V_{j-1} (read by the PV
             # just waited on) are free. PV_{j-1} was issued before softmax_j, so holding K_j
             # until here costs ~nothing.
             _ws_release(rel, st)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if LAZY:
+                if resc:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             a = a_new
 
         last = n_tiles - 1
@@ -514,7 +655,14 @@ if HAVE_GLUON:
         mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
         if (n0 < 0) | (n0 + BN > L):
             _zero_v_outside(v_smem.index(lst), n0, L, D, BN, NW)
+        if PP:
+            _pp_acquire(turn, CID, n_tiles)
         acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
+        if PP:
+            _pp_handover(turn, CID)
+            for k in range(n_tiles + 1, n_other + 1):      # empty turns (at most one)
+                _pp_acquire(turn, CID, k)
+                _pp_handover(turn, CID)
         acc = warpgroup_mma_wait(0, deps=[acc])
 
         inv_l = 1.0 / l_i
@@ -526,6 +674,19 @@ if HAVE_GLUON:
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
         lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
         gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+
+    @gluon.jit
+    def _pp_acquire(turn, CID: gl.constexpr, k):
+        """Wait for this consumer's k-th turn (k >= 1 for consumer 0, which opens): hand-over
+        number k + CID on turn[CID], i.e. phase parity (k + CID - 1) & 1. Turns alternate
+        strictly, so a barrier is never more than one phase ahead of its waiter."""
+        mbarrier.wait(turn.index(CID), (k + CID + 1) & 1)
+
+    @gluon.jit
+    def _pp_handover(turn, CID: gl.constexpr):
+        """This consumer's wgmmas are issued (committed): the other one may issue its own.
+        (Triton's partition-wide bar.sync before the arrive makes it follow every warp's issue.)"""
+        mbarrier.arrive(turn.index(1 - CID), count=1)
 
     @gluon.jit
     def _ws_release(rel, st):
@@ -542,7 +703,8 @@ if HAVE_GLUON:
                                   D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, NC: gl.constexpr,
                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                  num_warps: gl.constexpr):
+                                  FOLD: gl.constexpr, LAZY: gl.constexpr, POLY: gl.constexpr,
+                                  PP: gl.constexpr, num_warps: gl.constexpr):
         pid = gl.program_id(0)
         head = pid % HQ
         item = pid // HQ
@@ -576,6 +738,12 @@ if HAVE_GLUON:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(rel.index(i), count=NC)
+        if PP:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+        else:
+            turn = rel      # unused placeholder
 
         prod_args = (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem,
                      sv_smem, bar_q, k_ready, v_ready, rel, start + q_lo, head, kv_row0, kvh,
@@ -583,21 +751,21 @@ if HAVE_GLUON:
         if NC == 1:
             gl.warp_specialize([
                 (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
-                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                rel, turn, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
                                 qk_scale, start, L, q_lo, head, kvh, 0, D, BN, STAGES, CAUSAL,
-                                num_warps)),
+                                num_warps, FOLD, LAZY, POLY, PP)),
                 (_ws_producer, prod_args),
             ], [1], [PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
-                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                rel, turn, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
                                 qk_scale, start, L, q_lo, head, kvh, 0, D, BN, STAGES, CAUSAL,
-                                num_warps)),
+                                num_warps, FOLD, LAZY, POLY, PP)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready,
-                                rel, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
+                                rel, turn, SQ, VCAP, O, LSE, stride_ot, stride_oh, T,
                                 qk_scale, start, L, q_lo, head, kvh, 1, D, BN, STAGES, CAUSAL,
-                                num_warps)),
+                                num_warps, FOLD, LAZY, POLY, PP)),
                 (_ws_producer, prod_args),
             ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -606,6 +774,9 @@ if HAVE_GLUON:
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(rel.index(i))
+        if PP:
+            mbarrier.invalidate(turn.index(0))
+            mbarrier.invalidate(turn.index(1))
 
 
 _LAYOUTS: dict = {}
@@ -707,11 +878,12 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,
             PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
+            FOLD=cfg.fold, LAZY=cfg.lazy, POLY=cfg.poly, PP=cfg.pingpong,
             num_warps=cfg.num_warps, **extra)
     else:
         LAST_KERNEL = _attn_fwd_gluon_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
-            num_warps=cfg.num_warps, **extra)
+            FOLD=cfg.fold, LAZY=cfg.lazy, POLY=cfg.poly, num_warps=cfg.num_warps, **extra)
     return out, lse
 
 

@@ -1,5 +1,6 @@
-"""A/B of the Gluon fp8 dK/dV kernel (flamia/ops/backward_gluon.py) against the Triton one
-(backward.launch_dkdv) on the H200.
+"""A/B of the Gluon backward kernels (flamia/ops/backward_gluon.py: fp8 dK/dV and dQ;
+backward_gluon_mixed.py with --recipe fp8_mixed) against the Triton ones (backward.launch_dkdv /
+launch_dq with FLAMIA_GLUON=0) on the H200.
 
     python benchmarks/bwd_gluon_dev.py --isolate             # the bisection ladder (below)
     python benchmarks/bwd_gluon_dev.py --configs default,w8ns3   # one process, as before
@@ -61,6 +62,13 @@ The v2 kernels keep the defaults' per-tile numerics op for op: expected bitwise 
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
+
+--recipe fp8_mixed (flamia/ops/backward_gluon_mixed.py; its own ladders MIXED_LADDER /
+MIXED_DQ_LADDER; the bf16 operands its kernels read (mixed_operands) are built with the padded
+vectors once per state and timed apart), < 4 minutes for both kernels:
+    python benchmarks/bwd_gluon_dev.py --recipe fp8_mixed --isolate --configs ladder --deadline 125
+    python benchmarks/bwd_gluon_dev.py --recipe fp8_mixed --kernel dq --isolate --configs ladder \
+        --deadline 95
     python benchmarks/bwd_gluon_dev.py --cpu-smoke --configs next [--kernel dq]
 """
 from __future__ import annotations
@@ -83,6 +91,7 @@ import torch  # noqa: E402
 
 from flamia.ops import backward as B  # noqa: E402
 from flamia.ops import backward_gluon as G  # noqa: E402
+from flamia.ops import backward_gluon_mixed as M  # noqa: E402
 
 T0 = time.time()
 RESULTS: dict = {"checks": [], "p1": [], "timing": [], "compile": [], "errors": [], "steps": []}
@@ -131,17 +140,62 @@ DQ_CONFIGS = {
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "gather", "xo1", "xo2", "ws", "wsxo1", "wsxo2"]
 
+# --recipe fp8_mixed: flamia/ops/backward_gluon_mixed.py against the Triton fp8_mixed kernels
+# (default fp8_mixed BwdConfig: fused BM=32 below 4096 tokens, split dK / dV launches above)
+MIXED_CONFIGS = {
+    "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, no vector TMA, sync MMA
+    "sync": "stages=2,vec_tma=False,sync_mma=True",      # + TMA ring prefetch
+    "vecload": "vec_tma=False",                          # + async wgmma, vectors by gl.load
+    "default": None,                                     # default_mixed_dkdv_config
+    "earlydv": "early_dv=True",                          # dV half 0 before dS^T (more spills)
+    "ns3": "stages=3",                                   # 1 CTA/SM at D=128
+    "carry": "carry=True",                               # C7515-serialized (compile report)
+}
+MIXED_LADDER = ["safe", "sync", "default", "earlydv"]
+MIXED_DQ_CONFIGS = {
+    "safe": "stages=1,vec_tma=False,sync_mma=True",
+    "sync": "stages=2,vec_tma=False,sync_mma=True",
+    "vecload": "vec_tma=False",
+    "default": None,                                     # default_mixed_dq_config
+    "ns3": "stages=3",                                   # 1 CTA/SM at D=128
+    "w8": "bm=128,num_warps=8",                          # 2 warpgroups share K / V tiles
+    "carry": "carry=True",
+}
+MIXED_DQ_LADDER = ["safe", "sync", "default", "w8"]
+RECIPE = "fp8"                      # --recipe: fp8 (backward_gluon) or fp8_mixed (..._mixed)
+
+
+def mixed() -> bool:
+    return RECIPE == "fp8_mixed"
+
 
 def kernel_configs():
+    if mixed():
+        return MIXED_DQ_CONFIGS if KERNEL == "dq" else MIXED_CONFIGS
     return DQ_CONFIGS if KERNEL == "dq" else CONFIGS
 
 
 def kernel_ladder():
+    if mixed():
+        return MIXED_DQ_LADDER if KERNEL == "dq" else MIXED_LADDER
     return DQ_LADDER if KERNEL == "dq" else LADDER
 
 
 def kernel_next():
+    if mixed():
+        raise SystemExit("--configs next: the opt-in variants exist for --recipe fp8 only")
     return DQ_NEXT if KERNEL == "dq" else NEXT
+
+
+def kernel_module():
+    """The module with the Gluon kernels under test (fake_state, resource_report, PTX_COUNTS)."""
+    return M if mixed() else G
+
+
+def compile_fn():
+    if mixed():
+        return M.compile_dq_sm90 if KERNEL == "dq" else M.compile_dkdv_sm90
+    return G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90
 
 
 def out_names():
@@ -208,7 +262,12 @@ def expand_configs(spec: str) -> list[str]:
 
 def make_cfg(name: str, D: int):
     dq = KERNEL == "dq"
-    base = G.default_dq_config(D) if dq else G.default_gluon_config(D)
+    if mixed():
+        base = M.default_mixed_dq_config(D) if dq else M.default_mixed_dkdv_config(D)
+        cls = M.MixedDqConfig if dq else M.MixedDkdvConfig
+    else:
+        base = G.default_dq_config(D) if dq else G.default_gluon_config(D)
+        cls = G.GluonDqConfig if dq else G.GluonDkdvConfig
     spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
     if not spec:
         return base
@@ -216,7 +275,7 @@ def make_cfg(name: str, D: int):
     for kv in spec.split(","):
         k, v = kv.split("=")
         over[k] = (v == "True") if v in ("True", "False") else int(v)
-    return (G.GluonDqConfig if dq else G.GluonDkdvConfig)(**{**base.__dict__, **over})
+    return cls(**{**base.__dict__, **over})
 
 
 def packaged_workloads():
@@ -266,15 +325,20 @@ def triton_launch(st):
 
 
 def gluon_launch(st, cfg, vecs=None):
-    if KERNEL == "dq":
+    if mixed():       # vecs: (padded vectors, bf16 operands) from gluon_vecs, or None
+        v, ops = vecs if vecs is not None else (None, None)
+        (M.launch_dq_gluon_mixed if KERNEL == "dq" else M.launch_dkdv_gluon_mixed)(st, cfg, v, ops)
+    elif KERNEL == "dq":
         G.launch_dq_gluon(st, cfg, vecs)
     else:
         G.launch_dkdv_gluon(st, cfg, vecs)
 
 
 def gluon_vecs(st):
-    """The padded vectors the vec_tma configs read (built once per state, timed apart)."""
-    return G.padded_kv_vectors(st) if KERNEL == "dq" else G.padded_vectors(st)
+    """The padded vectors the vec_tma configs read (built once per state, timed apart); for
+    fp8_mixed also the host-side bf16 operands (mixed_operands)."""
+    v = G.padded_kv_vectors(st) if KERNEL == "dq" else G.padded_vectors(st)
+    return (v, M.mixed_operands(st, need_k=KERNEL == "dq")) if mixed() else v
 
 
 def gluon_vecs_triton(st):
@@ -320,7 +384,7 @@ def kernel_inputs(lengths, Hq, Hkv, D, causal=True, seed=0, family="mild"):
     q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, family, device="cuda", seed=seed)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=g, device="cuda").to(torch.bfloat16)
-    qkv = quantize_qkv(q, k, v, cu, "fp8", causal)
+    qkv = quantize_qkv(q, k, v, cu, RECIPE, causal)
     out, lse = attention_forward(qkv, cu, max(lengths), causal, None, torch.bfloat16)
     return q, k, v, cu, dout, qkv, out, lse
 
@@ -348,10 +412,10 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     R.attention_exact(*x64, cu, causal).backward(dout.double())
     g64 = [x.grad for x in x64]
-    out, lse, saved = R.forward(q, k, v, cu, "fp8", causal)
+    out, lse, saved = R.forward(q, k, v, cu, RECIPE, causal)
     out = out.to(torch.bfloat16)
-    ref = R.backward(dout, out, lse, saved, cu, "fp8", causal)
-    qkv = B.quantized_qkv_from_reference(saved, "fp8", cu, causal)
+    ref = R.backward(dout, out, lse, saved, cu, RECIPE, causal)
+    qkv = B.quantized_qkv_from_reference(saved, RECIPE, cu, causal)
     st = state(dout, out, lse.float(), qkv, cu, max(lengths), causal, torch.float32)
     step(f"{tag} triton", D=D, causal=causal)
     tk = run_triton(st)
@@ -406,8 +470,8 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
         q2[a:b] = float("nan")
         d2 = dout.clone()
         d2[a:b] = float("nan")
-        out2, lse2, saved2 = R.forward(q2, k, v, cu, "fp8", causal)
-        qkv2 = B.quantized_qkv_from_reference(saved2, "fp8", cu, causal)
+        out2, lse2, saved2 = R.forward(q2, k, v, cu, RECIPE, causal)
+        qkv2 = B.quantized_qkv_from_reference(saved2, RECIPE, cu, causal)
         st2 = state(d2, out2.to(torch.bfloat16), lse2.float(), qkv2, cu, max(lengths),
                     causal, torch.float32)
         for cname in cfg_names:
@@ -471,7 +535,7 @@ def p1_check(cfg_names):
         x[t + 1:] = (torch.randn(x[t + 1:].shape, generator=g, device="cuda") * 16).to(x.dtype)
 
     def grads(q_, k_, v_, cfg):
-        qkv = quantize_qkv(q_, k_, v_, cu, "fp8", True)
+        qkv = quantize_qkv(q_, k_, v_, cu, RECIPE, True)
         out, lse = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16)
         st = state(dout, out, lse, qkv, cu, max(lengths), True)
         return run_gluon(st, cfg)
@@ -537,16 +601,20 @@ def workloads(names, cfg_names, reps):
             ref = run_triton(st)
             t_tr = time_ms(lambda: triton_launch(st), reps=reps)
             step_done()
-            tcfg = (f"q{st.cfg.q_bm}x{st.cfg.q_bn}w{st.cfg.q_warps}" if KERNEL == "dq"
-                    else f"kv{st.cfg.kv_bn}x{st.cfg.kv_bm}")
+            c = st.cfg
+            tcfg = (f"q{c.q_bm}x{c.q_bn}w{c.q_warps}" if KERNEL == "dq"
+                    else f"kv{c.kv_bn}x{c.kv_bm}split{c.kv_bm_dv}" if c.split_dkdv
+                    else f"kv{c.kv_bn}x{c.kv_bm}")
             rows.append(dict(workload=wname, D=D, impl="triton", config=tcfg, ms=t_tr,
                              tflops=flops / t_tr / 1e9))
             log(f"{wname}: triton {KERNEL} {t_tr:.3f} ms ({flops / t_tr / 1e9:.0f} TFLOP/s)")
             vecs = gluon_vecs(st)
             t_vec = time_ms(lambda: gluon_vecs(st), reps=reps)
-            log(f"{wname}: padded-vector gather (vec_tma configs, not in the kernel times) "
-                f"{t_vec:.3f} ms")
-            try:   # the one-launch Triton gather (config vec_gather / launchers' vecs="triton")
+            log(f"{wname}: padded vectors{' + bf16 operands' if mixed() else ''} (host side, "
+                f"not in the kernel times) {t_vec:.3f} ms")
+            try:   # fp8: the one-launch Triton gather (config vec_gather / launchers' vecs="triton")
+                if mixed():
+                    raise LookupError("no Triton gather for fp8_mixed")
                 vt = gluon_vecs_triton(st)
                 same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                            for a, b in zip(vecs, vt))
@@ -556,6 +624,8 @@ def workloads(names, cfg_names, reps):
                 log(f"{wname}: Triton padded-vector gather {t_vt:.3f} ms (torch {t_vec:.3f}), "
                     f"bitwise equal {same}")
                 vt = None
+            except LookupError:
+                pass
             except Exception as e:   # noqa: BLE001
                 traceback.print_exc()
                 RESULTS["errors"].append(dict(what=f"{wname} triton gather", error=repr(e)[:400]))
@@ -600,20 +670,20 @@ def workloads(names, cfg_names, reps):
 
 def cpu_smoke(cfg_names):
     print(f"{'D':>3} {'causal':6} {'config':9} {'regs':>4} {'setmx':>5} {'spill':>5} {'C7515':>5} {'smem':>7} "
-          + " ".join(f"{k:>8}" for k in G.PTX_COUNTS))
+          + " ".join(f"{k:>8}" for k in kernel_module().PTX_COUNTS))
     ok = True
     for D in (128, 64):
         for causal in (True, False):
             for cname in cfg_names:
                 try:
                     cfg = make_cfg(cname, D)
-                    st = G.fake_state(D, causal=causal)
-                    kern = (G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90)(st, cfg)
-                    r = G.resource_report(kern)
+                    st = kernel_module().fake_state(D, causal=causal)
+                    kern = compile_fn()(st, cfg)
+                    r = kernel_module().resource_report(kern)
                     RESULTS["compile"].append(dict(D=D, causal=causal, config=cname, **r))
-                    print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {str(r['setmaxnreg'] or '-'):>5} {r['spill_stores']:>5} "
+                    print(f"{D:>3} {str(causal):6} {cname:9} {r['regs']:>4} {str(r.get('setmaxnreg') or '-'):>5} {r['spill_stores']:>5} "
                           f"{'Y' if r['wgmma_serialized'] else '-':>5} {r['shared']:>7} "
-                          + " ".join(f"{r[k]:>8}" for k in G.PTX_COUNTS), flush=True)
+                          + " ".join(f"{r[k]:>8}" for k in kernel_module().PTX_COUNTS), flush=True)
                     if r["tma_1d"]:
                         print("   ^ 1-D TMA in the PTX (its coordinates must be 16-byte aligned)")
                 except Exception:   # noqa: BLE001
@@ -629,10 +699,10 @@ PRECOMPILE_VARIANTS = [(128, True, "f32"), (128, False, "f32"), (64, True, "f32"
 
 def precompile_worker(job: str):
     cname, D, causal, dt = job.split("|")
-    st = G.fake_state(int(D), T=1024, Hq=8, Hkv=2, causal=causal == "True", rotate=True,
+    st = kernel_module().fake_state(int(D), T=1024, Hq=8, Hkv=2, causal=causal == "True", rotate=True,
                       lengths=[300, 0, 1, 723],
                       grad_dtype=torch.float32 if dt == "f32" else torch.bfloat16)
-    (G.compile_dq_sm90 if KERNEL == "dq" else G.compile_sm90)(st, make_cfg(cname, int(D)))
+    compile_fn()(st, make_cfg(cname, int(D)))
 
 
 def precompile(cfg_names, jobs, timeout):
@@ -645,7 +715,7 @@ def precompile(cfg_names, jobs, timeout):
     per = max(1, (len(todo) + jobs - 1) // jobs)
     for i in range(0, len(todo), per):
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--precompile-worker",
+            [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--recipe", RECIPE, "--precompile-worker",
              ",".join(todo[i:i + per])], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     for p in procs:
@@ -669,7 +739,7 @@ def _child(args_list, env_extra, timeout, json_path):
     env = dict(os.environ)
     env.pop("OUT", None)
     env.update(env_extra)
-    cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", json_path,
+    cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--recipe", RECIPE, "--json", json_path,
            *args_list]
     t0 = time.time()
     try:
@@ -711,7 +781,7 @@ def _print_child(tag, out):
 
 def isolate(args, cfg_names):
     deadline = T0 + args.deadline
-    tmp = tempfile.mkdtemp(prefix="bwd_gluon_dev_")
+    tmp = tempfile.mkdtemp(prefix=f"bwd_gluon_dev_{RECIPE}_")
     summary = {c: dict(smoke="NOT RUN", perf="NOT RUN") for c in cfg_names}
     merged = {"smoke": {}, "perf": [], "summary": summary}
     if args.precompile:
@@ -727,7 +797,7 @@ def isolate(args, cfg_names):
             jp = os.path.join(tmp, f"smoke_{c.replace(',', '_')}.json")
             sargs = ["--phase", "smoke", "--configs", c.replace(",", ";")]
             env = {"CUDA_LAUNCH_BLOCKING": "1"}
-            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--json", jp,
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernel", KERNEL, "--recipe", RECIPE, "--json", jp,
                    *sargs]
             full_env = dict(os.environ)
             full_env.pop("OUT", None)
@@ -862,12 +932,16 @@ def isolate(args, cfg_names):
 
 
 def json_name():
-    return "bwd_gluon_dev_dq.json" if KERNEL == "dq" else "bwd_gluon_dev.json"
+    stem = "bwd_gluon_dev" + ("_mixed" if mixed() else "")
+    return stem + ("_dq.json" if KERNEL == "dq" else ".json")
 
 
 def main():
-    global JSON_PATH, KERNEL
+    global JSON_PATH, KERNEL, RECIPE
     ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed"), default="fp8",
+                    help="fp8: flamia/ops/backward_gluon.py; fp8_mixed: backward_gluon_mixed.py "
+                         f"(configs {sorted(MIXED_CONFIGS)}, dq: {sorted(MIXED_DQ_CONFIGS)})")
     ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv",
                     help="dkdv: Gluon dK/dV vs launch_dkdv; dq: Gluon dQ vs Triton launch_dq")
     ap.add_argument("--configs", default="default",
@@ -896,6 +970,7 @@ def main():
     ap.add_argument("--precompile-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     KERNEL = args.kernel
+    RECIPE = args.recipe
     if args.precompile_worker:
         for job in args.precompile_worker.split(","):
             try:

@@ -4,7 +4,7 @@ for dP / dK / dQ (dK's and dQ's B operand MN-major from shared memory), TMA, no 
 serialization, and stay within a spill bound.
 
 Compiled in a subprocess without TRITON_INTERPRET (conftest.py sets it on CPU-only machines;
-Gluon does not run in the interpreter). Numerics: benchmarks/bwd_gluon_mixed_dev.py on the H200.
+Gluon does not run in the interpreter). Numerics: benchmarks/bwd_gluon_dev.py --recipe fp8_mixed on the H200.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Gluon (Hopper sm_90a) dK/dV and dQ kernels for the `fp8_mixed` recipe (backward RECIPE == 1).
 
-Not wired into backward.launch_dkdv / launch_dq yet: benchmarks/bwd_gluon_mixed_dev.py checks
-them against the Triton RECIPE == 1 kernels on the H200 first. Same contract as those launchers:
+Not wired into backward.launch_dkdv / launch_dq yet: `benchmarks/bwd_gluon_dev.py --recipe
+fp8_mixed` checks them against the Triton RECIPE == 1 kernels on the H200 first. Same contract as those launchers:
 `st` from backward.make_state + backward.launch_preprocess (recipe fp8_mixed), results written to
 st.dk / st.dv / st.dq (dK, dQ * sm_scale, Hadamard rotate-back when st.rotate, cast).
 

@@ -1603,13 +1603,13 @@ def _compile_sm90(fn, args, kwargs):
 
 
 def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
-               rotate: bool = True, lengths=None, grad_dtype=None):
-    """A CPU BwdState with the real shapes / dtypes (zeros) for compile-only use."""
+               rotate: bool = True, lengths=None, grad_dtype=None, recipe: str = "fp8"):
+    """A CPU BwdState of `recipe` with the real shapes / dtypes (zeros) for compile-only use."""
     from . import backward as B
     from .layout import QuantizedQKV
     f8 = torch.float8_e4m3fn
     z = lambda *s: torch.zeros(*s, dtype=f8)           # noqa: E731
-    qkv = QuantizedQKV("fp8", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
+    qkv = QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
                        torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=rotate)
     lengths = lengths or [T]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)

@@ -757,22 +757,9 @@ def compile_dq_sm90(st, config: MixedDqConfig | None = None):
     return G._compile_sm90(_dq_mixed_kernel, args, kwargs)
 
 
-def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
-               rotate: bool = True, lengths=None, grad_dtype=None):
-    """A CPU fp8_mixed BwdState with the real shapes / dtypes (zeros) for compile-only use."""
-    from . import backward as B
-    from .layout import QuantizedQKV
-    f8 = torch.float8_e4m3fn
-    z = lambda *s: torch.zeros(*s, dtype=f8)           # noqa: E731
-    qkv = QuantizedQKV("fp8_mixed", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
-                       torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=rotate)
-    lengths = lengths or [T]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-    dout = torch.zeros(T, Hq, D, dtype=torch.bfloat16)
-    st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu, max(lengths), causal,
-                      grad_dtype=grad_dtype)
-    st.interp = False
-    return st
+def fake_state(D: int, **kw):
+    """backward_gluon.fake_state for the fp8_mixed recipe (compile-only BwdState)."""
+    return G.fake_state(D, recipe="fp8_mixed", **kw)
 
 
 PTX_COUNTS = dict(G.PTX_COUNTS, wgmma_bf16=r"wgmma\.mma_async\S*\.bf16\.bf16",

@@ -60,14 +60,14 @@ def host_ms(fn, calls=20):
     return (t1 - t0) * 1000 / calls
 
 
-def host_breakdown(q, k, v, cu, L, recipe):
+def host_breakdown(T, cu):
     """CPU ms per call of the host-side pieces that run torch ops (GPU kept busy)."""
     import time
     from flamia.ops.kmajor import kmajor_layout
     from flamia.ops.schedule import build_schedule
     res = {}
-    for name, f in (("build_schedule", lambda: build_schedule(cu, q.shape[0], 64, 128, True)),
-                    ("kmajor_layout", lambda: kmajor_layout(cu, q.shape[0]))):
+    for name, f in (("build_schedule", lambda: build_schedule(cu, T, 64, 128, True)),
+                    ("kmajor_layout", lambda: kmajor_layout(cu, T))):
         f()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def main():
             table = kernel_table(fn)
             ksum = sum(t for _, t in table)
             hms = host_ms(fn)
-            parts = host_breakdown(q, k, v, cu, L, recipe)
+            parts = host_breakdown(q.shape[0], cu)
             print(f"\n== {w.name} {recipe}: wall {ms:.3f} ms per fwd+bwd call, kernels {ksum:.3f} ms,"
                   f" gap {ms - ksum:.3f} ms ({100 * (ms - ksum) / ms:.0f} %); host issue time "
                   f"{hms:.3f} ms per call (" + ", ".join(f"{n} {t:.3f}" for n, t in parts.items())

@@ -558,7 +558,7 @@ class BwdConfig:
     # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
     split_dkdv: bool = False
     kv_bm_dv: int = 64
-    # fp8 on sm_90: dK / dV and dQ by the Gluon kernels (see _gluon_dkdv_applies); kv_* / q_*
+    # fp8 on sm_90: dK / dV and dQ by the Gluon kernels (see _gluon_applies); kv_* / q_*
     # then unused
     gluon_dkdv: bool = True
     gluon_dq: bool = True
@@ -755,12 +755,11 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
     return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
-def _gluon_dkdv_applies(st: BwdState, enabled: bool | None = None) -> bool:
+def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     """The Gluon kernels (flamia/ops/backward_gluon.py: TMA rings, async wgmma; on the H200
     dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels, benchmarks/NOTES.md) run the fp8 recipe
-    on sm_90 GPUs. BwdConfig.gluon_dkdv=False or FLAMIA_GLUON=0 keep the Triton kernels (the
-    ones CPU CI tests under the interpreter; the GPU tests check both)."""
-    enabled = st.cfg.gluon_dkdv if enabled is None else enabled
+    on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq; False or FLAMIA_GLUON=0 keep the
+    Triton kernels (the ones CPU CI tests under the interpreter; the GPU tests check both)."""
     if not (enabled and st.recipe == 0 and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
@@ -772,7 +771,7 @@ def _gluon_dkdv_applies(st: BwdState, enabled: bool | None = None) -> bool:
 
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_dkdv_applies(st):
+    if _gluon_applies(st, cfg.gluon_dkdv):
         from .backward_gluon import launch_dkdv_gluon
         launch_dkdv_gluon(st)
         return
@@ -804,7 +803,7 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
 
 def launch_dq(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_dkdv_applies(st, cfg.gluon_dq):
+    if _gluon_applies(st, cfg.gluon_dq):
         from .backward_gluon import launch_dq_gluon
         launch_dq_gluon(st)       # bitwise the Triton kernel's result (same tiles, same scales)
         return

@@ -2,10 +2,10 @@
 
 One launch reads q, k and v once and writes, per (token, head):
   q8, k8 = e4m3(rotate(x) / s),  v8 = e4m3(v / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0)
-and, for V, a K-major copy vt8 (Hkv, D, T_pad) made by torch from v8 (see quantize_qkv): Hopper's
-FP8 wgmma takes its B operand K-major only, and the forward's PV GEMM reduces over tokens. A
-second tiny launch turns V's scales into
-vcap, the causal prefix max of sv inside each document (reference.py, point 3).
+and, for V, a K-major copy vt8 (Hkv, D, T_pad) made from v8's bytes by flamia.ops.kmajor
+(Hopper's FP8 wgmma takes its B operand K-major only, and the forward's PV GEMM reduces over
+tokens). A third tiny launch turns V's scales into vcap, the causal prefix max of sv inside each
+document (reference.py, point 3).
 
 Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in
 its own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32

@@ -52,13 +52,13 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
     python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
 
---configs next (both kernels): the production default and the opt-in variants of
-_dkdv_fp8_v2_kernel / _dq_fp8_v2_kernel (NEXT / DQ_NEXT): gather (padded vectors by one Triton
+--configs next (both kernels): the production default and the opt-in variants (constexprs XO /
+WS of _dkdv_fp8_kernel / _dq_fp8_kernel; NEXT / DQ_NEXT): gather (padded vectors by one Triton
 launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload bitwise
 against the torch gathers and timed apart), xo1 / xo2 (tile j+1's S (xo2: and dP) issued before
 tile j's last promotion GEMM is waited for), ws (1-warp TMA producer partition, maxnreg 128: 2
 CTAs / SM, consumer setmaxnreg 232), ws1cta (dK/dV: 256 registers, 1 CTA / SM), wsxo1 / wsxo2.
-The v2 kernels keep the defaults' per-tile numerics op for op: expected bitwise equal to default.
+The variants keep the defaults' per-tile numerics op for op: expected bitwise equal to default.
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -108,7 +108,7 @@ CONFIGS = {
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA
     "w8ns4": "bn=128,num_warps=8,stages=4",
-    # opt-in variants (GluonDkdvConfig.overlap / ws / vec_gather; _dkdv_fp8_v2_kernel)
+    # opt-in variants (GluonDkdvConfig.overlap / ws / vec_gather; XO / WS of _dkdv_fp8_kernel)
     "gather": "vec_gather=True",                         # padded vectors by one Triton launch
     "xo1": "overlap=1",                                  # next S^T during the dK1 promotion
     "xo2": "overlap=2",                                  # next S^T and dP^T
@@ -129,7 +129,7 @@ DQ_CONFIGS = {
     "ns2": "stages=2",
     "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
-    # opt-in variants (GluonDqConfig.overlap / ws / vec_gather; _dq_fp8_v2_kernel)
+    # opt-in variants (GluonDqConfig.overlap / ws / vec_gather; XO / WS of _dq_fp8_kernel)
     "gather": "vec_gather=True",                         # sk / sv by one Triton launch
     "xo1": "overlap=1",                                  # next S during the dQ promotions
     "xo2": "overlap=2",                                  # next S and dP

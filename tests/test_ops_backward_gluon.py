@@ -250,7 +250,7 @@ def test_padded_kv_vectors_layout():
 
 
 # ----------------------------------------------------------------------------------------------
-# Opt-in variants (_dkdv_fp8_v2_kernel / _dq_fp8_v2_kernel: overlap, ws; vec_gather is host-only)
+# Opt-in variants (constexprs XO / WS of _dkdv_fp8_kernel / _dq_fp8_kernel; vec_gather: host-only)
 # ----------------------------------------------------------------------------------------------
 
 # name -> (kernel, D, config overrides, spill bound in bytes). Measured when written (causal,
@@ -285,7 +285,7 @@ for name, (kern, D, kw, _) in VARIANTS.items():
     else:
         k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.default_gluon_config(D).__dict__, **kw}))
     r = G.resource_report(k)
-    r["v2"] = "_fp8_v2_kernel" in k.asm["ptx"]
+    r["ws_partition"] = "setmaxnreg" in k.asm["ptx"]
     r["maxnreg_directive"] = ".maxnreg" in k.asm["ptx"]
     out[name] = r
 print("REPORT" + json.dumps(out))
@@ -309,7 +309,7 @@ def variant_report():
 def test_variants_compile_for_sm90a(variant_report, name):
     kern, D, kw, spill_bound = VARIANTS[name]
     r = variant_report[name]
-    assert r["v2"], r                              # the opt-in kernel, not the production one
+    assert r["ws_partition"] == bool(kw.get("ws")), r   # the schedule the options select
     loop = 2 * (D // 32) + (2 * 2 * (D // 64) if kern == "dkdv" else 2 * (D // 64))
     assert r["wgmma"] >= loop, r
     assert r["tma_1d"] == 0 and r["tma"] >= (10 if kern == "dkdv" else 7), r
@@ -328,11 +328,16 @@ def test_variants_compile_for_sm90a(variant_report, name):
 
 def test_variant_routing_and_validation():
     from flamia.ops import backward_gluon as G
-    assert G._dkdv_kernel(G.default_gluon_config(128)) is G._dkdv_fp8_kernel
-    assert G._dq_kernel(G.default_dq_config(128)) is G._dq_fp8_kernel
-    assert G._dkdv_kernel(G.GluonDkdvConfig(overlap=1)) is G._dkdv_fp8_v2_kernel
-    assert G._dq_kernel(G.GluonDqConfig(ws=True)) is G._dq_fp8_v2_kernel
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    # one kernel each: the options are constexprs; maxnreg only when set
+    kw = G._args(st, G.default_gluon_config(64))[2]
+    assert (kw["XO"], kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (0, False, True, False)
+    assert "maxnreg" not in kw
+    kw = G._args(st, G.GluonDkdvConfig(overlap=1, ws=True, maxnreg=128, producer_regs=32))[2]
+    assert (kw["XO"], kw["WS"], kw["PRODUCER_REGS"], kw["maxnreg"]) == (1, True, 32, 128)
+    kw = G._dq_args(st, G.GluonDqConfig(overlap=2))[2]
+    assert (kw["XO"], kw["WS"]) == (2, False) and "maxnreg" not in kw
+    assert not hasattr(G, "_dkdv_fp8_v2_kernel") and not hasattr(G, "_dq_fp8_v2_kernel")
     for bad in (G.GluonDkdvConfig(overlap=1, stages=1), G.GluonDkdvConfig(ws=True, vec_tma=False),
                 G.GluonDkdvConfig(overlap=1, sync_mma=True), G.GluonDkdvConfig(overlap=3)):
         with pytest.raises(ValueError):

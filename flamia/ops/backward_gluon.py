@@ -48,8 +48,9 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
-dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; opt-in variants (overlap,
-ws, vec_gather): above `_dkdv_fp8_v2_kernel`. CPU builds: compile_sm90 / compile_dq_sm90.
+dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; opt-in schedules (overlap,
+ws; constexprs XO / WS of both kernels): above `_dkdv_producer`. CPU builds: compile_sm90 /
+compile_dq_sm90.
 """
 from __future__ import annotations
 
@@ -80,10 +81,10 @@ class GluonDkdvConfig:
     vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # --- opt-in variants (the defaults above are the production kernel, _dkdv_fp8_kernel) ---
+    # --- opt-in variants (off: the production schedule of _dkdv_fp8_kernel) ---
     # overlap 1: tile j+1's S^T wgmma issued before tile j's last dK GEMM is waited for and
     # promoted; 2: S^T and dP^T both (more registers). ws: a 1-warp TMA producer partition.
-    # Either selects _dkdv_fp8_v2_kernel (needs vec_tma, not sync_mma).
+    # Either needs vec_tma, not sync_mma (constexprs XO / WS of the same kernel).
     overlap: int = 0
     ws: bool = False
     producer_regs: int = 24   # setmaxnreg of the ws producer warp
@@ -107,10 +108,10 @@ class GluonDqConfig:
     vec_tma: bool = True  # sk / sv by (1, BN) TMA boxes of padded (Hkv, Tp) copies (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # --- opt-in variants (the defaults above are the production kernel, _dq_fp8_kernel) ---
+    # --- opt-in variants (off: the production schedule of _dq_fp8_kernel) ---
     # overlap 1: tile j+1's S wgmma issued before tile j's dQ GEMMs are waited for and
-    # promoted; 2: S and dP both. ws: a 1-warp TMA producer partition. Either selects
-    # _dq_fp8_v2_kernel (needs vec_tma, not sync_mma, one warpgroup).
+    # promoted; 2: S and dP both. ws: a 1-warp TMA producer partition. Either needs vec_tma,
+    # not sync_mma, one warpgroup (constexprs XO / WS of the same kernel).
     overlap: int = 0
     ws: bool = False
     producer_regs: int = 24
@@ -271,6 +272,252 @@ if HAVE_GLUON:
         ptr = dst + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
         gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
 
+    # ------------------------------------------------------------------------------------------
+    # Opt-in schedules (GluonDkdvConfig / GluonDqConfig .overlap, .ws; constexprs XO, WS,
+    # PRODUCER_REGS of _dkdv_fp8_kernel / _dq_fp8_kernel, all off by default: then the kernels
+    # compile to the production PTX). Per tile the numerics are the defaults', op for op (same
+    # tiles, same scales, same order of the fp32 promotion adds), only the issue order of the
+    # wgmmas and TMA loads changes, so the results are expected bitwise equal to the defaults'.
+    # Both need VEC_TMA and async wgmma (not SYNC); dQ also one warpgroup (_check_v2).
+    #
+    # overlap (XO): software-pipelined S^T / dP^T. Tile j+1's S^T (XO = 1) or S^T and dP^T
+    # (XO = 2) are issued right after tile j's second-to-last promotion GEMM was waited for, and
+    # before its last one (dK half 1; dQ: both halves) is waited for and promoted, so the tensor
+    # core has the next tile's work while the CUDA cores promote. The register peak at that
+    # point (D = 128, dK/dV): 4 accumulators (128) + the last dK half (32) + S^T (32) [+ dP^T
+    # (32) with XO = 2]. With XO = 1 dP^T is issued after the promotion. The last iteration
+    # issues S^T / dP^T on a stale ring slot (no TMA pending on it, result discarded) so that
+    # the wgmma group count of every iteration is the same; waited for after the loop.
+    #
+    # ws: gl.warp_specialize with a 1-warp TMA producer (forward_gluon's proven ready / release
+    # protocol): the producer loads K / V (dQ: q8 / do8) and the first NS ring tiles, then per
+    # release r_j (count 1, from the consumer once every read of slot j % NS is done, wgmmas
+    # waited) refills that slot with tile j + NS. The consumer (the default partition, 4 warps)
+    # issues no TMA: no CTA-wide bar.sync in its loop (Triton 3.6 puts a partition-local one in
+    # front of the release arrive, which also orders every warp's ld.shared of the vectors
+    # before it; the fence orders the tail zeroing's generic stores). The accumulators are
+    # returned from the partition and the epilogue (stores, Hadamard rotate) runs after it.
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _release_slot(rel, s):
+        """forward_gluon._ws_release: this consumer is done with ring slot s."""
+        fence_async_shared()
+        mbarrier.arrive(rel.index(s), count=1)
+
+    @gluon.jit
+    def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
+        """The first tile's S^T = a x^T (dK/dV: k_s, q_s) and with XO = 2 dP^T = b y^T, issued
+        and waited for (carried into the loop as values)."""
+        s_tok = _mma(a_s, x_s.index(slot).permute((1, 0)), zero, False)
+        if XO == 2:
+            dp_tok = _mma(b_s, y_s.index(slot).permute((1, 0)), zero, False)
+            s_v, dp_v = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+        else:
+            s_v = _mma_wait(s_tok, 0, False)
+            dp_v = zero
+        return s_v, dp_v
+
+    @gluon.jit
+    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
+                       lse_desc, dl_desc, sq_desc, sdo_desc,
+                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
+                       ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
+        """The 1-warp TMA partition of _dkdv_fp8_kernel with WS (VEC_TMA). Sizes from the
+        buffers' types (constexpr arguments of a worker partition arrive as tensors in
+        Triton 3.6)."""
+        NS: gl.constexpr = q_s.type.shape[0]
+        BM: gl.constexpr = q_s.type.shape[1]
+        D: gl.constexpr = q_s.type.shape[2]
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+        for pi in gl.static_range(NS):
+            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
+                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, True)
+        for j in range(total - NS):
+            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
+            _issue_tile(j + NS, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
+
+    @gluon.jit
+    def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
+                   kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
+                   total, GROUP, T, qk_scale2,
+                   D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
+                   CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
+                   XO: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
+        """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
+        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
+        NCH: gl.constexpr = D // CH
+        # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
+        # accumulators: per-key scale vectors broadcast without layout conversions.
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per query (columns of S^T)
+
+        n_idx = n0 + gl.arange(0, BN, layout=ROW)
+        n_ok = n_idx < L_doc
+        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        rowf = sk_j * qk_scale2
+        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+
+        zero = gl.zeros([BN, CH], gl.float32, L)
+        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
+        if CAUSAL:
+            shift = 0             # query >= key on the diagonal tiles
+        else:
+            shift = L_doc         # never binding
+        mbarrier.wait(kv_bar, 0)
+        if XO > 0:   # tile 0's S^T (XO = 2: and dP^T) ahead of the loop, carried as values
+            st_c = zero
+            dp_c = zero
+            if total > 0:
+                mbarrier.wait(ready.index(0), 0)
+                st_c, dp_c = _next_s_dp(k_s, v_s, q_s, do_s, 0, zero, XO)
+
+        for it in range(total):
+            if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
+                nxt = it + NS - 1
+                _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
+                            NS, VEC_TMA)
+            s = it % NS
+            g = it // nb
+            i0 = lo + (it - g * nb) * BM
+            h = hk * GROUP + g
+            m_idx = i0 + gl.arange(0, BM, layout=COL)
+            tail = i0 + BM > L_doc
+            if CAUSAL:
+                need_mask = tail | (i0 < n0 + BN)
+            else:
+                need_mask = tail
+            # (two orders of the same ops: each the PTX its schedule was validated with)
+            if XO == 0 and not WS:
+                mbarrier.wait(ready.index(s), (it // NS) & 1)
+                qs = q_s.index(s)
+                dos = do_s.index(s)
+                qTs = qT_s.index(s)
+                doTs = doT_s.index(s)
+                s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
+                dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
+            else:
+                qTs = qT_s.index(s)
+                doTs = doT_s.index(s)
+                if XO == 0:
+                    mbarrier.wait(ready.index(s), (it // NS) & 1)
+                    s_tok = _mma(k_s, q_s.index(s).permute((1, 0)), zero, False)
+                    dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
+                elif XO == 1:   # S^T done (carried); dP^T runs while P^T is computed, as XO = 0
+                    dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
+
+            if tail:   # at most once per head: the K-major tiles' columns past the document end
+                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
+                            VEC_TMA) * 1.4426950408889634
+            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 0:
+                st = _mma_wait(s_tok, 1, SYNC)
+            else:
+                st = st_c
+            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
+                        - gl.expand_dims(lse2, 0))
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            a = p * gl.expand_dims(sdo_i, 0)
+            if need_mask:   # on a (not P): sdo of another document's token may be NaN
+                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                      & gl.expand_dims(m_idx < L_doc, 0))
+                a = gl.where(ok, a, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 2:
+                dp = dp_c
+            else:
+                dp = _mma_wait(dp_tok, 1, SYNC)
+            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+            # sq_i again from shared memory: not kept live in registers across the wgmma waits
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = a * t * gl.expand_dims(sq_i2, 0)
+            if need_mask:   # t, sq of out-of-document columns may be anything (other document)
+                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                       & gl.expand_dims(m_idx < L_doc, 0))
+                b = gl.where(ok2, b, 0.0)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv1 = _mma_wait(dv1_tok, 1, SYNC)
+                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dk0 = _mma_wait(dk0_tok, 1, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                if XO > 0:   # the next tile's S^T (and dP^T) while dK half 1 is promoted
+                    s1 = (it + 1) % NS
+                    if it + 1 < total:
+                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
+                    # (the last iteration's reads a stale slot: no TMA pending, discarded)
+                    s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
+                    if XO == 2:
+                        dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
+                    dk1 = _mma_wait(dk1_tok, XO, False)
+                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+                    if XO == 2:
+                        st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                    else:
+                        st_c = _mma_wait(s_tok, 0, False)
+                else:
+                    dk1 = _mma_wait(dk1_tok, 0, SYNC)
+                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+            else:
+                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                if XO > 0:
+                    if it + 1 < total:
+                        s1 = (it + 1) % NS
+                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
+                        s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
+                        if XO == 2:
+                            dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
+                        dk0 = _mma_wait(dk0_tok, XO, False)
+                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                        if XO == 2:
+                            st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                        else:
+                            st_c = _mma_wait(s_tok, 0, False)
+                    else:   # (zero, not the old value: that would stay live all iteration)
+                        dk0 = _mma_wait(dk0_tok, 0, False)
+                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                        st_c = zero
+                        dp_c = zero
+                else:
+                    dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+            if WS:   # every read of slot s is done (wgmmas waited; vectors read)
+                _release_slot(rel, s)
+
+        return acc_dv0, acc_dv1, acc_dk0, acc_dk1
+
     # T, HQ, HKV runtime and unspecialized: one binary per (config, D, causal, dtypes), not one
     # per head count / T % 16 (fewer compiles in the GPU dev runs; nothing depends on them)
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
@@ -281,20 +528,20 @@ if HAVE_GLUON:
         T, stride_dkt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
         gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
         gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
+        gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC),
+                         "overlap / ws need VEC_TMA and async wgmma")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
-        # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
-        # accumulators: per-key scale vectors broadcast without layout conversions.
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, CH, 32])
-        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
-        COL: gl.constexpr = gl.SliceLayout(0, L)     # per query (columns of S^T)
 
         pid = gl.program_id(0)
         jb = gl.program_id(1)
@@ -326,15 +573,24 @@ if HAVE_GLUON:
             sdo_s = q_s
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if WS:   # the consumer's releases of the ring slots
+            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        else:
+            rel = ready   # placeholder, never touched
         for si in gl.static_range(NS):
             mbarrier.init(ready.index(si), count=1)
+            if WS:
+                mbarrier.init(rel.index(si), count=1)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        # --- K_j, V_j, per-key scales ----------------------------------------------------
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+        # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles ---------------------
+        # (before the loop bounds without XO, after them with XO: each the PTX its schedule
+        # was validated with)
+        if XO == 0 and not WS:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+            tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
 
         if CAUSAL:
             lo = n0
@@ -342,112 +598,44 @@ if HAVE_GLUON:
             lo = 0
         nb = gl.cdiv(L_doc - lo, BM)
         total = GROUP * nb
-        for pi in gl.static_range(NS - 1):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, VEC_TMA)
-
-        n_idx = n0 + gl.arange(0, BN, layout=ROW)
-        n_ok = n_idx < L_doc
-        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
-        rowf = sk_j * qk_scale2
-        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
-
-        zero = gl.zeros([BN, CH], gl.float32, L)
-        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dk0 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
-        if CAUSAL:
-            shift = 0             # query >= key on the diagonal tiles
+        if WS:
+            accs = gl.warp_specialize([
+                (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
+                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
+                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)),
+                (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
+                                  lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
+                                  qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
+                                  start, pstart, n0, hk, lo, nb, total, GROUP, T)),
+            ], [1], [PRODUCER_REGS])
         else:
-            shift = L_doc         # never binding
-        mbarrier.wait(kv_bar, 0)
-
-        for it in range(total):
-            # refill the slot consumed at it - 1 (its wgmmas were all waited for below)
-            nxt = it + NS - 1
-            _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM, NS, VEC_TMA)
-            s = it % NS
-            g = it // nb
-            i0 = lo + (it - g * nb) * BM
-            h = hk * GROUP + g
-            m_idx = i0 + gl.arange(0, BM, layout=COL)
-            tail = i0 + BM > L_doc
-            if CAUSAL:
-                need_mask = tail | (i0 < n0 + BN)
-            else:
-                need_mask = tail
-            mbarrier.wait(ready.index(s), (it // NS) & 1)
-            qs = q_s.index(s)
-            dos = do_s.index(s)
-            qTs = qT_s.index(s)
-            doTs = doT_s.index(s)
-
-            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
-            dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
-
-            if tail:   # at most once per head: the K-major tiles' columns past the document end
-                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
-                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-
-            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                            VEC_TMA) * 1.4426950408889634
-            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            st = _mma_wait(s_tok, 1, SYNC)
-            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                        - gl.expand_dims(lse2, 0))
-            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            a = p * gl.expand_dims(sdo_i, 0)
-            if need_mask:   # on a (not P): sdo of another document's token may be NaN
-                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                      & gl.expand_dims(m_idx < L_doc, 0))
-                a = gl.where(ok, a, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-
-            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            dp = _mma_wait(dp_tok, 1, SYNC)
-            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-            # sq_i again from shared memory: not kept live in registers across the wgmma waits
-            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = a * t * gl.expand_dims(sq_i2, 0)
-            if need_mask:   # t, sq of out-of-document columns may be anything (other document)
-                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                       & gl.expand_dims(m_idx < L_doc, 0))
-                b = gl.where(ok2, b, 0.0)
-            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
-
-            if NCH == 2:
-                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dv1 = _mma_wait(dv1_tok, 1, SYNC)
-                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
-                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dk0 = _mma_wait(dk0_tok, 1, SYNC)
-                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-            else:
-                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-                dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                dk0 = _mma_wait(dk0_tok, 0, SYNC)
-                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+            if XO > 0:
+                mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+                tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+            for pi in gl.static_range(NS - 1):
+                _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
+                            NS, VEC_TMA)
+            accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
+                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
+                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)
+        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
 
         for si in gl.static_range(NS):
             mbarrier.invalidate(ready.index(si))
+            if WS:
+                mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(kv_bar)
 
         # --- epilogue ---------------------------------------------------------------------
+        n_idx = n0 + gl.arange(0, BN, layout=ROW)
+        n_ok = n_idx < L_doc
         row_off = (start + n_idx) * stride_dkt + hk * D
         _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
         if NCH == 2:
@@ -494,19 +682,36 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
                                             pred=pred)
 
-    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
-    def _dq_fp8_kernel(
-        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-        lse, delta, sq, sdo, sk, sv, dq, hmat, cu, pcu,
-        T, stride_dqt, sm_scale, qk_scale2, out_scale,
-        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
-        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
-        GROUP = HQ // HKV
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                     q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
+                     start, pstart, m0, h, hk, total):
+        """The 1-warp TMA partition of _dq_fp8_kernel with WS (VEC_TMA): q8_i / do8_i once,
+        then the kv ring."""
+        NS: gl.constexpr = k_s.type.shape[0]
+        BN: gl.constexpr = k_s.type.shape[1]
+        D: gl.constexpr = k_s.type.shape[2]
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
+        tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
+        for pi in gl.static_range(NS):
+            _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                      k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, True)
+        for j in range(total - NS):
+            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
+            _issue_kv(j + NS, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                      k_s, v_s, kT_s, sk_s, sv_s, ready, True, D, BN, NS, True)
+
+    @gluon.jit
+    def _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
+                 lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
+                 shift, T, qk_scale2,
+                 D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
+                 VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
+                 num_warps: gl.constexpr):
+        """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
+        accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S, dP and the 64-column chunks of the dQ results / accumulators: the
         # per-query vectors (ROW) and per-key vectors (COL) broadcast without conversions.
@@ -515,6 +720,165 @@ if HAVE_GLUON:
         AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
         COL: gl.constexpr = gl.SliceLayout(0, L)     # per key (columns of S)
+
+        # per-query values, once per program (masked loads: rows past the end get lse = +inf)
+        m_idx = m0 + gl.arange(0, BM, layout=ROW)
+        m_ok = m_idx < L_doc
+        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
+                       other=float("inf")) * 1.4426950408889634
+        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
+        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+
+        zero = gl.zeros([BM, CH], gl.float32, L)
+        acc0 = gl.zeros([BM, CH], gl.float32, L)
+        acc1 = gl.zeros([BM, CH], gl.float32, L)
+        mbarrier.wait(q_bar, 0)
+        if XO > 0:   # tile 0's S (XO = 2: and dP) ahead of the loop, carried as values
+            sc_c = zero
+            dp_c = zero
+            if total > 0:
+                mbarrier.wait(ready.index(0), 0)
+                sc_c, dp_c = _next_s_dp(q_s, do_s, k_s, v_s, 0, zero, XO)
+
+        for jt in range(total):
+            if not WS:
+                # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with
+                # two warpgroups also the other one's wgmmas) before the TMA refill overwrites it
+                gl.thread_barrier()
+                nxt = jt + NS - 1
+                _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                          k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
+            s = jt % NS
+            j0 = jt * BN
+            end = j0 + BN > L_doc
+            need_mask = j0 + BN > mask_from
+            n_idx = j0 + gl.arange(0, BN, layout=COL)
+            # (two orders of the same ops: each the PTX its schedule was validated with)
+            if XO == 0 and not WS:
+                mbarrier.wait(ready.index(s), (jt // NS) & 1)
+                ks = k_s.index(s)
+                vs = v_s.index(s)
+                kTs = kT_s.index(s)
+                s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
+                dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
+            else:
+                kTs = kT_s.index(s)
+                if XO == 0:
+                    mbarrier.wait(ready.index(s), (jt // NS) & 1)
+                    s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
+                    dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
+                elif XO == 1:   # S done (carried); dP runs while P is computed, as XO = 0
+                    dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
+
+            if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
+                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 0:
+                sc = _mma_wait(s_tok, 1, SYNC)
+            else:
+                sc = sc_c
+            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
+            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                        - gl.expand_dims(lse2, 1))
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 2:
+                dp = dp_c
+            else:
+                dp = _mma_wait(dp_tok, 0, SYNC)
+            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
+            # sk_j again from shared memory / L1: not kept live across the wgmma waits
+            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = p * t * gl.expand_dims(sk_j2, 0)
+            if need_mask:   # where, not * 0: keys past the end (next document) may be NaN
+                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
+                      & gl.expand_dims(n_idx < L_doc, 0))
+                b = gl.where(ok, b, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+
+            # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
+            if NCH == 2:
+                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                if XO > 0:   # the next tile's S (and dP) while both dQ halves are promoted
+                    if jt + 1 < total:
+                        s1 = (jt + 1) % NS
+                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
+                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
+                        if XO == 2:
+                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
+                        d0 = _mma_wait(d0_tok, 1 + XO, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                        d1 = _mma_wait(d1_tok, XO, False)
+                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+                        if XO == 2:
+                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                        else:
+                            sc_c = _mma_wait(s_tok, 0, False)
+                    else:   # (zero, not the old value: that would stay live all iteration)
+                        d0 = _mma_wait(d0_tok, 1, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                        d1 = _mma_wait(d1_tok, 0, False)
+                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+                        sc_c = zero
+                        dp_c = zero
+                else:
+                    d0 = _mma_wait(d0_tok, 1, SYNC)
+                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                    d1 = _mma_wait(d1_tok, 0, SYNC)
+                    acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+            else:
+                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
+                if XO > 0:
+                    if jt + 1 < total:
+                        s1 = (jt + 1) % NS
+                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
+                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
+                        if XO == 2:
+                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
+                        d0 = _mma_wait(d0_tok, XO, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                        if XO == 2:
+                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                        else:
+                            sc_c = _mma_wait(s_tok, 0, False)
+                    else:   # (zero, not the old value: that would stay live all iteration)
+                        d0 = _mma_wait(d0_tok, 0, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                        sc_c = zero
+                        dp_c = zero
+                else:
+                    d0 = _mma_wait(d0_tok, 0, SYNC)
+                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+            if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
+                _release_slot(rel, s)
+
+        return acc0, acc1
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dq_fp8_kernel(
+        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+        lse, delta, sq, sdo, sk, sv, dq, hmat, cu, pcu,
+        T, stride_dqt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
+        gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC and num_warps == 4),
+                         "overlap / ws need VEC_TMA, async wgmma and one warpgroup")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
 
         pid = gl.program_id(0)
         doc = pid // HQ
@@ -543,15 +907,24 @@ if HAVE_GLUON:
             sv_s = k_s
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if WS:   # the consumer's releases of the ring slots
+            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        else:
+            rel = ready   # placeholder, never touched
         for si in gl.static_range(NS):
             mbarrier.init(ready.index(si), count=1)
+            if WS:
+                mbarrier.init(rel.index(si), count=1)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-        tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
+        # (WS: by the producer; before the loop bounds without XO, after them with XO: each
+        # the PTX its schedule was validated with)
+        if XO == 0 and not WS:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
+            tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
 
         if CAUSAL:
             hi = gl.minimum(m0 + BM, L_doc)
@@ -562,680 +935,28 @@ if HAVE_GLUON:
             mask_from = L_doc     # only the end tile
             shift = L_doc         # never binding
         total = gl.cdiv(hi, BN)
-        for pi in gl.static_range(NS - 1):
-            _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
-
-        # per-query values, once per program (masked loads: rows past the end get lse = +inf)
-        m_idx = m0 + gl.arange(0, BM, layout=ROW)
-        m_ok = m_idx < L_doc
-        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
-                       other=float("inf")) * 1.4426950408889634
-        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
-        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
-
-        zero = gl.zeros([BM, CH], gl.float32, L)
-        acc0 = gl.zeros([BM, CH], gl.float32, L)
-        acc1 = gl.zeros([BM, CH], gl.float32, L)
-        mbarrier.wait(q_bar, 0)
-
-        for jt in range(total):
-            # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with two
-            # warpgroups also the other one's wgmmas) before the TMA refill overwrites it
-            gl.thread_barrier()
-            nxt = jt + NS - 1
-            _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
-            s = jt % NS
-            j0 = jt * BN
-            end = j0 + BN > L_doc
-            need_mask = j0 + BN > mask_from
-            n_idx = j0 + gl.arange(0, BN, layout=COL)
-            mbarrier.wait(ready.index(s), (jt // NS) & 1)
-            ks = k_s.index(s)
-            vs = v_s.index(s)
-            kTs = kT_s.index(s)
-
-            s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
-            dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
-
-            if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
-                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-
-            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            sc = _mma_wait(s_tok, 1, SYNC)
-            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
-            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
-                        - gl.expand_dims(lse2, 1))
-            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            dp = _mma_wait(dp_tok, 0, SYNC)
-            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
-            # sk_j again from shared memory / L1: not kept live across the wgmma waits
-            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = p * t * gl.expand_dims(sk_j2, 0)
-            if need_mask:   # where, not * 0: keys past the end (next document) may be NaN
-                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
-                      & gl.expand_dims(n_idx < L_doc, 0))
-                b = gl.where(ok, b, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-
-            # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
-            if NCH == 2:
-                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d0 = _mma_wait(d0_tok, 1, SYNC)
-                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                d1 = _mma_wait(d1_tok, 0, SYNC)
-                acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-            else:
-                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-                d0 = _mma_wait(d0_tok, 0, SYNC)
-                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-        mbarrier.invalidate(q_bar)
-
-        # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
-        f = gl.load(sdo + h * T + start + m_idx, mask=m_ok, other=0.0) * sm_scale
-        acc0 = acc0 * gl.expand_dims(f, 1)
-        acc1 = acc1 * gl.expand_dims(f, 1)
-        row_off = (start + m_idx) * stride_dqt + h * D
-        if ROTATE:
-            _rotate_store(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, D, BM, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc0, dq, m_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc1, dq, m_ok, row_off, CH, L)
-
-    # ------------------------------------------------------------------------------------------
-    # Opt-in variants (GluonDkdvConfig / GluonDqConfig .overlap, .ws): _dkdv_fp8_v2_kernel and
-    # _dq_fp8_v2_kernel. The production kernels above are left as they are (bitwise the same
-    # PTX); per tile the numerics are theirs, op for op (same tiles, same scales, same order of
-    # the fp32 promotion adds), only the issue order of the wgmmas and TMA loads changes, so
-    # the results are expected bitwise equal to the defaults'.
-    #
-    # overlap (XO): software-pipelined S^T / dP^T. Tile j+1's S^T (XO = 1) or S^T and dP^T
-    # (XO = 2) are issued right after tile j's second-to-last promotion GEMM was waited for, and
-    # before its last one (dK half 1; dQ: both halves) is waited for and promoted, so the tensor
-    # core has the next tile's work while the CUDA cores promote. The register peak at that
-    # point (D = 128, dK/dV): 4 accumulators (128) + the last dK half (32) + S^T (32) [+ dP^T
-    # (32) with XO = 2]. With XO = 1 dP^T is issued after the promotion. The last iteration
-    # issues S^T / dP^T on a stale ring slot (no TMA pending on it, result discarded) so that
-    # the wgmma group count of every iteration is the same; waited for after the loop.
-    #
-    # ws: gl.warp_specialize with a 1-warp TMA producer (forward_gluon's proven ready / release
-    # protocol): the producer loads K / V (dQ: q8 / do8) and the first NS ring tiles, then per
-    # release r_j (count 1, from the consumer once every read of slot j % NS is done, wgmmas
-    # waited) refills that slot with tile j + NS. The consumer (the default partition, 4 warps)
-    # issues no TMA: no CTA-wide bar.sync in its loop (Triton 3.6 puts a partition-local one in
-    # front of the release arrive, which also orders every warp's ld.shared of the vectors
-    # before it; the fence orders the tail zeroing's generic stores). The accumulators are
-    # returned from the partition and the epilogue (stores, Hadamard rotate) runs after it.
-    # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _release_slot(rel, s):
-        """forward_gluon._ws_release: this consumer is done with ring slot s."""
-        fence_async_shared()
-        mbarrier.arrive(rel.index(s), count=1)
-
-    @gluon.jit
-    def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
-        """The first tile's S^T = a x^T (dK/dV: k_s, q_s) and with XO = 2 dP^T = b y^T, issued
-        and waited for (carried into the loop as values)."""
-        s_tok = _mma(a_s, x_s.index(slot).permute((1, 0)), zero, False)
-        if XO == 2:
-            dp_tok = _mma(b_s, y_s.index(slot).permute((1, 0)), zero, False)
-            s_v, dp_v = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-        else:
-            s_v = _mma_wait(s_tok, 0, False)
-            dp_v = zero
-        return s_v, dp_v
-
-    @gluon.jit
-    def _dkdv_v2_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                          lse_desc, dl_desc, sq_desc, sdo_desc,
-                          k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
-                          ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
-        """The 1-warp TMA partition of the dK/dV v2 kernel. Sizes from the buffers' types
-        (constexpr arguments of a worker partition arrive as tensors in Triton 3.6)."""
-        NS: gl.constexpr = q_s.type.shape[0]
-        BM: gl.constexpr = q_s.type.shape[1]
-        D: gl.constexpr = q_s.type.shape[2]
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-        for pi in gl.static_range(NS):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, True)
-        for j in range(total - NS):
-            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
-            _issue_tile(j + NS, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
-
-    @gluon.jit
-    def _dkdv_v2_consumer(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                          sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
-                          ready, rel, kv_bar, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
-                          total, GROUP, T, qk_scale2,
-                          D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                          NS: gl.constexpr, CAUSAL: gl.constexpr, XO: gl.constexpr,
-                          WS: gl.constexpr, num_warps: gl.constexpr):
-        """The main loop of _dkdv_fp8_kernel (VEC_TMA, async) with the XO / WS schedule;
-        returns the fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
-        ROW: gl.constexpr = gl.SliceLayout(1, L)
-        COL: gl.constexpr = gl.SliceLayout(0, L)
-
-        n_idx = n0 + gl.arange(0, BN, layout=ROW)
-        n_ok = n_idx < L_doc
-        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
-        rowf = sk_j * qk_scale2
-        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
-
-        zero = gl.zeros([BN, CH], gl.float32, L)
-        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dk0 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
-        acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
-        if CAUSAL:
-            shift = 0
-        else:
-            shift = L_doc
-        mbarrier.wait(kv_bar, 0)
-        if XO > 0:   # tile 0's S^T (XO = 2: and dP^T) ahead of the loop, carried as values
-            st_c = zero
-            dp_c = zero
-            if total > 0:
-                mbarrier.wait(ready.index(0), 0)
-                st_c, dp_c = _next_s_dp(k_s, v_s, q_s, do_s, 0, zero, XO)
-
-        for it in range(total):
-            if not WS:   # refill the slot consumed at it - 1, as _dkdv_fp8_kernel
-                nxt = it + NS - 1
-                _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
-                            NS, True)
-            s = it % NS
-            g = it // nb
-            i0 = lo + (it - g * nb) * BM
-            h = hk * GROUP + g
-            m_idx = i0 + gl.arange(0, BM, layout=COL)
-            tail = i0 + BM > L_doc
-            if CAUSAL:
-                need_mask = tail | (i0 < n0 + BN)
-            else:
-                need_mask = tail
-            qTs = qT_s.index(s)
-            doTs = doT_s.index(s)
-            if XO == 0:
-                mbarrier.wait(ready.index(s), (it // NS) & 1)
-                s_tok = _mma(k_s, q_s.index(s).permute((1, 0)), zero, False)
-                dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
-            elif XO == 1:   # S^T done (carried); dP^T runs while P^T is computed, as XO = 0
-                dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
-
-            if tail:
-                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
-                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-
-            lse2 = _row_vec(lse_s, s, sk, h, T, start, m_idx, L_doc, float("inf"), COL,
-                            True) * 1.4426950408889634
-            sq_i = _row_vec(sq_s, s, sk, h, T, start, m_idx, L_doc, 0.0, COL, True)
-            if XO == 0:
-                st = _mma_wait(s_tok, 1, False)
-            else:
-                st = st_c
-            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                        - gl.expand_dims(lse2, 0))
-            sdo_i = _row_vec(sdo_s, s, sk, h, T, start, m_idx, L_doc, 0.0, COL, True)
-            a = p * gl.expand_dims(sdo_i, 0)
-            if need_mask:
-                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                      & gl.expand_dims(m_idx < L_doc, 0))
-                a = gl.where(ok, a, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, False)
-
-            dl_i = _row_vec(dl_s, s, sk, h, T, start, m_idx, L_doc, 0.0, COL, True)
-            if XO == 2:
-                dp = dp_c
-            else:
-                dp = _mma_wait(dp_tok, 1, False)
-            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-            sq_i2 = _row_vec(sq_s, s, sk, h, T, start, m_idx, L_doc, 0.0, COL, True)
-            b = a * t * gl.expand_dims(sq_i2, 0)
-            if need_mask:
-                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                       & gl.expand_dims(m_idx < L_doc, 0))
-                b = gl.where(ok2, b, 0.0)
-            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
-
-            if NCH == 2:
-                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, False)
-                dv0 = _mma_wait(dv0_tok, 1, False)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, False)
-                dv1 = _mma_wait(dv1_tok, 1, False)
-                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
-                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, False)
-                dk0 = _mma_wait(dk0_tok, 1, False)
-                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                if XO > 0:   # the next tile's S^T (and dP^T) while dK half 1 is promoted
-                    s1 = (it + 1) % NS
-                    if it + 1 < total:
-                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                    # (the last iteration's reads a stale slot: no TMA pending, discarded)
-                    s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
-                    if XO == 2:
-                        dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                    dk1 = _mma_wait(dk1_tok, XO, False)
-                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-                    if XO == 2:
-                        st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                    else:
-                        st_c = _mma_wait(s_tok, 0, False)
-                else:
-                    dk1 = _mma_wait(dk1_tok, 0, False)
-                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-            else:
-                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, False)
-                dv0 = _mma_wait(dv0_tok, 1, False)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                if XO > 0:
-                    if it + 1 < total:
-                        s1 = (it + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                        s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                        dk0 = _mma_wait(dk0_tok, XO, False)
-                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                        if XO == 2:
-                            st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            st_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        dk0 = _mma_wait(dk0_tok, 0, False)
-                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                        st_c = zero
-                        dp_c = zero
-                else:
-                    dk0 = _mma_wait(dk0_tok, 0, False)
-                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-            if WS:   # every read of slot s is done (wgmmas waited; vectors read)
-                _release_slot(rel, s)
-
-        return acc_dv0, acc_dv1, acc_dk0, acc_dk1
-
-    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
-    def _dkdv_fp8_v2_kernel(
-        k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-        lse_desc, dl_desc, sq_desc, sdo_desc,
-        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, cu, pcu,
-        T, stride_dkt, sm_scale, qk_scale2, out_scale,
-        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
-        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        XO: gl.constexpr, WS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """_dkdv_fp8_kernel (vec_tma, async) with the overlap / warp-specialized schedules."""
-        gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
-        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
-        GROUP = HQ // HKV
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        ROW: gl.constexpr = gl.SliceLayout(1, L)
-
-        pid = gl.program_id(0)
-        jb = gl.program_id(1)
-        doc = pid // HKV
-        hk = pid % HKV
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        n0 = jb * BN
-        if n0 >= L_doc:
-            return
-
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
-        v_s = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
-        do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
-        qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
-        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
-        lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], lse_desc.layout)
-        dl_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], dl_desc.layout)
-        sq_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sq_desc.layout)
-        sdo_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sdo_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if WS:
-            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        else:
-            rel = ready   # placeholder, never touched
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-            if WS:
-                mbarrier.init(rel.index(si), count=1)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
-
-        if CAUSAL:
-            lo = n0
-        else:
-            lo = 0
-        nb = gl.cdiv(L_doc - lo, BM)
-        total = GROUP * nb
         if WS:
             accs = gl.warp_specialize([
-                (_dkdv_v2_consumer, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc,
-                                     sq_desc, sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s,
-                                     dl_s, sq_s, sdo_s, ready, rel, kv_bar, sk, sv, start, pstart,
-                                     L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM, BN,
-                                     NS, CAUSAL, XO, WS, num_warps)),
-                (_dkdv_v2_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                                     lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
-                                     qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
-                                     start, pstart, n0, hk, lo, nb, total, GROUP, T)),
+                (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
+                            pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
+                            D, BM, BN, NS, VEC_TMA, SYNC, XO, WS, num_warps)),
+                (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                                q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
+                                start, pstart, m0, h, hk, total)),
             ], [1], [PRODUCER_REGS])
         else:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-            tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-            for pi in gl.static_range(NS - 1):
-                _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
-                            NS, True)
-            accs = _dkdv_v2_consumer(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc,
-                                     sq_desc, sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s,
-                                     dl_s, sq_s, sdo_s, ready, rel, kv_bar, sk, sv, start, pstart,
-                                     L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM, BN,
-                                     NS, CAUSAL, XO, WS, num_warps)
-        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
-
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-            if WS:
-                mbarrier.invalidate(rel.index(si))
-        mbarrier.invalidate(kv_bar)
-
-        n_idx = n0 + gl.arange(0, BN, layout=ROW)
-        n_ok = n_idx < L_doc
-        row_off = (start + n_idx) * stride_dkt + hk * D
-        _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
-        if NCH == 2:
-            _store_chunk(acc_dv1, dv, n_ok, row_off, CH, L)
-        acc_dk0 = acc_dk0 * sm_scale
-        acc_dk1 = acc_dk1 * sm_scale
-        if ROTATE:
-            _rotate_store(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, D, BN, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc_dk0, dk, n_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
-
-    @gluon.jit
-    def _dq_v2_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                        q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                        start, pstart, m0, h, hk, total):
-        """The 1-warp TMA partition of the dQ v2 kernel: q8_i / do8_i once, then the kv ring."""
-        NS: gl.constexpr = k_s.type.shape[0]
-        BN: gl.constexpr = k_s.type.shape[1]
-        D: gl.constexpr = k_s.type.shape[2]
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-        tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
-        for pi in gl.static_range(NS):
-            _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, True)
-        for j in range(total - NS):
-            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
-            _issue_kv(j + NS, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, True, D, BN, NS, True)
-
-    @gluon.jit
-    def _dq_v2_consumer(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                        q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                        lse, delta, sq, start, pstart, L_doc, m0, h, hk, total, mask_from,
-                        shift, T, qk_scale2,
-                        D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                        XO: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
-        """The main loop of _dq_fp8_kernel (VEC_TMA, async, one warpgroup) with the XO / WS
-        schedule; returns the fp32 accumulators (dQ half 0, 1)."""
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
-        ROW: gl.constexpr = gl.SliceLayout(1, L)
-        COL: gl.constexpr = gl.SliceLayout(0, L)
-
-        m_idx = m0 + gl.arange(0, BM, layout=ROW)
-        m_ok = m_idx < L_doc
-        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
-                       other=float("inf")) * 1.4426950408889634
-        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
-        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
-
-        zero = gl.zeros([BM, CH], gl.float32, L)
-        acc0 = gl.zeros([BM, CH], gl.float32, L)
-        acc1 = gl.zeros([BM, CH], gl.float32, L)
-        mbarrier.wait(q_bar, 0)
-        if XO > 0:   # tile 0's S (XO = 2: and dP) ahead of the loop, carried as values
-            sc_c = zero
-            dp_c = zero
-            if total > 0:
-                mbarrier.wait(ready.index(0), 0)
-                sc_c, dp_c = _next_s_dp(q_s, do_s, k_s, v_s, 0, zero, XO)
-
-        for jt in range(total):
-            if not WS:   # as _dq_fp8_kernel: every warp past slot (jt - 1) % NS, then refill
-                gl.thread_barrier()
-                nxt = jt + NS - 1
-                _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                          k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, True)
-            s = jt % NS
-            j0 = jt * BN
-            end = j0 + BN > L_doc
-            need_mask = j0 + BN > mask_from
-            n_idx = j0 + gl.arange(0, BN, layout=COL)
-            kTs = kT_s.index(s)
-            if XO == 0:
-                mbarrier.wait(ready.index(s), (jt // NS) & 1)
-                s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
-                dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
-            elif XO == 1:   # S done (carried); dP runs while P is computed, as XO = 0
-                dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
-
-            if end:
-                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-
-            sk_j = _row_vec(sk_s, s, lse, hk, T, start, n_idx, L_doc, 0.0, COL, True)
-            if XO == 0:
-                sc = _mma_wait(s_tok, 1, False)
-            else:
-                sc = sc_c
-            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
-                        - gl.expand_dims(lse2, 1))
-            sv_j = _row_vec(sv_s, s, lse, hk, T, start, n_idx, L_doc, 0.0, COL, True)
-            if XO == 2:
-                dp = dp_c
-            else:
-                dp = _mma_wait(dp_tok, 0, False)
-            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
-            sk_j2 = _row_vec(sk_s, s, lse, hk, T, start, n_idx, L_doc, 0.0, COL, True)
-            b = p * t * gl.expand_dims(sk_j2, 0)
-            if need_mask:
-                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
-                      & gl.expand_dims(n_idx < L_doc, 0))
-                b = gl.where(ok, b, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-
-            if NCH == 2:
-                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, False)
-                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, False)
-                if XO > 0:   # the next tile's S (and dP) while both dQ halves are promoted
-                    if jt + 1 < total:
-                        s1 = (jt + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
-                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, 1 + XO, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        d1 = _mma_wait(d1_tok, XO, False)
-                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-                        if XO == 2:
-                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            sc_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        d0 = _mma_wait(d0_tok, 1, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        d1 = _mma_wait(d1_tok, 0, False)
-                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-                        sc_c = zero
-                        dp_c = zero
-                else:
-                    d0 = _mma_wait(d0_tok, 1, False)
-                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                    d1 = _mma_wait(d1_tok, 0, False)
-                    acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-            else:
-                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, False)
-                if XO > 0:
-                    if jt + 1 < total:
-                        s1 = (jt + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
-                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, XO, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        if XO == 2:
-                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            sc_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        d0 = _mma_wait(d0_tok, 0, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        sc_c = zero
-                        dp_c = zero
-                else:
-                    d0 = _mma_wait(d0_tok, 0, False)
-                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-            if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
-                _release_slot(rel, s)
-
-        return acc0, acc1
-
-    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
-    def _dq_fp8_v2_kernel(
-        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-        lse, delta, sq, sdo, sk, sv, dq, hmat, cu, pcu,
-        T, stride_dqt, sm_scale, qk_scale2, out_scale,
-        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
-        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        XO: gl.constexpr, WS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """_dq_fp8_kernel (vec_tma, async, BM = 64) with the overlap / warp-specialized
-        schedules."""
-        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BM == 16 * num_warps and num_warps == 4, "one warpgroup")
-        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
-        GROUP = HQ // HKV
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        ROW: gl.constexpr = gl.SliceLayout(1, L)
-
-        pid = gl.program_id(0)
-        doc = pid // HQ
-        h = pid % HQ
-        hk = h // GROUP
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)
-        if ib < 0:
-            return
-        m0 = ib * BM
-
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
-        do_s = gl.allocate_shared_memory(do_desc.dtype, [BM, D], do_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
-        v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
-        kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
-        sk_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sk_desc.layout)
-        sv_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sv_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if WS:
-            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        else:
-            rel = ready   # placeholder, never touched
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-            if WS:
-                mbarrier.init(rel.index(si), count=1)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
-
-        if CAUSAL:
-            hi = gl.minimum(m0 + BM, L_doc)
-            mask_from = m0
-            shift = 0
-        else:
-            hi = L_doc
-            mask_from = L_doc
-            shift = L_doc
-        total = gl.cdiv(hi, BN)
-        if WS:
-            accs = gl.warp_specialize([
-                (_dq_v2_consumer, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                                   kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, start,
-                                   pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                                   D, BM, BN, NS, XO, WS, num_warps)),
-                (_dq_v2_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                                   q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                                   start, pstart, m0, h, hk, total)),
-            ], [1], [PRODUCER_REGS])
-        else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-            tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
+            if XO > 0:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
+                tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
             for pi in gl.static_range(NS - 1):
                 _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                          k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, True)
-            accs = _dq_v2_consumer(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                                   kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, start,
-                                   pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                                   D, BM, BN, NS, XO, WS, num_warps)
+                          k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
+            accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
+                            pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
+                            D, BM, BN, NS, VEC_TMA, SYNC, XO, WS, num_warps)
         acc0, acc1 = accs
 
         for si in gl.static_range(NS):
@@ -1244,6 +965,7 @@ if HAVE_GLUON:
                 mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(q_bar)
 
+        # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
         m_idx = m0 + gl.arange(0, BM, layout=ROW)
         m_ok = m_idx < L_doc
         f = gl.load(sdo + h * T + start + m_idx, mask=m_ok, other=0.0) * sm_scale
@@ -1380,38 +1102,28 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
             st.D ** -0.5)
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
                   CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
                   num_warps=cfg.num_warps)
-    if _is_v2(cfg):
-        _check_v2(cfg, 16 * cfg.num_warps == cfg.bn)
-        kwargs.pop("VEC_TMA")
-        kwargs.pop("SYNC")
-        kwargs.update(XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
-        if cfg.maxnreg:
-            kwargs["maxnreg"] = cfg.maxnreg
+    _check_v2(cfg, 16 * cfg.num_warps == cfg.bn)
+    if cfg.maxnreg:
+        kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs
 
 
-def _is_v2(cfg) -> bool:
-    """The opt-in overlap / warp-specialized schedules (_dkdv_fp8_v2_kernel, _dq_fp8_v2_kernel)."""
-    return bool(cfg.overlap or cfg.ws)
-
-
 def _check_v2(cfg, one_warpgroup_ok: bool) -> None:
-    if cfg.overlap not in (0, 1, 2) or not cfg.vec_tma or cfg.sync_mma or not one_warpgroup_ok:
+    """The opt-in overlap / warp-specialized schedules (constexprs XO / WS of _dkdv_fp8_kernel
+    and _dq_fp8_kernel): the option combinations they support. Nothing to check without them."""
+    if cfg.overlap not in (0, 1, 2):
+        raise ValueError(f"overlap must be 0, 1 or 2: {cfg}")
+    if not (cfg.overlap or cfg.ws):
+        return
+    if not cfg.vec_tma or cfg.sync_mma or not one_warpgroup_ok:
         raise ValueError(f"overlap / ws variants need overlap in (0, 1, 2), vec_tma, async "
                          f"wgmma and one m64 row block per warpgroup: {cfg}")
     if cfg.overlap and cfg.stages < 2:
         raise ValueError(f"overlap needs stages >= 2 (the next tile in another slot): {cfg}")
     if cfg.ws and not 24 <= cfg.producer_regs <= 256:
         raise ValueError(f"producer_regs {cfg.producer_regs} out of range: {cfg}")
-
-
-def _dkdv_kernel(cfg):
-    return _dkdv_fp8_v2_kernel if _is_v2(cfg) else _dkdv_fp8_kernel
-
-
-def _dq_kernel(cfg):
-    return _dq_fp8_v2_kernel if _is_v2(cfg) else _dq_fp8_kernel
 
 
 def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> None:
@@ -1425,7 +1137,7 @@ def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> N
         st.dv.zero_()
         return
     grid, args, kwargs = _args(st, cfg, vecs)
-    _dkdv_kernel(cfg)[grid](*args, **kwargs)
+    _dkdv_fp8_kernel[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1542,14 +1254,11 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
             st.D ** -0.5)
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
                   CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
                   num_warps=cfg.num_warps)
-    if _is_v2(cfg):
-        _check_v2(cfg, cfg.num_warps == 4)
-        kwargs.pop("VEC_TMA")
-        kwargs.pop("SYNC")
-        kwargs.update(XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
-        if cfg.maxnreg:
-            kwargs["maxnreg"] = cfg.maxnreg
+    _check_v2(cfg, cfg.num_warps == 4)
+    if cfg.maxnreg:
+        kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs
 
 
@@ -1564,7 +1273,7 @@ def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
         st.dq.zero_()
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs)
-    _dq_kernel(cfg)[grid](*args, **kwargs)
+    _dq_fp8_kernel[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1576,14 +1285,14 @@ def compile_sm90(st, config: GluonDkdvConfig | None = None):
     triton CompiledKernel (asm['ptx'], metadata.shared). Needs TRITON_INTERPRET unset."""
     cfg = config or default_gluon_config(st.D)
     _, args, kwargs = _args(st, cfg, vecs="torch")   # (the gather itself runs nowhere here)
-    return _compile_sm90(_dkdv_kernel(cfg), args, kwargs)
+    return _compile_sm90(_dkdv_fp8_kernel, args, kwargs)
 
 
 def compile_dq_sm90(st, config: GluonDqConfig | None = None):
     """compile_sm90 for the dQ kernel."""
     cfg = config or default_dq_config(st.D)
     _, args, kwargs = _dq_args(st, cfg, vecs="torch")
-    return _compile_sm90(_dq_kernel(cfg), args, kwargs)
+    return _compile_sm90(_dq_fp8_kernel, args, kwargs)
 
 
 def _compile_sm90(fn, args, kwargs):

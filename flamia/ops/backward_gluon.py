@@ -1056,32 +1056,38 @@ def check_tma_coords(st, cfg: GluonDkdvConfig | None = None) -> list[str]:
     return bad
 
 
+def tok_major_desc(x, rows: int, cols: int, dtype):
+    """TMA descriptor over (T, heads, D) seen as (T, heads * D), (rows, cols) boxes."""
+    x2 = x.view(x.shape[0], -1)
+    lay = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+    return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, cols], lay)
+
+
+def kmajor_desc(xT, cols: int):
+    """TMA descriptor over a K-major fp8 copy (heads, D, Tp) seen as (heads * D, Tp), (D, cols)
+    boxes."""
+    H, D, Tp = xT.shape
+    lay = gl.NVMMASharedLayout.get_default_for([D, cols], gl.float8e4nv)
+    return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, cols], lay)
+
+
+def vec_desc(x, cols: int):
+    """TMA descriptor over padded per-token fp32 vectors (H, Tp), (1, cols) boxes, like
+    forward_gluon's sk / sv boxes; the default layout of a one-row fp32 box is unswizzled."""
+    lay = gl.NVMMASharedLayout.get_default_for([1, cols], gl.float32)
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, cols], lay)
+
+
 def _descs(st, cfg: GluonDkdvConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-
-    def tok_major(x, rows):
-        x2 = x.view(x.shape[0], -1)
-        lay = gl.NVMMASharedLayout.get_default_for([rows, D], f8)
-        return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], lay)
-
-    def k_major(xT):
-        H, _, Tp = xT.shape
-        lay = gl.NVMMASharedLayout.get_default_for([D, BM], f8)
-        return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, BM], lay)
-
-    def vec(x):
-        # (H, Tp) with (1, BM) boxes, like forward_gluon's (1, BN) sk / sv boxes; the default
-        # layout of a one-row fp32 box is unswizzled
-        lay = gl.NVMMASharedLayout.get_default_for([1, BM], gl.float32)
-        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, BM], lay)
-
     if cfg.vec_tma:
         vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
     else:
         vecs = (_dummy_vec(st.lse.device, BM),) * 4
-    return (tok_major(st.k8, BN), tok_major(st.v8, BN), tok_major(st.q8, BM),
-            tok_major(st.do8, BM), k_major(st.qT8), k_major(st.doT8), *map(vec, vecs))
+    return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
+            tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
+            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *(vec_desc(x, BM) for x in vecs))
 
 
 def _args(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1213,27 +1219,13 @@ def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
 def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-
-    def tok_major(x, rows):
-        x2 = x.view(x.shape[0], -1)
-        lay = gl.NVMMASharedLayout.get_default_for([rows, D], f8)
-        return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], lay)
-
-    def k_major(xT):
-        H, _, Tp = xT.shape
-        lay = gl.NVMMASharedLayout.get_default_for([D, BN], f8)
-        return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, BN], lay)
-
-    def vec(x):
-        lay = gl.NVMMASharedLayout.get_default_for([1, BN], gl.float32)
-        return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, BN], lay)
-
     if cfg.vec_tma:
         vecs = _resolve_vecs(vecs, cfg, st, padded_kv_vectors, padded_kv_vectors_triton)
     else:
         vecs = (_dummy_vec(st.lse.device, BN),) * 2
-    return (tok_major(st.q8, BM), tok_major(st.do8, BM), tok_major(st.k8, BN),
-            tok_major(st.v8, BN), k_major(st.kT8), *map(vec, vecs))
+    return (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
+            tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
+            kmajor_desc(st.kT8, BN), *(vec_desc(x, BN) for x in vecs))
 
 
 def _dq_args(st, cfg: GluonDqConfig, vecs=None):

@@ -74,7 +74,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
     from .backward_gluon import (  # noqa: F401  (gluon.jit resolves them from this module)
         _mma, _mma_wait, _pow2_scale_g, _rotate_store, _row_vec, _store_chunk, _zero_tail_cols)
 
@@ -649,18 +648,6 @@ def _check_state(st, what: str):
         raise ValueError(f"the Gluon fp8_mixed {what} kernel supports D in (64, 128), not {st.D}")
 
 
-def _tok_major(x, rows, cols, dtype):
-    """(T, heads, D) -> (T, heads * D) descriptor with (rows, cols) boxes."""
-    x2 = x.view(x.shape[0], -1)
-    lay = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-    return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, cols], lay)
-
-
-def _vec_desc(x, n):
-    lay = gl.NVMMASharedLayout.get_default_for([1, n], gl.float32)
-    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, n], lay)
-
-
 def _dkdv_args(st, cfg: MixedDkdvConfig, vecs=None, ops=None):
     _check_state(st, "dK/dV")
     if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
@@ -671,16 +658,14 @@ def _dkdv_args(st, cfg: MixedDkdvConfig, vecs=None, ops=None):
               st.dv, dob, vb):
         assert x.is_contiguous()
     f8, bf = gl.float8e4nv, gl.bfloat16
-    H, _, Tp = st.doT8.shape
-    doT_desc = GluonTensorDescriptor(st.doT8, [H * D, Tp], [Tp, 1], [D, BM],
-                                     gl.NVMMASharedLayout.get_default_for([D, BM], f8))
+    doT_desc = G.kmajor_desc(st.doT8, BM)
     if cfg.vec_tma:
         vecs = vecs if vecs is not None else G.padded_vectors(st)
     else:
         vecs = (G._dummy_vec(st.lse.device, BM),) * 4
-    descs = (_tok_major(st.k8, BN, D, f8), _tok_major(vb, BN, CH_, bf),
-             _tok_major(st.q8, BM, D, f8), _tok_major(dob, BM, CH_, bf), doT_desc,
-             *(_vec_desc(x, BM) for x in vecs))
+    descs = (G.tok_major_desc(st.k8, BN, D, f8), G.tok_major_desc(vb, BN, CH_, bf),
+             G.tok_major_desc(st.q8, BM, D, f8), G.tok_major_desc(dob, BM, CH_, bf), doT_desc,
+             *(G.vec_desc(x, BM) for x in vecs))
     grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, BN))
     args = (*descs, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv, st.hmat, st.cu,
             st.pcu, st.T, st.dk.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)
@@ -717,9 +702,9 @@ def _dq_args(st, cfg: MixedDqConfig, vecs=None, ops=None):
         vecs = vecs if vecs is not None else G.padded_kv_vectors(st)
     else:
         vecs = (G._dummy_vec(st.lse.device, BN),) * 2
-    descs = (_tok_major(st.q8, BM, D, f8), _tok_major(dob, BM, CH_, bf),
-             _tok_major(st.k8, BN, D, f8), _tok_major(kb, BN, CH_, bf),
-             _tok_major(vb, BN, CH_, bf), *(_vec_desc(x, BN) for x in vecs))
+    descs = (G.tok_major_desc(st.q8, BM, D, f8), G.tok_major_desc(dob, BM, CH_, bf),
+             G.tok_major_desc(st.k8, BN, D, f8), G.tok_major_desc(kb, BN, CH_, bf),
+             G.tok_major_desc(vb, BN, CH_, bf), *(G.vec_desc(x, BN) for x in vecs))
     grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, BM))
     args = (*descs, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, st.hmat, st.cu, st.pcu, st.T,
             st.dq.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)

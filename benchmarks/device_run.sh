@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call = several stages that belong together, each under its own time limit so a slow
+# stage cannot starve the next, every log under $OUT (it comes back even if the call is cut).
+#
+#   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
+#
+# Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
+# bwd-next, dq-next, mixed-dkdv, mixed-dq, fwd-next, profile.
+# Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+      torch.cuda.get_device_name())' 2>&1 | tee "$OUT/env.txt"
+
+summary="$OUT/summary.txt"
+: >"$summary"
+run_stage() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${secs}s) ==="
+  timeout --signal=TERM --kill-after=15 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
+}
+
+for spec in "$@"; do
+  name=${spec%%:*}
+  secs=${spec#*:}
+  [ "$secs" = "$spec" ] && secs=300
+  case $name in
+    tests-bwd) run_stage "$name" "$secs" python -m pytest -q -x tests/gpu/test_backward_gpu.py ;;
+    tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
+    tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
+    bench) run_stage "$name" "$secs" python -m flamia bench --quick \
+             --max-minutes $(( (secs - 60) / 60 )) --recipes fp8,fp8_mixed --out "$OUT" ;;
+    bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
+             --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn \
+             --no-accuracy --out "$OUT" ;;
+    bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
+             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
+             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    mixed-dkdv) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
+             --recipe fp8_mixed --configs ladder --deadline $((secs - 30)) \
+             --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    mixed-dq) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
+             --recipe fp8_mixed --kernel dq --configs ladder --deadline $((secs - 30)) \
+             --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
+             --configs nextfwd ;;
+    profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
+    *) echo "unknown stage $name" | tee -a "$summary" ;;
+  esac
+done
+echo "=== summary ==="
+cat "$summary"

@@ -5,7 +5,7 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, dq-next, mixed-dkdv, mixed-dq, fwd-next, profile.
+# bwd-next, dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -59,6 +59,15 @@ for spec in "$@"; do
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
+    profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
+    ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
+        --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py
+      "$NCU" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
+      "$NCU" --import "$OUT/ncu.ncu-rep" --page raw --csv >"$OUT/ncu-raw.csv" 2>&1
+      grep -E "^  [_a-z].*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" \
+        "$OUT/ncu-details.txt" | head -150 ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 done

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_call.py                          # every workload, fp8
     python benchmarks/profile_call.py --only doc512_x64,doc32k --recipes fp8,fp8_mixed
+    python benchmarks/profile_call.py --forward-only        # the training forward alone
 
 For each workload of shared/workloads.json: bf16 inputs, the public varlen call forward and
 backward (check_finite=False, as `flamia bench` times it), median wall time over CUDA events,
@@ -25,10 +26,11 @@ from flamia.inputs import make_qkv  # noqa: E402
 from flamia.interface import flamia_attn_varlen_func  # noqa: E402
 
 
-def call_fn(q, k, v, cu, L, recipe, dout):
+def call_fn(q, k, v, cu, L, recipe, dout, forward_only=False):
     def run():
         out = flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe, check_finite=False)
-        torch.autograd.grad(out, (q, k, v), dout)     # no .grad accumulation kernels
+        if not forward_only:
+            torch.autograd.grad(out, (q, k, v), dout)     # no .grad accumulation kernels
     return run
 
 
@@ -96,6 +98,8 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--recipes", default="fp8")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--forward-only", action="store_true",
+                    help="the training forward alone (inputs require grad, nothing backward)")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     report = []
@@ -109,26 +113,28 @@ def main():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             dout = torch.randn_like(q)
             L = max(w.doc_lengths)
-            fn = call_fn(q, k, v, cu, L, recipe, dout)
+            fn = call_fn(q, k, v, cu, L, recipe, dout, args.forward_only)
             ms = wall_ms(fn)
             table = kernel_table(fn)
             ksum = sum(t for _, t in table)
             hms = host_ms(fn)
             parts = host_breakdown(q.shape[0], cu)
-            print(f"\n== {w.name} {recipe}: wall {ms:.3f} ms per fwd+bwd call, kernels {ksum:.3f} ms,"
+            what = "fwd" if args.forward_only else "fwd+bwd"
+            print(f"\n== {w.name} {recipe}: wall {ms:.3f} ms per {what} call, kernels {ksum:.3f} ms,"
                   f" gap {ms - ksum:.3f} ms ({100 * (ms - ksum) / ms:.0f} %); host issue time "
                   f"{hms:.3f} ms per call (" + ", ".join(f"{n} {t:.3f}" for n, t in parts.items())
                   + ")", flush=True)
             for name, t in table[:args.top]:
                 print(f"  {t:8.3f} ms  {100 * t / ms:5.1f} %  {name[:110]}")
-            report.append({"workload": w.name, "recipe": recipe, "wall_ms": ms,
+            report.append({"workload": w.name, "recipe": recipe, "what": what, "wall_ms": ms,
                            "kernels_ms": ksum, "host_ms": hms, "host_parts": parts,
                            "kernels": table[:40]})
             del q, k, v, dout, fn
             torch.cuda.empty_cache()
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "profile_call.json"), "w") as fh:
+        name = "profile_call_fwd.json" if args.forward_only else "profile_call.json"
+        with open(os.path.join(out, name), "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "rows": report}, fh, indent=1)
 

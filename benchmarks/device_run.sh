@@ -5,7 +5,7 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
+# bwd-next, bwd-ab (BWD_CONFIGS, default "default,split"), dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -48,6 +48,9 @@ for spec in "$@"; do
              --no-accuracy --out "$OUT" ;;
     bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    bwd-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
+             --configs "${BWD_CONFIGS:-default,split}" --deadline $((secs - 30)) \
+             --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 --reps 10 ;;
     dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     mixed-dkdv) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \

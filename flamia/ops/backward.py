@@ -558,8 +558,8 @@ class BwdConfig:
     # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
     split_dkdv: bool = False
     kv_bm_dv: int = 64
-    # fp8 on sm_90: dK / dV and dQ by the Gluon kernels (see _gluon_applies); kv_* / q_*
-    # then unused
+    # on sm_90: dK / dV (fp8, fp8_mixed) and dQ (fp8) by the Gluon kernels (see
+    # _gluon_applies); kv_* / q_* then unused
     gluon_dkdv: bool = True
     gluon_dq: bool = True
 
@@ -755,12 +755,13 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
     return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
-def _gluon_applies(st: BwdState, enabled: bool) -> bool:
-    """The Gluon kernels (flamia/ops/backward_gluon.py: TMA rings, async wgmma; on the H200
-    dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels, benchmarks/NOTES.md) run the fp8 recipe
-    on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq; False or FLAMIA_GLUON=0 keep the
-    Triton kernels (the ones CPU CI tests under the interpreter; the GPU tests check both)."""
-    if not (enabled and st.recipe == 0 and not st.dq_atomic and not st.interp
+def _gluon_applies(st: BwdState, enabled: bool, recipes=(RECIPE_IDS["fp8"],)) -> bool:
+    """The Gluon kernels (flamia/ops/backward_gluon.py, backward_gluon_mixed.py: TMA rings,
+    async wgmma; on the H200 dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels,
+    benchmarks/NOTES.md) run `recipes` on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq;
+    False or FLAMIA_GLUON=0 keep the Triton kernels (the ones CPU CI tests under the interpreter;
+    the GPU tests check both)."""
+    if not (enabled and st.recipe in recipes and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
     if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
@@ -771,9 +772,13 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
 
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_applies(st, cfg.gluon_dkdv):
-        from .backward_gluon import launch_dkdv_gluon
-        launch_dkdv_gluon(st)
+    if _gluon_applies(st, cfg.gluon_dkdv, (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])):
+        if st.recipe == RECIPE_IDS["fp8"]:
+            from .backward_gluon import launch_dkdv_gluon
+            launch_dkdv_gluon(st)
+        else:   # dK bitwise the Triton kernel's; dV by the FA rule (BM 64 vs 32 tile scales)
+            from .backward_gluon_mixed import launch_dkdv_gluon_mixed
+            launch_dkdv_gluon_mixed(st)
         return
     if cfg.split_dkdv:
         _launch_dkdv(st, cfg.kv_bm, True, False)

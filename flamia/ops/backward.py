@@ -558,7 +558,7 @@ class BwdConfig:
     # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
     split_dkdv: bool = False
     kv_bm_dv: int = 64
-    # on sm_90: dK / dV (fp8, fp8_mixed) and dQ (fp8) by the Gluon kernels (see
+    # on sm_90: dK / dV and dQ of fp8 and fp8_mixed by the Gluon kernels (see
     # _gluon_applies); kv_* / q_* then unused
     gluon_dkdv: bool = True
     gluon_dq: bool = True
@@ -808,9 +808,14 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
 
 def launch_dq(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_applies(st, cfg.gluon_dq):
-        from .backward_gluon import launch_dq_gluon
-        launch_dq_gluon(st)       # bitwise the Triton kernel's result (same tiles, same scales)
+    if _gluon_applies(st, cfg.gluon_dq, (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])):
+        # bitwise the Triton kernels' dQ (same tiles, same scales)
+        if st.recipe == RECIPE_IDS["fp8"]:
+            from .backward_gluon import launch_dq_gluon
+            launch_dq_gluon(st)
+        else:
+            from .backward_gluon_mixed import launch_dq_gluon_mixed
+            launch_dq_gluon_mixed(st)
         return
     if st.dq_atomic:     # the dK/dV launch accumulated dq_acc
         _dq_finalize[(triton.cdiv(st.T, cfg.pre_bt), st.Hq)](

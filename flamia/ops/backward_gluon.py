@@ -54,6 +54,7 @@ compile_dq_sm90.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,9 @@ class GluonDkdvConfig:
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
-    return GluonDkdvConfig(stages=3 if D <= 64 else 2)
+    # FLAMIA_DKDV_SPLIT=1: the split_mask tile body (an A/B switch for whole-call runs)
+    split = os.environ.get("FLAMIA_DKDV_SPLIT", "0") == "1"
+    return GluonDkdvConfig(stages=3 if D <= 64 else 2, split_mask=split)
 
 
 @dataclass(frozen=True)
@@ -346,12 +349,15 @@ if HAVE_GLUON:
                         lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
 
     @gluon.jit
-    def _dkdv_tile(s_tok, dp_tok, lse_s, dl_s, sq_s, sdo_s, s, lse, delta, sq, sdo, h, T,
+    def _dkdv_tile(k_s, v_s, qs, dos, lse_s, dl_s, sq_s, sdo_s, s, lse, delta, sq, sdo, h, T,
                    start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
                    acc_dv0, acc_dv1, acc_dk0, acc_dk1, MASK: gl.constexpr, NCH: gl.constexpr,
                    VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr):
-        """One query tile of _dkdv_loop (XO = 0, no WS) from its issued S^T / dP^T wgmmas to
-        the promoted accumulators; the same ops in the same order as the loop's inline body.
+        """One query tile of _dkdv_loop (XO = 0, no WS) from the S^T / dP^T wgmmas to the
+        promoted accumulators; the same ops in the same order as the loop's inline body (tail
+        columns zeroed before it, not between the issue of S^T and its wait). Every wgmma is
+        issued and waited for inside: async results in flight across the caller's if / else
+        gave wrong results and an illegal address on the H200.
         MASK is a constexpr so that the causal / tail predicates exist only in the masked copy:
         with a runtime `if` around each of the two masked `where`s, the compiler computed the
         predicates once before the first branch, every tile (~170 instructions of ~1220)."""
@@ -359,6 +365,8 @@ if HAVE_GLUON:
                                                     instr_shape=[16, CH, 32])
         AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
         COL: gl.constexpr = gl.SliceLayout(0, L)
+        s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
+        dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
         lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
                         VEC_TMA) * 1.4426950408889634
         sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -468,7 +476,11 @@ if HAVE_GLUON:
             else:
                 need_mask = tail
             # (two orders of the same ops: each the PTX its schedule was validated with)
-            if XO == 0 and not WS:
+            if SPLIT:   # S^T / dP^T issued inside _dkdv_tile (no wgmma in flight across its if)
+                mbarrier.wait(ready.index(s), (it // NS) & 1)
+                qTs = qT_s.index(s)
+                doTs = doT_s.index(s)
+            elif XO == 0 and not WS:
                 mbarrier.wait(ready.index(s), (it // NS) & 1)
                 qs = q_s.index(s)
                 dos = do_s.index(s)
@@ -495,13 +507,13 @@ if HAVE_GLUON:
             if SPLIT:   # two copies of the tile body: the mask's predicates only where used
                 if need_mask:
                     acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_tile(
-                        s_tok, dp_tok, lse_s, dl_s, sq_s, sdo_s, s, lse, delta, sq, sdo, h, T,
-                        start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
+                        k_s, v_s, q_s.index(s), do_s.index(s), lse_s, dl_s, sq_s, sdo_s, s, lse,
+                        delta, sq, sdo, h, T, start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
                         acc_dv0, acc_dv1, acc_dk0, acc_dk1, True, NCH, VEC_TMA, SYNC, num_warps)
                 else:
                     acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_tile(
-                        s_tok, dp_tok, lse_s, dl_s, sq_s, sdo_s, s, lse, delta, sq, sdo, h, T,
-                        start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
+                        k_s, v_s, q_s.index(s), do_s.index(s), lse_s, dl_s, sq_s, sdo_s, s, lse,
+                        delta, sq, sdo, h, T, start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
                         acc_dv0, acc_dv1, acc_dk0, acc_dk1, False, NCH, VEC_TMA, SYNC, num_warps)
             else:
                 lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,

@@ -42,7 +42,8 @@ for spec in "$@"; do
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
-             --max-minutes $(( (secs - 60) / 60 )) --recipes fp8,fp8_mixed --out "$OUT" ;;
+             --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
+             --recipes fp8,fp8_mixed --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn \
              --no-accuracy --out "$OUT" ;;

@@ -115,7 +115,6 @@ CONFIGS = {
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
     "ws1cta": "ws=True",                                 # same, 256 regs, 1 CTA / SM
     "wsxo1": "ws=True,overlap=1,maxnreg=128",
-    "split": "split_mask=True",                          # masked / unmasked tile body copies
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -5,7 +5,7 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, bwd-ab (BWD_CONFIGS, default "default,split"), pick-split, dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
+# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -50,7 +50,7 @@ for spec in "$@"; do
     bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     bwd-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --configs "${BWD_CONFIGS:-default,split}" --deadline $((secs - 30)) \
+             --configs "${BWD_CONFIGS:-default}" --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 --reps 10 ;;
     dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
@@ -62,24 +62,6 @@ for spec in "$@"; do
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
-    pick-split)   # after bwd-ab: later stages run split_mask if it passed every check and won
-      if python - "$OUT/bwd-ab.log" <<'PY'
-import re, sys
-txt = open(sys.argv[1]).read()
-res = {m.group(1): m.group(2) for m in re.finditer(r"^RESULT (\w+) \[.*?\]: (.*)$", txt, re.M)}
-def perf(name):
-    r = res.get(name, "")
-    if "smoke PASS" not in r or "P1 det=True prefix=True suffix0=True" not in r:
-        return None
-    return {w: float(ms) for w, ms in re.findall(r"(\w+) ([0-9.]+) ms", r.split("| perf", 1)[-1])}
-d, s = perf("default"), perf("split")
-print("default", d, "\nsplit", s)
-ok = bool(d and s and set(d) == set(s) and all(s[w] < d[w] for w in d))
-print("split_mask wins everywhere:", ok)
-sys.exit(0 if ok else 1)
-PY
-      then export FLAMIA_DKDV_SPLIT=1; fi
-      echo "pick-split FLAMIA_DKDV_SPLIT=${FLAMIA_DKDV_SPLIT:-0}" | tee -a "$summary" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)

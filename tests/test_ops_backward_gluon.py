@@ -264,8 +264,6 @@ VARIANTS = {
     "dkdv_wsxo1": ("dkdv", 128, dict(ws=True, overlap=1, maxnreg=128), 1280),
     "dkdv_xo1_d64": ("dkdv", 64, dict(overlap=1), 64),
     "dkdv_ws_d64": ("dkdv", 64, dict(ws=True, maxnreg=128), 64),
-    "dkdv_split": ("dkdv", 128, dict(split_mask=True), 512),
-    "dkdv_split_d64": ("dkdv", 64, dict(split_mask=True), 64),
     "dq_xo1": ("dq", 128, dict(overlap=1), 64),
     "dq_xo2": ("dq", 128, dict(overlap=2), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
@@ -316,8 +314,6 @@ def test_variants_compile_for_sm90a(variant_report, name):
     assert r["wgmma"] >= loop, r
     assert r["tma_1d"] == 0 and r["tma"] >= (10 if kern == "dkdv" else 7), r
     assert r["cvt_e4m3"] > 0 and r["ex2"] > 0, r
-    if kw.get("split_mask"):                       # two copies of the tile body (masked or not)
-        assert r["ex2"] == 2 * 32 and r["cvt_e4m3"] == 2 * 32, r
     assert not r["wgmma_serialized"], r            # no ptxas C7514 / C7515
     assert r["ld_local"] == 0, r
     assert r["regs"] <= 255, r
@@ -343,8 +339,7 @@ def test_variant_routing_and_validation():
     assert (kw["XO"], kw["WS"]) == (2, False) and "maxnreg" not in kw
     assert not hasattr(G, "_dkdv_fp8_v2_kernel") and not hasattr(G, "_dq_fp8_v2_kernel")
     for bad in (G.GluonDkdvConfig(overlap=1, stages=1), G.GluonDkdvConfig(ws=True, vec_tma=False),
-                G.GluonDkdvConfig(overlap=1, sync_mma=True), G.GluonDkdvConfig(overlap=3),
-                G.GluonDkdvConfig(split_mask=True, overlap=1), G.GluonDkdvConfig(split_mask=True, ws=True)):
+                G.GluonDkdvConfig(overlap=1, sync_mma=True), G.GluonDkdvConfig(overlap=3)):
         with pytest.raises(ValueError):
             G._args(st, bad)
     for bad in (G.GluonDqConfig(overlap=1, stages=1), G.GluonDqConfig(ws=True, bm=128, num_warps=8)):

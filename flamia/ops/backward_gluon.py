@@ -54,7 +54,6 @@ compile_dq_sm90.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +94,10 @@ class GluonDkdvConfig:
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
     # gathers (host side only: the kernel is the same)
     vec_gather: bool = False
-    # the tile body in two copies, masked / unmasked (constexpr), instead of two runtime-masked
-    # `where`s: the same ops per tile, without the mask predicates on every tile (_dkdv_tile)
-    split_mask: bool = False
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
-    # FLAMIA_DKDV_SPLIT=1: the split_mask tile body (an A/B switch for whole-call runs)
-    split = os.environ.get("FLAMIA_DKDV_SPLIT", "0") == "1"
-    return GluonDkdvConfig(stages=3 if D <= 64 else 2, split_mask=split)
+    return GluonDkdvConfig(stages=3 if D <= 64 else 2)
 
 
 @dataclass(frozen=True)
@@ -349,81 +343,13 @@ if HAVE_GLUON:
                         lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
 
     @gluon.jit
-    def _dkdv_tile(k_s, v_s, qs, dos, lse_s, dl_s, sq_s, sdo_s, s, lse, delta, sq, sdo, h, T,
-                   start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
-                   acc_dv0, acc_dv1, acc_dk0, acc_dk1, MASK: gl.constexpr, NCH: gl.constexpr,
-                   VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr):
-        """One query tile of _dkdv_loop (XO = 0, no WS) from the S^T / dP^T wgmmas to the
-        promoted accumulators; the same ops in the same order as the loop's inline body (tail
-        columns zeroed before it, not between the issue of S^T and its wait). Every wgmma is
-        issued and waited for inside: async results in flight across the caller's if / else
-        gave wrong results and an illegal address on the H200.
-        MASK is a constexpr so that the causal / tail predicates exist only in the masked copy:
-        with a runtime `if` around each of the two masked `where`s, the compiler computed the
-        predicates once before the first branch, every tile (~170 instructions of ~1220)."""
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
-        COL: gl.constexpr = gl.SliceLayout(0, L)
-        s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
-        dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
-        lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                        VEC_TMA) * 1.4426950408889634
-        sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-        st = _mma_wait(s_tok, 1, SYNC)
-        p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                    - gl.expand_dims(lse2, 0))
-        sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-        a = p * gl.expand_dims(sdo_i, 0)
-        if MASK:   # on a (not P): sdo of another document's token may be NaN
-            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                  & gl.expand_dims(m_idx < L_doc, 0))
-            a = gl.where(ok, a, 0.0)
-        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-        a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-        dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-
-        dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-        dp = _mma_wait(dp_tok, 1, SYNC)
-        t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-        sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-        b = a * t * gl.expand_dims(sq_i2, 0)
-        if MASK:   # t, sq of out-of-document columns may be anything (other document)
-            ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                   & gl.expand_dims(m_idx < L_doc, 0))
-            b = gl.where(ok2, b, 0.0)
-        c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-        b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
-
-        if NCH == 2:
-            dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-            dv0 = _mma_wait(dv0_tok, 1, SYNC)
-            acc_dv0 = gl.fma(dv0, gl.expand_dims(c, 1), acc_dv0)
-            dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-            dv1 = _mma_wait(dv1_tok, 1, SYNC)
-            acc_dv1 = gl.fma(dv1, gl.expand_dims(c, 1), acc_dv1)
-            dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-            dk0 = _mma_wait(dk0_tok, 1, SYNC)
-            acc_dk0 = gl.fma(dk0, gl.expand_dims(c2, 1), acc_dk0)
-            dk1 = _mma_wait(dk1_tok, 0, SYNC)
-            acc_dk1 = gl.fma(dk1, gl.expand_dims(c2, 1), acc_dk1)
-        else:
-            dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-            dv0 = _mma_wait(dv0_tok, 1, SYNC)
-            acc_dv0 = gl.fma(dv0, gl.expand_dims(c, 1), acc_dv0)
-            dk0 = _mma_wait(dk0_tok, 0, SYNC)
-            acc_dk0 = gl.fma(dk0, gl.expand_dims(c2, 1), acc_dk0)
-        return acc_dv0, acc_dv1, acc_dk0, acc_dk1
-
-    @gluon.jit
     def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
                    k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
                    total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   XO: gl.constexpr, WS: gl.constexpr, SPLIT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   XO: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -476,11 +402,7 @@ if HAVE_GLUON:
             else:
                 need_mask = tail
             # (two orders of the same ops: each the PTX its schedule was validated with)
-            if SPLIT:   # S^T / dP^T issued inside _dkdv_tile (no wgmma in flight across its if)
-                mbarrier.wait(ready.index(s), (it // NS) & 1)
-                qTs = qT_s.index(s)
-                doTs = doT_s.index(s)
-            elif XO == 0 and not WS:
+            if XO == 0 and not WS:
                 mbarrier.wait(ready.index(s), (it // NS) & 1)
                 qs = q_s.index(s)
                 dos = do_s.index(s)
@@ -504,105 +426,96 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            if SPLIT:   # two copies of the tile body: the mask's predicates only where used
-                if need_mask:
-                    acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_tile(
-                        k_s, v_s, q_s.index(s), do_s.index(s), lse_s, dl_s, sq_s, sdo_s, s, lse,
-                        delta, sq, sdo, h, T, start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
-                        acc_dv0, acc_dv1, acc_dk0, acc_dk1, True, NCH, VEC_TMA, SYNC, num_warps)
-                else:
-                    acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_tile(
-                        k_s, v_s, q_s.index(s), do_s.index(s), lse_s, dl_s, sq_s, sdo_s, s, lse,
-                        delta, sq, sdo, h, T, start, m_idx, n_idx, L_doc, shift, rowf, sv_j, qTs, doTs, zero,
-                        acc_dv0, acc_dv1, acc_dk0, acc_dk1, False, NCH, VEC_TMA, SYNC, num_warps)
+            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
+                            VEC_TMA) * 1.4426950408889634
+            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 0:
+                st = _mma_wait(s_tok, 1, SYNC)
             else:
-                lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                                VEC_TMA) * 1.4426950408889634
-                sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-                if XO == 0:
-                    st = _mma_wait(s_tok, 1, SYNC)
-                else:
-                    st = st_c
-                p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                            - gl.expand_dims(lse2, 0))
-                sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-                a = p * gl.expand_dims(sdo_i, 0)
-                if need_mask:   # on a (not P): sdo of another document's token may be NaN
-                    ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                          & gl.expand_dims(m_idx < L_doc, 0))
-                    a = gl.where(ok, a, 0.0)
-                c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-                a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                st = st_c
+            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
+                        - gl.expand_dims(lse2, 0))
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            a = p * gl.expand_dims(sdo_i, 0)
+            if need_mask:   # on a (not P): sdo of another document's token may be NaN
+                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                      & gl.expand_dims(m_idx < L_doc, 0))
+                a = gl.where(ok, a, 0.0)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
-                dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-                if XO == 2:
-                    dp = dp_c
-                else:
-                    dp = _mma_wait(dp_tok, 1, SYNC)
-                t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-                # sq_i again from shared memory: not kept live in registers across the wgmma waits
-                sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-                b = a * t * gl.expand_dims(sq_i2, 0)
-                if need_mask:   # t, sq of out-of-document columns may be anything (other document)
-                    ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                           & gl.expand_dims(m_idx < L_doc, 0))
-                    b = gl.where(ok2, b, 0.0)
-                c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            if XO == 2:
+                dp = dp_c
+            else:
+                dp = _mma_wait(dp_tok, 1, SYNC)
+            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+            # sq_i again from shared memory: not kept live in registers across the wgmma waits
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = a * t * gl.expand_dims(sq_i2, 0)
+            if need_mask:   # t, sq of out-of-document columns may be anything (other document)
+                # the predicate of `ok`, written differently: as the same expression the compiler
+                # computed it once, before the first `if`, on every tile (~120 of ~1200 SASS
+                # instructions per tile; benchmarks/NOTES.md, session 4)
+                ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
+                       & gl.expand_dims((L_doc - m_idx) > 0, 0))
+                b = gl.where(ok2, b, 0.0)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
 
-                if NCH == 2:
-                    dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                    acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                    dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dv1 = _mma_wait(dv1_tok, 1, SYNC)
-                    acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
-                    dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dk0 = _mma_wait(dk0_tok, 1, SYNC)
-                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                    if XO > 0:   # the next tile's S^T (and dP^T) while dK half 1 is promoted
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv1 = _mma_wait(dv1_tok, 1, SYNC)
+                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dk0 = _mma_wait(dk0_tok, 1, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                if XO > 0:   # the next tile's S^T (and dP^T) while dK half 1 is promoted
+                    s1 = (it + 1) % NS
+                    if it + 1 < total:
+                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
+                    # (the last iteration's reads a stale slot: no TMA pending, discarded)
+                    s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
+                    if XO == 2:
+                        dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
+                    dk1 = _mma_wait(dk1_tok, XO, False)
+                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+                    if XO == 2:
+                        st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                    else:
+                        st_c = _mma_wait(s_tok, 0, False)
+                else:
+                    dk1 = _mma_wait(dk1_tok, 0, SYNC)
+                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+            else:
+                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                if XO > 0:
+                    if it + 1 < total:
                         s1 = (it + 1) % NS
-                        if it + 1 < total:
-                            mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                        # (the last iteration's reads a stale slot: no TMA pending, discarded)
+                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
                         s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
                         if XO == 2:
                             dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                        dk1 = _mma_wait(dk1_tok, XO, False)
-                        acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+                        dk0 = _mma_wait(dk0_tok, XO, False)
+                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
                         if XO == 2:
                             st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
                         else:
                             st_c = _mma_wait(s_tok, 0, False)
-                    else:
-                        dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                        acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-                else:
-                    dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-                    dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                    acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                    if XO > 0:
-                        if it + 1 < total:
-                            s1 = (it + 1) % NS
-                            mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                            s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
-                            if XO == 2:
-                                dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                            dk0 = _mma_wait(dk0_tok, XO, False)
-                            acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                            if XO == 2:
-                                st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                            else:
-                                st_c = _mma_wait(s_tok, 0, False)
-                        else:   # (zero, not the old value: that would stay live all iteration)
-                            dk0 = _mma_wait(dk0_tok, 0, False)
-                            acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                            st_c = zero
-                            dp_c = zero
-                    else:
-                        dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                    else:   # (zero, not the old value: that would stay live all iteration)
+                        dk0 = _mma_wait(dk0_tok, 0, False)
                         acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                        st_c = zero
+                        dp_c = zero
+                else:
+                    dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
@@ -619,7 +532,7 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
         gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
@@ -627,7 +540,6 @@ if HAVE_GLUON:
         gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
         gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC),
                          "overlap / ws need VEC_TMA and async wgmma")
-        gl.static_assert(not SPLIT or (XO == 0 and not WS), "split_mask: the plain schedule")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -695,7 +607,7 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, SPLIT, num_warps)),
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -715,7 +627,7 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, SPLIT, num_warps)
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
 
         for si in gl.static_range(NS):
@@ -1200,10 +1112,8 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
                   CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
                   XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                  SPLIT=cfg.split_mask, num_warps=cfg.num_warps)
+                  num_warps=cfg.num_warps)
     _check_v2(cfg, 16 * cfg.num_warps == cfg.bn)
-    if cfg.split_mask and (cfg.overlap or cfg.ws):
-        raise ValueError(f"split_mask is a variant of the plain schedule (no overlap / ws): {cfg}")
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs

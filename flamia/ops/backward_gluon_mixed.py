@@ -371,8 +371,9 @@ if HAVE_GLUON:
             b = p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)) \
                 * gl.expand_dims(sq_i2, 0)
             if need_mask:   # dP^T / Delta / sq of out-of-document columns may be anything
-                ok2 = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                       & gl.expand_dims(m_idx < L_doc, 0))
+                # `ok` written differently (backward_gluon._dkdv_loop: not CSE'd and hoisted)
+                ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
+                       & gl.expand_dims((L_doc - m_idx) > 0, 0))
                 b = gl.where(ok2, b, 0.0)
             b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
             if not EARLY_DV:

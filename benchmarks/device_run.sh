@@ -70,8 +70,8 @@ for spec in "$@"; do
         --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py
       "$NCU" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
       "$NCU" --import "$OUT/ncu.ncu-rep" --page raw --csv >"$OUT/ncu-raw.csv" 2>&1
-      grep -E "^  [_a-z].*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" \
-        "$OUT/ncu-details.txt" | head -150 ;;
+      rm -f "$OUT/ncu.ncu-rep"   # (too large to come back; the CSV holds every metric)
+      python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" | tee "$OUT/ncu-summary.txt" ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 done

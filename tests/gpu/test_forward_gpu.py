@@ -64,17 +64,21 @@ def _references(q, k, v, cu, recipe, causal=True):
     return torch.cat(outs, 1), torch.cat(lses, 0), (torch.cat(exact, 1), torch.cat(exact_lse, 0))
 
 
-def _fa_rule(got, emul, exact, name, out_eps=0.0):
+def _fa_rule(got, emul, exact, name, out_eps=0.0, fp32_ulps=0):
     """The FlashAttention rule, elementwise: |got - exact| <= 2 |emul - exact| + atol, with the
     max error bounded by twice the emulation's and at most 1e-5 of the elements outside.
 
     out_eps: relative spacing of the output dtype when both got and emul were rounded to it
     (bf16: 2^-7). Rounding moves each by at most half a spacing, so the rule on the unrounded
     values allows 1.5 spacings on the rounded ones (where the two fp32 values straddle a
-    rounding midpoint, a one-ulp flip is not an error of the kernel)."""
+    rounding midpoint, a one-ulp flip is not an error of the kernel).
+    fp32_ulps: fp32 spacings of |exact| allowed on top, for fp32 results whose emulation is
+    itself only fp32-accurate (the bf16 recipe's LSE: two orders of the same fp32 sums fail the
+    rule against each other, benchmarks/lse_order_check.py)."""
     err, err_ref = (got.double() - exact).abs(), (emul.double() - exact).abs()
     assert err.max() <= 2 * err_ref.max() + 1e-5, (name, err.max().item(), err_ref.max().item())
-    atol = 4 * err_ref.pow(2).mean().sqrt().item() + 1e-5 + 1.5 * out_eps * exact.abs()
+    atol = (4 * err_ref.pow(2).mean().sqrt().item() + 1e-5 + 1.5 * out_eps * exact.abs()
+            + fp32_ulps * 2.0 ** -23 * exact.abs())
     frac = (err > 2 * err_ref + atol).double().mean().item()
     assert frac <= 1e-5, (name, frac)
 
@@ -94,7 +98,7 @@ def _check(out, lse, emul, emul_lse, exact):
     # accurate as the emulation's, which this checks.
     ok = torch.isfinite(emul_lse)
     assert torch.equal(torch.isfinite(lse), ok), "LSE finite where the emulation's is not"
-    _fa_rule(lse[ok], emul_lse[ok], exact_lse[ok], "lse")
+    _fa_rule(lse[ok], emul_lse[ok], exact_lse[ok], "lse", fp32_ulps=4)
     return r, r_ref
 
 

@@ -52,13 +52,14 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
     python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
 
---configs next (both kernels): the production default and the opt-in variants (constexprs XO /
-WS of _dkdv_fp8_kernel / _dq_fp8_kernel; NEXT / DQ_NEXT): gather (padded vectors by one Triton
-launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload bitwise
-against the torch gathers and timed apart), xo1 / xo2 (tile j+1's S (xo2: and dP) issued before
-tile j's last promotion GEMM is waited for), ws (1-warp TMA producer partition, maxnreg 128: 2
-CTAs / SM, consumer setmaxnreg 232), ws1cta (dK/dV: 256 registers, 1 CTA / SM), wsxo1 / wsxo2.
-The variants keep the defaults' per-tile numerics op for op: expected bitwise equal to default.
+--configs next (both kernels): the production default and the opt-in variants (NEXT / DQ_NEXT):
+gather (padded vectors by one Triton launch, kmajor.padded_rows; checked end to end in the smoke
+phase, and per workload bitwise against the torch gathers and timed apart); dQ only (constexprs
+XO / WS of _dq_fp8_kernel): xo1 / xo2 (tile j+1's S (xo2: and dP) issued before tile j's dQ
+GEMMs are waited for), ws (1-warp TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer
+setmaxnreg 232), wsxo1 / wsxo2. (The dK/dV kernel's xo / ws variants lost to its default on the
+H200 and were removed: benchmarks/NOTES.md, session 4.) The variants keep the defaults' per-tile
+numerics op for op: expected bitwise equal to default.
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -108,17 +109,13 @@ CONFIGS = {
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA
     "w8ns4": "bn=128,num_warps=8,stages=4",
-    # opt-in variants (GluonDkdvConfig.overlap / ws / vec_gather; XO / WS of _dkdv_fp8_kernel)
+    # opt-in variant (GluonDkdvConfig.vec_gather; host side only)
     "gather": "vec_gather=True",                         # padded vectors by one Triton launch
-    "xo1": "overlap=1",                                  # next S^T during the dK1 promotion
-    "xo2": "overlap=2",                                  # next S^T and dP^T
-    "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
-    "ws1cta": "ws=True",                                 # same, 256 regs, 1 CTA / SM
-    "wsxo1": "ws=True,overlap=1,maxnreg=128",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
-# --configs next: the production default and the opt-in variants
-NEXT = ["default", "gather", "xo1", "xo2", "ws", "ws1cta", "wsxo1"]
+# --configs next: the production default and the opt-in variant (the xo / ws schedules of the
+# dK/dV kernel lost to the default on the H200 and were removed)
+NEXT = ["default", "gather"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {

@@ -7,6 +7,7 @@ registers and spills). Numerics are checked on the H200 by benchmarks/bwd_gluon_
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -250,20 +251,13 @@ def test_padded_kv_vectors_layout():
 
 
 # ----------------------------------------------------------------------------------------------
-# Opt-in variants (constexprs XO / WS of _dkdv_fp8_kernel / _dq_fp8_kernel; vec_gather: host-only)
+# Opt-in variants (constexprs XO / WS of _dq_fp8_kernel; vec_gather: host-only, both kernels).
+# The dK/dV kernel's overlap / ws variants were removed: each lost to its default on the H200.
 # ----------------------------------------------------------------------------------------------
 
 # name -> (kernel, D, config overrides, spill bound in bytes). Measured when written (causal,
-# ptxas of triton 3.6): dK/dV D=128 xo1 788, xo2 808, ws (maxnreg 128, consumer 232 regs) 464,
-# ws1cta 168, wsxo1 1040; D=64 xo1 20, ws 0; dQ every variant 0.
+# ptxas of triton 3.6): every dQ variant 0.
 VARIANTS = {
-    "dkdv_xo1": ("dkdv", 128, dict(overlap=1), 1024),
-    "dkdv_xo2": ("dkdv", 128, dict(overlap=2), 1024),
-    "dkdv_ws": ("dkdv", 128, dict(ws=True, maxnreg=128), 768),
-    "dkdv_ws1cta": ("dkdv", 128, dict(ws=True), 512),
-    "dkdv_wsxo1": ("dkdv", 128, dict(ws=True, overlap=1, maxnreg=128), 1280),
-    "dkdv_xo1_d64": ("dkdv", 64, dict(overlap=1), 64),
-    "dkdv_ws_d64": ("dkdv", 64, dict(ws=True, maxnreg=128), 64),
     "dq_xo1": ("dq", 128, dict(overlap=1), 64),
     "dq_xo2": ("dq", 128, dict(overlap=2), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
@@ -329,20 +323,28 @@ def test_variants_compile_for_sm90a(variant_report, name):
 def test_variant_routing_and_validation():
     from flamia.ops import backward_gluon as G
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)
-    # one kernel each: the options are constexprs; maxnreg only when set
+    # dK/dV: the overlap / ws schedules are gone (each lost to the default on the H200)
     kw = G._args(st, G.default_gluon_config(64))[2]
+    assert (kw["VEC_TMA"], kw["SYNC"]) == (True, False)
+    assert not {"XO", "WS", "PRODUCER_REGS", "maxnreg"} & kw.keys()
+    fields = {f.name for f in dataclasses.fields(G.GluonDkdvConfig)}
+    assert not {"overlap", "ws", "producer_regs", "maxnreg"} & fields
+    assert not hasattr(G, "_dkdv_producer")
+    assert not {"XO", "WS", "PRODUCER_REGS"} & set(G._dkdv_fp8_kernel.arg_names)
+    with pytest.raises(TypeError):
+        G.GluonDkdvConfig(overlap=1)
+    # dQ: one kernel, the options are constexprs; maxnreg only when set
+    kw = G._dq_args(st, G.default_dq_config(64))[2]
     assert (kw["XO"], kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (0, False, True, False)
     assert "maxnreg" not in kw
-    kw = G._args(st, G.GluonDkdvConfig(overlap=1, ws=True, maxnreg=128, producer_regs=32))[2]
+    kw = G._dq_args(st, G.GluonDqConfig(overlap=1, ws=True, maxnreg=128, producer_regs=32))[2]
     assert (kw["XO"], kw["WS"], kw["PRODUCER_REGS"], kw["maxnreg"]) == (1, True, 32, 128)
     kw = G._dq_args(st, G.GluonDqConfig(overlap=2))[2]
     assert (kw["XO"], kw["WS"]) == (2, False) and "maxnreg" not in kw
     assert not hasattr(G, "_dkdv_fp8_v2_kernel") and not hasattr(G, "_dq_fp8_v2_kernel")
-    for bad in (G.GluonDkdvConfig(overlap=1, stages=1), G.GluonDkdvConfig(ws=True, vec_tma=False),
-                G.GluonDkdvConfig(overlap=1, sync_mma=True), G.GluonDkdvConfig(overlap=3)):
-        with pytest.raises(ValueError):
-            G._args(st, bad)
-    for bad in (G.GluonDqConfig(overlap=1, stages=1), G.GluonDqConfig(ws=True, bm=128, num_warps=8)):
+    for bad in (G.GluonDqConfig(overlap=1, stages=1), G.GluonDqConfig(ws=True, bm=128, num_warps=8),
+                G.GluonDqConfig(ws=True, vec_tma=False), G.GluonDqConfig(overlap=1, sync_mma=True),
+                G.GluonDqConfig(overlap=3)):
         with pytest.raises(ValueError):
             G._dq_args(st, bad)
 

@@ -48,9 +48,10 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
-dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; opt-in schedules (overlap,
-ws; constexprs XO / WS of both kernels): above `_dkdv_producer`. CPU builds: compile_sm90 /
-compile_dq_sm90.
+dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in schedules
+(overlap, ws; constexprs XO / WS): above `_dq_producer`. The dK/dV kernel had the same variants;
+each lost to its default on the H200 and was removed (benchmarks/NOTES.md, session 4). CPU
+builds: compile_sm90 / compile_dq_sm90.
 """
 from __future__ import annotations
 
@@ -81,16 +82,8 @@ class GluonDkdvConfig:
     vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # --- opt-in variants (off: the production schedule of _dkdv_fp8_kernel) ---
-    # overlap 1: tile j+1's S^T wgmma issued before tile j's last dK GEMM is waited for and
-    # promoted; 2: S^T and dP^T both (more registers). ws: a 1-warp TMA producer partition.
-    # Either needs vec_tma, not sync_mma (constexprs XO / WS of the same kernel).
-    overlap: int = 0
-    ws: bool = False
-    producer_regs: int = 24   # setmaxnreg of the ws producer warp
-    # launch register cap (0: none). ws allocates 8 warps (the producer warp padded to a
-    # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
-    maxnreg: int = 0
+    # (no overlap / ws schedules as GluonDqConfig's: each was slower than this default on the
+    # H200, doc32k 41.7 ms vs 47-79 ms; benchmarks/NOTES.md, session 4)
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
     # gathers (host side only: the kernel is the same)
     vec_gather: bool = False
@@ -114,8 +107,10 @@ class GluonDqConfig:
     # not sync_mma, one warpgroup (constexprs XO / WS of the same kernel).
     overlap: int = 0
     ws: bool = False
-    producer_regs: int = 24
-    maxnreg: int = 0           # launch register cap (0: none); see GluonDkdvConfig.maxnreg
+    producer_regs: int = 24   # setmaxnreg of the ws producer warp
+    # launch register cap (0: none). ws allocates 8 warps (the producer warp padded to a
+    # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
+    maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
 
 
@@ -272,86 +267,16 @@ if HAVE_GLUON:
         ptr = dst + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
         gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
 
-    # ------------------------------------------------------------------------------------------
-    # Opt-in schedules (GluonDkdvConfig / GluonDqConfig .overlap, .ws; constexprs XO, WS,
-    # PRODUCER_REGS of _dkdv_fp8_kernel / _dq_fp8_kernel, all off by default: then the kernels
-    # compile to the production PTX). Per tile the numerics are the defaults', op for op (same
-    # tiles, same scales, same order of the fp32 promotion adds), only the issue order of the
-    # wgmmas and TMA loads changes, so the results are expected bitwise equal to the defaults'.
-    # Both need VEC_TMA and async wgmma (not SYNC); dQ also one warpgroup (_check_v2).
-    #
-    # overlap (XO): software-pipelined S^T / dP^T. Tile j+1's S^T (XO = 1) or S^T and dP^T
-    # (XO = 2) are issued right after tile j's second-to-last promotion GEMM was waited for, and
-    # before its last one (dK half 1; dQ: both halves) is waited for and promoted, so the tensor
-    # core has the next tile's work while the CUDA cores promote. The register peak at that
-    # point (D = 128, dK/dV): 4 accumulators (128) + the last dK half (32) + S^T (32) [+ dP^T
-    # (32) with XO = 2]. With XO = 1 dP^T is issued after the promotion. The last iteration
-    # issues S^T / dP^T on a stale ring slot (no TMA pending on it, result discarded) so that
-    # the wgmma group count of every iteration is the same; waited for after the loop.
-    #
-    # ws: gl.warp_specialize with a 1-warp TMA producer (forward_gluon's proven ready / release
-    # protocol): the producer loads K / V (dQ: q8 / do8) and the first NS ring tiles, then per
-    # release r_j (count 1, from the consumer once every read of slot j % NS is done, wgmmas
-    # waited) refills that slot with tile j + NS. The consumer (the default partition, 4 warps)
-    # issues no TMA: no CTA-wide bar.sync in its loop (Triton 3.6 puts a partition-local one in
-    # front of the release arrive, which also orders every warp's ld.shared of the vectors
-    # before it; the fence orders the tail zeroing's generic stores). The accumulators are
-    # returned from the partition and the epilogue (stores, Hadamard rotate) runs after it.
-    # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _release_slot(rel, s):
-        """forward_gluon._ws_release: this consumer is done with ring slot s."""
-        fence_async_shared()
-        mbarrier.arrive(rel.index(s), count=1)
-
-    @gluon.jit
-    def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
-        """The first tile's S^T = a x^T (dK/dV: k_s, q_s) and with XO = 2 dP^T = b y^T, issued
-        and waited for (carried into the loop as values)."""
-        s_tok = _mma(a_s, x_s.index(slot).permute((1, 0)), zero, False)
-        if XO == 2:
-            dp_tok = _mma(b_s, y_s.index(slot).permute((1, 0)), zero, False)
-            s_v, dp_v = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-        else:
-            s_v = _mma_wait(s_tok, 0, False)
-            dp_v = zero
-        return s_v, dp_v
-
-    @gluon.jit
-    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                       lse_desc, dl_desc, sq_desc, sdo_desc,
-                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
-                       ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
-        """The 1-warp TMA partition of _dkdv_fp8_kernel with WS (VEC_TMA). Sizes from the
-        buffers' types (constexpr arguments of a worker partition arrive as tensors in
-        Triton 3.6)."""
-        NS: gl.constexpr = q_s.type.shape[0]
-        BM: gl.constexpr = q_s.type.shape[1]
-        D: gl.constexpr = q_s.type.shape[2]
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-        for pi in gl.static_range(NS):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, True)
-        for j in range(total - NS):
-            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
-            _issue_tile(j + NS, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
-
     @gluon.jit
     def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
+                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready,
                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
                    total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   XO: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
-        """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
-        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
+                   num_warps: gl.constexpr):
+        """The main loop of _dkdv_fp8_kernel; returns the fp32 accumulators (dV half 0, 1,
+        dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
         # accumulators: per-key scale vectors broadcast without layout conversions.
@@ -377,20 +302,14 @@ if HAVE_GLUON:
         else:
             shift = L_doc         # never binding
         mbarrier.wait(kv_bar, 0)
-        if XO > 0:   # tile 0's S^T (XO = 2: and dP^T) ahead of the loop, carried as values
-            st_c = zero
-            dp_c = zero
-            if total > 0:
-                mbarrier.wait(ready.index(0), 0)
-                st_c, dp_c = _next_s_dp(k_s, v_s, q_s, do_s, 0, zero, XO)
 
         for it in range(total):
-            if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
-                nxt = it + NS - 1
-                _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
-                            NS, VEC_TMA)
+            # refill the slot consumed at it - 1 (its wgmmas were all waited for)
+            nxt = it + NS - 1
+            _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                        doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
+                        NS, VEC_TMA)
             s = it % NS
             g = it // nb
             i0 = lo + (it - g * nb) * BM
@@ -401,24 +320,13 @@ if HAVE_GLUON:
                 need_mask = tail | (i0 < n0 + BN)
             else:
                 need_mask = tail
-            # (two orders of the same ops: each the PTX its schedule was validated with)
-            if XO == 0 and not WS:
-                mbarrier.wait(ready.index(s), (it // NS) & 1)
-                qs = q_s.index(s)
-                dos = do_s.index(s)
-                qTs = qT_s.index(s)
-                doTs = doT_s.index(s)
-                s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
-                dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
-            else:
-                qTs = qT_s.index(s)
-                doTs = doT_s.index(s)
-                if XO == 0:
-                    mbarrier.wait(ready.index(s), (it // NS) & 1)
-                    s_tok = _mma(k_s, q_s.index(s).permute((1, 0)), zero, False)
-                    dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
-                elif XO == 1:   # S^T done (carried); dP^T runs while P^T is computed, as XO = 0
-                    dp_tok = _mma(v_s, do_s.index(s).permute((1, 0)), zero, False)
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            qs = q_s.index(s)
+            dos = do_s.index(s)
+            qTs = qT_s.index(s)
+            doTs = doT_s.index(s)
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
+            dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
                 _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
@@ -429,10 +337,7 @@ if HAVE_GLUON:
             lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
                             VEC_TMA) * 1.4426950408889634
             sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            if XO == 0:
-                st = _mma_wait(s_tok, 1, SYNC)
-            else:
-                st = st_c
+            st = _mma_wait(s_tok, 1, SYNC)
             p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
                         - gl.expand_dims(lse2, 0))
             sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -446,10 +351,7 @@ if HAVE_GLUON:
             dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            if XO == 2:
-                dp = dp_c
-            else:
-                dp = _mma_wait(dp_tok, 1, SYNC)
+            dp = _mma_wait(dp_tok, 1, SYNC)
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -474,50 +376,14 @@ if HAVE_GLUON:
                 dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 dk0 = _mma_wait(dk0_tok, 1, SYNC)
                 acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                if XO > 0:   # the next tile's S^T (and dP^T) while dK half 1 is promoted
-                    s1 = (it + 1) % NS
-                    if it + 1 < total:
-                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                    # (the last iteration's reads a stale slot: no TMA pending, discarded)
-                    s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
-                    if XO == 2:
-                        dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                    dk1 = _mma_wait(dk1_tok, XO, False)
-                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-                    if XO == 2:
-                        st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                    else:
-                        st_c = _mma_wait(s_tok, 0, False)
-                else:
-                    dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+                dk1 = _mma_wait(dk1_tok, 0, SYNC)
+                acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
             else:
                 dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
                 dv0 = _mma_wait(dv0_tok, 1, SYNC)
                 acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                if XO > 0:
-                    if it + 1 < total:
-                        s1 = (it + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((it + 1) // NS) & 1)
-                        s_tok = _mma(k_s, q_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(v_s, do_s.index(s1).permute((1, 0)), zero, False)
-                        dk0 = _mma_wait(dk0_tok, XO, False)
-                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                        if XO == 2:
-                            st_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            st_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        dk0 = _mma_wait(dk0_tok, 0, False)
-                        acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                        st_c = zero
-                        dp_c = zero
-                else:
-                    dk0 = _mma_wait(dk0_tok, 0, SYNC)
-                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-            if WS:   # every read of slot s is done (wgmmas waited; vectors read)
-                _release_slot(rel, s)
+                dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
 
         return acc_dv0, acc_dv1, acc_dk0, acc_dk1
 
@@ -531,15 +397,11 @@ if HAVE_GLUON:
         T, stride_dkt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
         gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
         gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
-        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
-        gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC),
-                         "overlap / ws need VEC_TMA and async wgmma")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -576,24 +438,15 @@ if HAVE_GLUON:
             sdo_s = q_s
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if WS:   # the consumer's releases of the ring slots
-            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        else:
-            rel = ready   # placeholder, never touched
         for si in gl.static_range(NS):
             mbarrier.init(ready.index(si), count=1)
-            if WS:
-                mbarrier.init(rel.index(si), count=1)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles ---------------------
-        # (before the loop bounds without XO, after them with XO: each the PTX its schedule
-        # was validated with)
-        if XO == 0 and not WS:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-            tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+        # --- K_j, V_j, the first NS - 1 query tiles -----------------------------------------
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
 
         if CAUSAL:
             lo = n0
@@ -601,39 +454,19 @@ if HAVE_GLUON:
             lo = 0
         nb = gl.cdiv(L_doc - lo, BM)
         total = GROUP * nb
-        if WS:
-            accs = gl.warp_specialize([
-                (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
-                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
-                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)),
-                (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                                  lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
-                                  qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
-                                  start, pstart, n0, hk, lo, nb, total, GROUP, T)),
-            ], [1], [PRODUCER_REGS])
-        else:
-            if XO > 0:
-                mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-                tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-            for pi in gl.static_range(NS - 1):
-                _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
-                            NS, VEC_TMA)
-            accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
-                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
-                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, XO, WS, num_warps)
-        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
+        for pi in gl.static_range(NS - 1):
+            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                        doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
+                        NS, VEC_TMA)
+        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_loop(
+            q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s,
+            q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, lse, delta, sq,
+            sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D,
+            BM, BN, NS, CAUSAL, VEC_TMA, SYNC, num_warps)
 
         for si in gl.static_range(NS):
             mbarrier.invalidate(ready.index(si))
-            if WS:
-                mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(kv_bar)
 
         # --- epilogue ---------------------------------------------------------------------
@@ -684,6 +517,48 @@ if HAVE_GLUON:
                                             pred=pred)
             tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
                                             pred=pred)
+
+    # ------------------------------------------------------------------------------------------
+    # Opt-in schedules of the dQ kernel (GluonDqConfig .overlap, .ws; constexprs XO, WS,
+    # PRODUCER_REGS of _dq_fp8_kernel, all off by default: then it compiles to the production
+    # PTX). Per tile the numerics are the default's, op for op (same tiles, same scales, same
+    # order of the fp32 promotion adds), only the issue order of the wgmmas and TMA loads
+    # changes, so the results are expected bitwise equal to the default's. Both need VEC_TMA,
+    # async wgmma (not SYNC) and one warpgroup (_check_v2).
+    #
+    # overlap (XO): software-pipelined S / dP. Tile j+1's S (XO = 1) or S and dP (XO = 2) are
+    # issued right after tile j's dQ GEMMs, before those are waited for and promoted, so the
+    # tensor core has the next tile's work while the CUDA cores promote. With XO = 1 dP is
+    # issued after the promotion.
+    #
+    # ws: gl.warp_specialize with a 1-warp TMA producer (forward_gluon's proven ready / release
+    # protocol): the producer loads q8 / do8 and the first NS kv ring tiles, then per release
+    # r_j (count 1, from the consumer once every read of slot j % NS is done, wgmmas waited)
+    # refills that slot with tile j + NS. The consumer (the default partition, 4 warps)
+    # issues no TMA: no CTA-wide bar.sync in its loop (Triton 3.6 puts a partition-local one in
+    # front of the release arrive, which also orders every warp's ld.shared of the vectors
+    # before it; the fence orders the tail zeroing's generic stores). The accumulators are
+    # returned from the partition and the epilogue (stores, Hadamard rotate) runs after it.
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _release_slot(rel, s):
+        """forward_gluon._ws_release: this consumer is done with ring slot s."""
+        fence_async_shared()
+        mbarrier.arrive(rel.index(s), count=1)
+
+    @gluon.jit
+    def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
+        """The first tile's S = a x^T (q_s, k_s) and with XO = 2 dP = b y^T (do_s, v_s), issued
+        and waited for (carried into the loop as values)."""
+        s_tok = _mma(a_s, x_s.index(slot).permute((1, 0)), zero, False)
+        if XO == 2:
+            dp_tok = _mma(b_s, y_s.index(slot).permute((1, 0)), zero, False)
+            s_v, dp_v = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+        else:
+            s_v = _mma_wait(s_tok, 0, False)
+            dp_v = zero
+        return s_v, dp_v
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
@@ -1111,17 +986,13 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
             st.D ** -0.5)
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
                   CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
                   num_warps=cfg.num_warps)
-    _check_v2(cfg, 16 * cfg.num_warps == cfg.bn)
-    if cfg.maxnreg:
-        kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs
 
 
 def _check_v2(cfg, one_warpgroup_ok: bool) -> None:
-    """The opt-in overlap / warp-specialized schedules (constexprs XO / WS of _dkdv_fp8_kernel
-    and _dq_fp8_kernel): the option combinations they support. Nothing to check without them."""
+    """The dQ kernel's opt-in overlap / warp-specialized schedules (constexprs XO / WS of
+    _dq_fp8_kernel): the option combinations they support. Nothing to check without them."""
     if cfg.overlap not in (0, 1, 2):
         raise ValueError(f"overlap must be 0, 1 or 2: {cfg}")
     if not (cfg.overlap or cfg.ws):

@@ -54,12 +54,14 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
 
 --configs next (both kernels): the production default and the opt-in variants (NEXT / DQ_NEXT):
 gather (padded vectors by one Triton launch, kmajor.padded_rows; checked end to end in the smoke
-phase, and per workload bitwise against the torch gathers and timed apart); dQ only (constexprs
-XO / WS of _dq_fp8_kernel): xo1 / xo2 (tile j+1's S (xo2: and dP) issued before tile j's dQ
-GEMMs are waited for), ws (1-warp TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer
-setmaxnreg 232), wsxo1 / wsxo2. (The dK/dV kernel's xo / ws variants lost to its default on the
-H200 and were removed: benchmarks/NOTES.md, session 4.) The variants keep the defaults' per-tile
-numerics op for op: expected bitwise equal to default.
+phase, and per workload bitwise against the torch gathers and timed apart); dK/dV: w8ns3 and
+w8ws / w8wsns3 (constexpr WS of _dkdv_fp8_kernel: FA3's layout, two consumer warpgroups of 64
+keys each fed by a 1-warp TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; the
+one-warpgroup xo / ws variants lost to the default on the H200 and were removed:
+benchmarks/NOTES.md, session 4); dQ (constexprs XO / WS of _dq_fp8_kernel): xo1 / xo2 (tile
+j+1's S (xo2: and dP) issued before tile j's dQ GEMMs are waited for), ws (1-warp TMA producer
+partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232), wsxo1 / wsxo2. The variants keep
+the defaults' per-tile numerics op for op: expected bitwise equal to default (w8ws: to w8ns3).
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -109,13 +111,14 @@ CONFIGS = {
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA
     "w8ns4": "bn=128,num_warps=8,stages=4",
-    # opt-in variant (GluonDkdvConfig.vec_gather; host side only)
+    # opt-in variants (GluonDkdvConfig.vec_gather: host side only; .ws: constexpr WS)
     "gather": "vec_gather=True",                         # padded vectors by one Triton launch
+    "w8ws": "bn=128,num_warps=8,ws=True",                # w8 + a 1-warp TMA producer partition
+    "w8wsns3": "bn=128,num_warps=8,ws=True,stages=3",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
-# --configs next: the production default and the opt-in variant (the xo / ws schedules of the
-# dK/dV kernel lost to the default on the H200 and were removed)
-NEXT = ["default", "gather"]
+# --configs next: the production default and the opt-in variants
+NEXT = ["default", "gather", "w8ns3", "w8ws", "w8wsns3"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {

@@ -251,13 +251,17 @@ def test_padded_kv_vectors_layout():
 
 
 # ----------------------------------------------------------------------------------------------
-# Opt-in variants (constexprs XO / WS of _dq_fp8_kernel; vec_gather: host-only, both kernels).
-# The dK/dV kernel's overlap / ws variants were removed: each lost to its default on the H200.
+# Opt-in variants (constexprs XO / WS of _dq_fp8_kernel, WS of _dkdv_fp8_kernel for two consumer
+# warpgroups; vec_gather: host-only, both kernels). The dK/dV kernel's one-warpgroup overlap / ws
+# variants were removed: each lost to its default on the H200.
 # ----------------------------------------------------------------------------------------------
 
 # name -> (kernel, D, config overrides, spill bound in bytes). Measured when written (causal,
-# ptxas of triton 3.6): every dQ variant 0.
+# ptxas of triton 3.6): dK/dV w8ws D=128 512 (consumer setmaxnreg 240; w8 without ws: 340),
+# D=64 0; every dQ variant 0.
 VARIANTS = {
+    "dkdv_w8ws": ("dkdv", 128, dict(bn=128, num_warps=8, ws=True, stages=2), 600),
+    "dkdv_w8ws_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True), 64),
     "dq_xo1": ("dq", 128, dict(overlap=1), 64),
     "dq_xo2": ("dq", 128, dict(overlap=2), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
@@ -317,22 +321,37 @@ def test_variants_compile_for_sm90a(variant_report, name):
         assert r["setmaxnreg"] is not None and r["setmaxnreg"] <= 256, r
         if kw.get("maxnreg") == 128:               # 8 warps x 128 regs: 2 CTAs / SM
             assert r["regs"] <= 128 and r["setmaxnreg"] >= 224, r
-    assert r["shared"] <= 227 * 1024 // 2, r       # 2 CTAs / SM by shared memory
+    if kern == "dkdv" and kw.get("ws"):
+        # 8 consumer warps + the producer's warpgroup: 12 x 32 x 168 launch registers, the
+        # consumers setmaxnreg 240 (64K / SM); one CTA / SM by design (FA3's layout)
+        assert r["regs"] <= 168 and r["setmaxnreg"] >= 232, r
+        assert r["shared"] <= 227 * 1024, r
+    else:
+        assert r["shared"] <= 227 * 1024 // 2, r   # 2 CTAs / SM by shared memory
 
 
 def test_variant_routing_and_validation():
     from flamia.ops import backward_gluon as G
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)
-    # dK/dV: the overlap / ws schedules are gone (each lost to the default on the H200)
+    # dK/dV: no overlap schedule and no launch register cap; ws (constexpr WS) for two
+    # consumer warpgroups only
     kw = G._args(st, G.default_gluon_config(64))[2]
-    assert (kw["VEC_TMA"], kw["SYNC"]) == (True, False)
-    assert not {"XO", "WS", "PRODUCER_REGS", "maxnreg"} & kw.keys()
+    assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
+    assert not {"XO", "maxnreg"} & kw.keys()
     fields = {f.name for f in dataclasses.fields(G.GluonDkdvConfig)}
-    assert not {"overlap", "ws", "producer_regs", "maxnreg"} & fields
-    assert not hasattr(G, "_dkdv_producer")
-    assert not {"XO", "WS", "PRODUCER_REGS"} & set(G._dkdv_fp8_kernel.arg_names)
+    assert not {"overlap", "maxnreg"} & fields and {"ws", "producer_regs"} <= fields
+    assert "XO" not in G._dkdv_fp8_kernel.arg_names
     with pytest.raises(TypeError):
         G.GluonDkdvConfig(overlap=1)
+    kw = G._args(st, G.GluonDkdvConfig(bn=128, num_warps=8, ws=True, producer_regs=32))[2]
+    assert (kw["WS"], kw["PRODUCER_REGS"], kw["BN"], kw["num_warps"]) == (True, 32, 128, 8)
+    assert "maxnreg" not in kw
+    w8ws = dict(bn=128, num_warps=8, ws=True)
+    for bad in (G.GluonDkdvConfig(ws=True), G.GluonDkdvConfig(ws=True, stages=3),
+                G.GluonDkdvConfig(**w8ws, vec_tma=False), G.GluonDkdvConfig(**w8ws, sync_mma=True),
+                G.GluonDkdvConfig(**w8ws, producer_regs=16)):
+        with pytest.raises(ValueError):
+            G._args(st, bad)
     # dQ: one kernel, the options are constexprs; maxnreg only when set
     kw = G._dq_args(st, G.default_dq_config(64))[2]
     assert (kw["XO"], kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (0, False, True, False)

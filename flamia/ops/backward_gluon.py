@@ -48,10 +48,14 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
+Opt-in (GluonDkdvConfig.ws, constexpr WS): FA3's layout, BN = 128 keys and two consumer
+warpgroups (64 keys each) in one CTA per SM, fed by a 1-warp TMA producer partition (the ws
+comment above `_release_slot`). The one-warpgroup overlap / ws variants lost to the default on
+the H200 and were removed (benchmarks/NOTES.md, session 4).
+
 dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in schedules
-(overlap, ws; constexprs XO / WS): above `_dq_producer`. The dK/dV kernel had the same variants;
-each lost to its default on the H200 and was removed (benchmarks/NOTES.md, session 4). CPU
-builds: compile_sm90 / compile_dq_sm90.
+(overlap, ws; constexprs XO / WS): above `_dq_producer`. CPU builds: compile_sm90 /
+compile_dq_sm90.
 """
 from __future__ import annotations
 
@@ -82,8 +86,13 @@ class GluonDkdvConfig:
     vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # (no overlap / ws schedules as GluonDqConfig's: each was slower than this default on the
-    # H200, doc32k 41.7 ms vs 47-79 ms; benchmarks/NOTES.md, session 4)
+    # ws: a 1-warp TMA producer partition, for bn=128 / num_warps=8 only (FA3's layout). The two
+    # consumer warpgroups issue no TMA, so the membar pass's bar.sync per TMA issue goes away
+    # (12 partition-wide bar.sync per tile -> 4) and they can drift apart between the rest. The
+    # one-warpgroup ws / overlap schedules were slower than the default on the H200 (doc32k
+    # 47-79 ms vs 41.7; benchmarks/NOTES.md, session 4).
+    ws: bool = False
+    producer_regs: int = 24   # setmaxnreg of the ws producer warp
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
     # gathers (host side only: the kernel is the same)
     vec_gather: bool = False
@@ -267,16 +276,64 @@ if HAVE_GLUON:
         ptr = dst + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
         gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
 
+    # ------------------------------------------------------------------------------------------
+    # ws (GluonDkdvConfig.ws / GluonDqConfig.ws; constexpr WS of _dkdv_fp8_kernel /
+    # _dq_fp8_kernel): gl.warp_specialize with a 1-warp TMA producer partition (forward_gluon's
+    # ready / release protocol). The producer issues every TMA load: K / V (dQ: q8 / do8) once,
+    # the first NS ring tiles, then, per release r_j (count 1, phase j // NS of rel[j % NS]),
+    # tile j + NS into the freed slot. The consumer (the default partition: dK/dV two
+    # warpgroups, dQ one) waits for ready[j % NS] as without ws, issues no TMA (so no CTA-wide
+    # bar.sync per TMA issue in its loop), and releases slot j % NS once every one of its warps
+    # is done reading it (_release_slot). The accumulators are returned from the partition; the
+    # epilogue (stores, Hadamard rotate) runs after it. Per tile the numerics are the default's,
+    # op for op: results expected bitwise equal.
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _release_slot(rel, s):
+        """The consumer partition is done with ring slot s. The fence orders this thread's
+        generic-proxy stores (tail zeroing) before the producer's next TMA write; the
+        partition-wide barrier makes every consumer warp (dK/dV: both warpgroups) be past its
+        wgmma waits and ld.shared of the slot before the one arrival (mbarrier.arrive is issued
+        by the partition's thread 0 only)."""
+        fence_async_shared()
+        bar = rel.index(s)
+        gl.thread_barrier()   # (the one Triton's membar pass put here anyway: no extra bar.sync)
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
+                       lse_desc, dl_desc, sq_desc, sdo_desc,
+                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
+                       ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
+        """The 1-warp TMA partition of _dkdv_fp8_kernel with WS. Sizes from the buffers' types
+        (constexpr arguments of a worker partition arrive as tensors in Triton 3.6)."""
+        NS: gl.constexpr = q_s.type.shape[0]
+        BM: gl.constexpr = q_s.type.shape[1]
+        D: gl.constexpr = q_s.type.shape[2]
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+        for pi in gl.static_range(NS):
+            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
+                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, True)
+        for j in range(total - NS):
+            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
+            _issue_tile(j + NS, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
+                        lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
+
     @gluon.jit
     def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready,
+                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
                    total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   num_warps: gl.constexpr):
-        """The main loop of _dkdv_fp8_kernel; returns the fp32 accumulators (dV half 0, 1,
-        dK half 0, 1)."""
+                   WS: gl.constexpr, num_warps: gl.constexpr):
+        """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
+        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
         # accumulators: per-key scale vectors broadcast without layout conversions.
@@ -304,12 +361,12 @@ if HAVE_GLUON:
         mbarrier.wait(kv_bar, 0)
 
         for it in range(total):
-            # refill the slot consumed at it - 1 (its wgmmas were all waited for)
-            nxt = it + NS - 1
-            _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                        doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
-                        NS, VEC_TMA)
+            if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
+                nxt = it + NS - 1
+                _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
+                            NS, VEC_TMA)
             s = it % NS
             g = it // nb
             i0 = lo + (it - g * nb) * BM
@@ -384,6 +441,8 @@ if HAVE_GLUON:
                 acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
                 dk0 = _mma_wait(dk0_tok, 0, SYNC)
                 acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+            if WS:   # every read of slot s is done (wgmmas waited; vectors read)
+                _release_slot(rel, s)
 
         return acc_dv0, acc_dv1, acc_dk0, acc_dk1
 
@@ -397,11 +456,14 @@ if HAVE_GLUON:
         T, stride_dkt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, num_warps: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
         gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
         gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
+                         "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -438,15 +500,22 @@ if HAVE_GLUON:
             sdo_s = q_s
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if WS:   # the consumer partition's releases of the ring slots
+            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        else:
+            rel = ready   # placeholder, never touched
         for si in gl.static_range(NS):
             mbarrier.init(ready.index(si), count=1)
+            if WS:
+                mbarrier.init(rel.index(si), count=1)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        # --- K_j, V_j, the first NS - 1 query tiles -----------------------------------------
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
+        # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
+        if not WS:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+            tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
 
         if CAUSAL:
             lo = n0
@@ -454,19 +523,35 @@ if HAVE_GLUON:
             lo = 0
         nb = gl.cdiv(L_doc - lo, BM)
         total = GROUP * nb
-        for pi in gl.static_range(NS - 1):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                        doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
-                        NS, VEC_TMA)
-        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_loop(
-            q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s,
-            q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, lse, delta, sq,
-            sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D,
-            BM, BN, NS, CAUSAL, VEC_TMA, SYNC, num_warps)
+        if WS:   # (the arguments twice: a shared tuple would not keep D, BM, .. constexpr)
+            accs = gl.warp_specialize([
+                (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
+                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
+                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, num_warps)),
+                (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
+                                  lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
+                                  qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
+                                  start, pstart, n0, hk, lo, nb, total, GROUP, T)),
+            ], [1], [PRODUCER_REGS])
+        else:
+            for pi in gl.static_range(NS - 1):
+                _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
+                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
+                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
+                            NS, VEC_TMA)
+            accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
+                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
+                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, num_warps)
+        acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
 
         for si in gl.static_range(NS):
             mbarrier.invalidate(ready.index(si))
+            if WS:
+                mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(kv_bar)
 
         # --- epilogue ---------------------------------------------------------------------
@@ -531,21 +616,9 @@ if HAVE_GLUON:
     # tensor core has the next tile's work while the CUDA cores promote. With XO = 1 dP is
     # issued after the promotion.
     #
-    # ws: gl.warp_specialize with a 1-warp TMA producer (forward_gluon's proven ready / release
-    # protocol): the producer loads q8 / do8 and the first NS kv ring tiles, then per release
-    # r_j (count 1, from the consumer once every read of slot j % NS is done, wgmmas waited)
-    # refills that slot with tile j + NS. The consumer (the default partition, 4 warps)
-    # issues no TMA: no CTA-wide bar.sync in its loop (Triton 3.6 puts a partition-local one in
-    # front of the release arrive, which also orders every warp's ld.shared of the vectors
-    # before it; the fence orders the tail zeroing's generic stores). The accumulators are
-    # returned from the partition and the epilogue (stores, Hadamard rotate) runs after it.
+    # ws: the protocol of the dK/dV kernel's (comment above _release_slot) with a one-warpgroup
+    # consumer; the producer loads q8 / do8 once, then the kv ring.
     # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _release_slot(rel, s):
-        """forward_gluon._ws_release: this consumer is done with ring slot s."""
-        fence_async_shared()
-        mbarrier.arrive(rel.index(s), count=1)
 
     @gluon.jit
     def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
@@ -977,6 +1050,10 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
         raise ValueError(f"the Gluon dK/dV kernel supports D in (64, 128), not {st.D}")
     if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
         raise ValueError(f"unsupported Gluon config {cfg}")
+    if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not cfg.vec_tma or cfg.sync_mma
+                   or not 24 <= cfg.producer_regs <= 256):
+        raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups), vec_tma, "
+                         f"async wgmma and producer_regs in [24, 256]: {cfg}")
     for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
@@ -986,7 +1063,7 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
             st.D ** -0.5)
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
                   CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  num_warps=cfg.num_warps)
+                  WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps)
     return grid, args, kwargs
 
 

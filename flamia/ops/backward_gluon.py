@@ -154,9 +154,7 @@ if HAVE_GLUON:
                     GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
                     VEC_TMA: gl.constexpr):
         """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
-        g = it // nb
-        i0 = lo + (it - g * nb) * BM
-        h = hk * GROUP + g
+        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
         s = it % NS
         bar = ready.index(s)
         # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
@@ -172,12 +170,8 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
                                         pred=pred)
         if VEC_TMA:
-            # padded (Hq, Tp) copies: column pstart + i0 is 16-aligned (64 bytes), like qT8's
-            c0 = pstart + i0
-            tma.async_copy_global_to_shared(lse_desc, [h, c0], bar, lse_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(dl_desc, [h, c0], bar, dl_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(sq_desc, [h, c0], bar, sq_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(sdo_desc, [h, c0], bar, sdo_s.index(s), pred=pred)
+            _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
+                              pstart + i0, bar, s, pred)
 
     @gluon.jit
     def _row_vec(ring, s, ptr, h, T, start, m_idx, L, other, COL: gl.constexpr,
@@ -277,6 +271,277 @@ if HAVE_GLUON:
         gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
 
     # ------------------------------------------------------------------------------------------
+    # Pieces of the fp8 kernels below that the fp8_mixed ones (backward_gluon_mixed) reuse as
+    # they are, like the helpers above: program prologues, shared-memory rings and barriers,
+    # per-key / per-query vectors, tile indices, masks, P^T and the dV operand, epilogues.
+    # Triton inlines them, and the PTX follows their op order: keep it when editing (an
+    # argument computed by the caller moves its instructions before the helper's first op).
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _store_pair(x0, x1, dst, rows_ok, row_off, NCH: gl.constexpr, LACC: gl.constexpr):
+        """A (rows, D) result held as NCH 64-column chunks (x1 unused when NCH == 1)."""
+        _store_chunk(x0, dst, rows_ok, row_off, 0, LACC)
+        if NCH == 2:
+            _store_chunk(x1, dst, rows_ok, row_off, CH, LACC)
+
+    @gluon.jit
+    def _store_out(x0, x1, hmat, dst, rows_ok, row_off, out_scale, ROTATE: gl.constexpr,
+                   D: gl.constexpr, ROWS: gl.constexpr, NCH: gl.constexpr, LACC: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """dK / dQ out: with ROTATE rotated back to the caller's frame first (_rotate_store)."""
+        if ROTATE:
+            _rotate_store(x0, x1, hmat, dst, rows_ok, row_off, out_scale, D, ROWS, NCH, LACC,
+                          num_warps)
+        else:
+            _store_pair(x0, x1, dst, rows_ok, row_off, NCH, LACC)
+
+    @gluon.jit
+    def _dkdv_program(cu, pcu, HKV, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      num_warps: gl.constexpr):
+        """Program (doc * HKV + hk, key block) of a dK/dV kernel: kv head hk, the document's
+        start / length / padded start and the first key n0 (the caller returns when
+        n0 >= L_doc)."""
+        gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        pid = gl.program_id(0)
+        jb = gl.program_id(1)
+        doc = pid // HKV
+        hk = pid % HKV
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        n0 = jb * BN
+        return hk, start, L_doc, pstart, n0
+
+    @gluon.jit
+    def _dq_program(cu, pcu, HQ, GROUP, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """Program (doc * HQ + h, query block) of a dQ kernel: query head h, kv head hk, the
+        document's start / length / padded start and the query block ib (the caller returns
+        when ib < 0)."""
+        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        pid = gl.program_id(0)
+        doc = pid // HQ
+        h = pid % HQ
+        hk = h // GROUP
+        start = gl.load(cu + doc)
+        L_doc = gl.load(cu + doc + 1) - start
+        pstart = gl.load(pcu + doc)
+        # the document's last (longest causal) query block first, as backward._bwd_dq
+        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)
+        return h, hk, start, L_doc, pstart, ib
+
+    @gluon.jit
+    def _vec_ring(desc, placeholder, NS: gl.constexpr, BOX: gl.constexpr,
+                  VEC_TMA: gl.constexpr):
+        """The (NS, 1, BOX) fp32 ring of a per-row vector's TMA boxes (the descriptor's
+        unswizzled layout); without VEC_TMA `placeholder`, never touched."""
+        if VEC_TMA:
+            ring = gl.allocate_shared_memory(gl.float32, [NS, 1, BOX], desc.layout)
+        else:
+            ring = placeholder
+        return ring
+
+    @gluon.jit
+    def _init_barriers(NS: gl.constexpr, WS: gl.constexpr):
+        """The ring's `ready` barriers, the barrier of the operands loaded once and with WS the
+        consumer's `rel` barriers (else `ready`, a placeholder never touched), initialized."""
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if WS:
+            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        else:
+            rel = ready
+        for si in gl.static_range(NS):
+            mbarrier.init(ready.index(si), count=1)
+            if WS:
+                mbarrier.init(rel.index(si), count=1)
+        mbarrier.init(once, count=1)
+        fence_async_shared()
+        return ready, once, rel
+
+    @gluon.jit
+    def _invalidate_barriers(ready, once, rel, NS: gl.constexpr, WS: gl.constexpr):
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(ready.index(si))
+            if WS:
+                mbarrier.invalidate(rel.index(si))
+        mbarrier.invalidate(once)
+
+    @gluon.jit
+    def _dkdv_bounds(n0, L_doc, GROUP, BM: gl.constexpr, CAUSAL: gl.constexpr):
+        """A dK/dV program's query rows from lo (causal: the kv block's first key), nb blocks
+        per head, total = GROUP * nb tiles."""
+        if CAUSAL:
+            lo = n0
+        else:
+            lo = 0
+        nb = gl.cdiv(L_doc - lo, BM)
+        total = GROUP * nb
+        return lo, nb, total
+
+    @gluon.jit
+    def _causal_shift(L_doc, CAUSAL: gl.constexpr):
+        """The masks keep key <= query + shift: 0 causal, L_doc (never binding) otherwise."""
+        if CAUSAL:
+            shift = 0
+        else:
+            shift = L_doc
+        return shift
+
+    @gluon.jit
+    def _dq_bounds(m0, L_doc, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """A dQ program's kv tiles (total, from key 0), the first key whose tile is masked and
+        the causal mask's shift."""
+        if CAUSAL:
+            hi = gl.minimum(m0 + BM, L_doc)
+            mask_from = m0        # tiles reaching past the block's first row: causal mask
+        else:
+            hi = L_doc
+            mask_from = L_doc     # only the end tile
+        total = gl.cdiv(hi, BN)
+        return mask_from, _causal_shift(L_doc, CAUSAL), total
+
+    @gluon.jit
+    def _key_scales(sk, sv, hk, T, start, n0, L_doc, qk_scale2, BN: gl.constexpr,
+                    ROW: gl.constexpr):
+        """A dK/dV program's keys (masked loads, once): index, in-document mask, the S^T row
+        factor rowf_j = sk_j * sm_scale * log2(e), and sv_j."""
+        n_idx = n0 + gl.arange(0, BN, layout=ROW)
+        n_ok = n_idx < L_doc
+        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        rowf = sk_j * qk_scale2
+        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        return n_idx, n_ok, rowf, sv_j
+
+    @gluon.jit
+    def _query_scales(lse, sq, delta, h, T, start, m0, L_doc, qk_scale2, BM: gl.constexpr,
+                      ROW: gl.constexpr):
+        """A dQ program's queries (masked loads, once; rows past the end get lse = +inf):
+        index, in-document mask, lse2 = lse * log2(e), rowf_i = sq_i * sm_scale * log2(e),
+        Delta_i."""
+        m_idx = m0 + gl.arange(0, BM, layout=ROW)
+        m_ok = m_idx < L_doc
+        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
+                       other=float("inf")) * 1.4426950408889634
+        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
+        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+        return m_idx, m_ok, lse2, rowf, dl_i
+
+    @gluon.jit
+    def _q_tile_rows(it, nb, lo, hk, GROUP, BM: gl.constexpr):
+        """First row i0 and query head h of a dK/dV program's tile `it` (head-major order)."""
+        g = it // nb
+        i0 = lo + (it - g * nb) * BM
+        h = hk * GROUP + g
+        return i0, h
+
+    @gluon.jit
+    def _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM: gl.constexpr, BN: gl.constexpr,
+                CAUSAL: gl.constexpr, COL: gl.constexpr):
+        """Tile `it` of the dK/dV loop: i0, h, the query indices, whether it reaches past the
+        document end (tail) and whether it needs the mask (tail or causal diagonal)."""
+        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
+        m_idx = i0 + gl.arange(0, BM, layout=COL)
+        tail = i0 + BM > L_doc
+        if CAUSAL:
+            need_mask = tail | (i0 < n0 + BN)
+        else:
+            need_mask = tail
+        return i0, h, m_idx, tail, need_mask
+
+    @gluon.jit
+    def _kv_tile(jt, L_doc, mask_from, BN: gl.constexpr, COL: gl.constexpr):
+        """Tile `jt` of the dQ loop: first key j0, whether it reaches past the document end,
+        whether it needs the mask, the key indices."""
+        j0 = jt * BN
+        end = j0 + BN > L_doc
+        need_mask = j0 + BN > mask_from
+        n_idx = j0 + gl.arange(0, BN, layout=COL)
+        return j0, end, need_mask, n_idx
+
+    @gluon.jit
+    def _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s,
+                          h, c0, bar, s, pred):
+        """TMA of a dK/dV query tile's lse / Delta / sq / sdo boxes into ring slot s: row h,
+        column c0 = pstart + i0 of the padded (Hq, Tp) copies (16-aligned, like qT8's)."""
+        tma.async_copy_global_to_shared(lse_desc, [h, c0], bar, lse_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(dl_desc, [h, c0], bar, dl_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(sq_desc, [h, c0], bar, sq_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(sdo_desc, [h, c0], bar, sdo_s.index(s), pred=pred)
+
+    @gluon.jit
+    def _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, c0, bar, s, pred):
+        """TMA of a dQ kv tile's sk / sv boxes into ring slot s: row hk, column c0 = pstart + j0
+        of the padded (Hkv, Tp) copies."""
+        tma.async_copy_global_to_shared(sk_desc, [hk, c0], bar, sk_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(sv_desc, [hk, c0], bar, sv_s.index(s), pred=pred)
+
+    @gluon.jit
+    def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
+                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
+                    COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
+                    SYNC: gl.constexpr):
+        """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
+        dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j)."""
+        lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
+                        VEC_TMA) * 1.4426950408889634
+        sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+        st = _mma_wait(s_tok, PENDING, SYNC)
+        p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
+                    - gl.expand_dims(lse2, 0))
+        sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+        a = p * gl.expand_dims(sdo_i, 0)
+        if need_mask:   # on a (not P): sdo of another document's token may be NaN
+            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                  & gl.expand_dims(m_idx < L_doc, 0))
+            a = gl.where(ok, a, 0.0)
+        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+        a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+        return p, a, c, a8
+
+    @gluon.jit
+    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask):
+        """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
+        dP^T, Delta, sq of out-of-document columns may be anything (another document)."""
+        if need_mask:
+            # the predicate of _dv_operand's `ok`, written differently: as the same expression
+            # the compiler computed it once, before the first `if`, on every tile (~120 of
+            # ~1200 SASS instructions per tile; benchmarks/NOTES.md, session 4)
+            ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
+                   & gl.expand_dims((L_doc - m_idx) > 0, 0))
+            b = gl.where(ok2, b, 0.0)
+        return b
+
+    @gluon.jit
+    def _mask_ds(b, n_idx, m_idx, shift, L_doc, need_mask):
+        """dQ: b masked where needed (key <= query + shift, key in the document); `where`, not
+        * 0: keys past the end (next document) may be NaN."""
+        if need_mask:
+            ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
+                  & gl.expand_dims(n_idx < L_doc, 0))
+            b = gl.where(ok, b, 0.0)
+        return b
+
+    @gluon.jit
+    def _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start,
+                       hk, stride_dkt, sm_scale, out_scale, ROTATE: gl.constexpr,
+                       D: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr,
+                       L: gl.constexpr, num_warps: gl.constexpr):
+        """dV as accumulated, dK * sm_scale (rotated back with ROTATE). dK may come in another
+        MMA layout with the same registers as L (fp8_mixed's bf16 one): converted for free."""
+        row_off = (start + n_idx) * stride_dkt + hk * D
+        _store_pair(acc_dv0, acc_dv1, dv, n_ok, row_off, NCH, L)
+        acc_dk0 = gl.convert_layout(acc_dk0, L) * sm_scale
+        acc_dk1 = gl.convert_layout(acc_dk1, L) * sm_scale
+        _store_out(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, ROTATE, D, BN, NCH, L,
+                   num_warps)
+
+    # ------------------------------------------------------------------------------------------
     # ws (GluonDkdvConfig.ws / GluonDqConfig.ws; constexpr WS of _dkdv_fp8_kernel /
     # _dq_fp8_kernel): gl.warp_specialize with a 1-warp TMA producer partition (forward_gluon's
     # ready / release protocol). The producer issues every TMA load: K / V (dQ: q8 / do8) once,
@@ -343,21 +608,14 @@ if HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
         COL: gl.constexpr = gl.SliceLayout(0, L)     # per query (columns of S^T)
 
-        n_idx = n0 + gl.arange(0, BN, layout=ROW)
-        n_ok = n_idx < L_doc
-        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
-        rowf = sk_j * qk_scale2
-        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        n_idx, n_ok, rowf, sv_j = _key_scales(sk, sv, hk, T, start, n0, L_doc, qk_scale2, BN, ROW)
 
         zero = gl.zeros([BN, CH], gl.float32, L)
         acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
         acc_dk0 = gl.zeros([BN, CH], gl.float32, L)
         acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
         acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
-        if CAUSAL:
-            shift = 0             # query >= key on the diagonal tiles
-        else:
-            shift = L_doc         # never binding
+        shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
 
         for it in range(total):
@@ -368,15 +626,8 @@ if HAVE_GLUON:
                             doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
                             NS, VEC_TMA)
             s = it % NS
-            g = it // nb
-            i0 = lo + (it - g * nb) * BM
-            h = hk * GROUP + g
-            m_idx = i0 + gl.arange(0, BM, layout=COL)
-            tail = i0 + BM > L_doc
-            if CAUSAL:
-                need_mask = tail | (i0 < n0 + BN)
-            else:
-                need_mask = tail
+            i0, h, m_idx, tail, need_mask = _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM, BN,
+                                                    CAUSAL, COL)
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             dos = do_s.index(s)
@@ -391,20 +642,9 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                            VEC_TMA) * 1.4426950408889634
-            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            st = _mma_wait(s_tok, 1, SYNC)
-            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                        - gl.expand_dims(lse2, 0))
-            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            a = p * gl.expand_dims(sdo_i, 0)
-            if need_mask:   # on a (not P): sdo of another document's token may be NaN
-                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                      & gl.expand_dims(m_idx < L_doc, 0))
-                a = gl.where(ok, a, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
+                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
+                                      VEC_TMA, SYNC)
             dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -412,14 +652,8 @@ if HAVE_GLUON:
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = a * t * gl.expand_dims(sq_i2, 0)
-            if need_mask:   # t, sq of out-of-document columns may be anything (other document)
-                # the predicate of `ok`, written differently: as the same expression the compiler
-                # computed it once, before the first `if`, on every tile (~120 of ~1200 SASS
-                # instructions per tile; benchmarks/NOTES.md, session 4)
-                ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
-                       & gl.expand_dims((L_doc - m_idx) > 0, 0))
-                b = gl.where(ok2, b, 0.0)
+            b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                           need_mask)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
 
@@ -459,9 +693,6 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
         GROUP = HQ // HKV
@@ -470,14 +701,7 @@ if HAVE_GLUON:
                                                     instr_shape=[16, CH, 32])
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
 
-        pid = gl.program_id(0)
-        jb = gl.program_id(1)
-        doc = pid // HKV
-        hk = pid % HKV
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        n0 = jb * BN
+        hk, start, L_doc, pstart, n0 = _dkdv_program(cu, pcu, HKV, D, BM, BN, num_warps)
         if n0 >= L_doc:
             return
 
@@ -488,28 +712,11 @@ if HAVE_GLUON:
         do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
         qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
         doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
-        if VEC_TMA:   # (1, BM) boxes, the descriptors' (unswizzled) layout
-            lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], lse_desc.layout)
-            dl_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], dl_desc.layout)
-            sq_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sq_desc.layout)
-            sdo_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sdo_desc.layout)
-        else:   # placeholders, never touched
-            lse_s = q_s
-            dl_s = q_s
-            sq_s = q_s
-            sdo_s = q_s
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if WS:   # the consumer partition's releases of the ring slots
-            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        else:
-            rel = ready   # placeholder, never touched
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-            if WS:
-                mbarrier.init(rel.index(si), count=1)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
+        lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
+        dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
+        sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
+        sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
+        ready, kv_bar, rel = _init_barriers(NS, WS)
 
         # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
         if not WS:
@@ -517,12 +724,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
             tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
 
-        if CAUSAL:
-            lo = n0
-        else:
-            lo = 0
-        nb = gl.cdiv(L_doc - lo, BM)
-        total = GROUP * nb
+        lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
         if WS:   # (the arguments twice: a shared tuple would not keep D, BM, .. constexpr)
             accs = gl.warp_specialize([
                 (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
@@ -547,29 +749,13 @@ if HAVE_GLUON:
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
-
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-            if WS:
-                mbarrier.invalidate(rel.index(si))
-        mbarrier.invalidate(kv_bar)
+        _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
         # --- epilogue ---------------------------------------------------------------------
         n_idx = n0 + gl.arange(0, BN, layout=ROW)
         n_ok = n_idx < L_doc
-        row_off = (start + n_idx) * stride_dkt + hk * D
-        _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
-        if NCH == 2:
-            _store_chunk(acc_dv1, dv, n_ok, row_off, CH, L)
-        acc_dk0 = acc_dk0 * sm_scale
-        acc_dk1 = acc_dk1 * sm_scale
-        if ROTATE:
-            _rotate_store(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, D, BN, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc_dk0, dk, n_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
+        _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start, hk,
+                       stride_dkt, sm_scale, out_scale, ROTATE, D, BN, NCH, L, num_warps)
 
     # ------------------------------------------------------------------------------------------
     # dQ (same numerics as backward._dq_tile, RECIPE == 0)
@@ -598,10 +784,7 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], bar, kT_s.index(s),
                                         pred=pred)
         if VEC_TMA:
-            tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], bar, sk_s.index(s),
-                                            pred=pred)
-            tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
-                                            pred=pred)
+            _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
     # ------------------------------------------------------------------------------------------
     # Opt-in schedules of the dQ kernel (GluonDqConfig .overlap, .ws; constexprs XO, WS,
@@ -672,13 +855,8 @@ if HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
         COL: gl.constexpr = gl.SliceLayout(0, L)     # per key (columns of S)
 
-        # per-query values, once per program (masked loads: rows past the end get lse = +inf)
-        m_idx = m0 + gl.arange(0, BM, layout=ROW)
-        m_ok = m_idx < L_doc
-        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
-                       other=float("inf")) * 1.4426950408889634
-        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
-        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+        m_idx, m_ok, lse2, rowf, dl_i = _query_scales(lse, sq, delta, h, T, start, m0, L_doc,
+                                                      qk_scale2, BM, ROW)
 
         zero = gl.zeros([BM, CH], gl.float32, L)
         acc0 = gl.zeros([BM, CH], gl.float32, L)
@@ -700,10 +878,7 @@ if HAVE_GLUON:
                 _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                           k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
             s = jt % NS
-            j0 = jt * BN
-            end = j0 + BN > L_doc
-            need_mask = j0 + BN > mask_from
-            n_idx = j0 + gl.arange(0, BN, layout=COL)
+            j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
             # (two orders of the same ops: each the PTX its schedule was validated with)
             if XO == 0 and not WS:
                 mbarrier.wait(ready.index(s), (jt // NS) & 1)
@@ -742,11 +917,7 @@ if HAVE_GLUON:
             t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
             # sk_j again from shared memory / L1: not kept live across the wgmma waits
             sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = p * t * gl.expand_dims(sk_j2, 0)
-            if need_mask:   # where, not * 0: keys past the end (next document) may be NaN
-                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
-                      & gl.expand_dims(n_idx < L_doc, 0))
-                b = gl.where(ok, b, 0.0)
+            b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
             c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
 
@@ -819,9 +990,6 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
         gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
         gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC and num_warps == 4),
                          "overlap / ws need VEC_TMA, async wgmma and one warpgroup")
@@ -831,15 +999,7 @@ if HAVE_GLUON:
                                                     instr_shape=[16, CH, 32])
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
 
-        pid = gl.program_id(0)
-        doc = pid // HQ
-        h = pid % HQ
-        hk = h // GROUP
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        # the document's last (longest causal) query block first, as backward._bwd_dq
-        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)
+        h, hk, start, L_doc, pstart, ib = _dq_program(cu, pcu, HQ, GROUP, D, BM, BN, num_warps)
         if ib < 0:
             return
         m0 = ib * BM
@@ -850,24 +1010,9 @@ if HAVE_GLUON:
         k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
         kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
-        if VEC_TMA:   # (1, BN) boxes, the descriptors' (unswizzled) layout
-            sk_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sk_desc.layout)
-            sv_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sv_desc.layout)
-        else:   # placeholders, never touched
-            sk_s = k_s
-            sv_s = k_s
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if WS:   # the consumer's releases of the ring slots
-            rel = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        else:
-            rel = ready   # placeholder, never touched
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-            if WS:
-                mbarrier.init(rel.index(si), count=1)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
+        sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
+        sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
+        ready, q_bar, rel = _init_barriers(NS, WS)
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
         # (WS: by the producer; before the loop bounds without XO, after them with XO: each
@@ -877,15 +1022,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
             tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
 
-        if CAUSAL:
-            hi = gl.minimum(m0 + BM, L_doc)
-            mask_from = m0        # tiles reaching past the block's first row: causal mask
-            shift = 0             # key <= query on those tiles
-        else:
-            hi = L_doc
-            mask_from = L_doc     # only the end tile
-            shift = L_doc         # never binding
-        total = gl.cdiv(hi, BN)
+        mask_from, shift, total = _dq_bounds(m0, L_doc, BM, BN, CAUSAL)
         if WS:
             accs = gl.warp_specialize([
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
@@ -909,12 +1046,7 @@ if HAVE_GLUON:
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
                             D, BM, BN, NS, VEC_TMA, SYNC, XO, WS, num_warps)
         acc0, acc1 = accs
-
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-            if WS:
-                mbarrier.invalidate(rel.index(si))
-        mbarrier.invalidate(q_bar)
+        _invalidate_barriers(ready, q_bar, rel, NS, WS)
 
         # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
         m_idx = m0 + gl.arange(0, BM, layout=ROW)
@@ -923,13 +1055,7 @@ if HAVE_GLUON:
         acc0 = acc0 * gl.expand_dims(f, 1)
         acc1 = acc1 * gl.expand_dims(f, 1)
         row_off = (start + m_idx) * stride_dqt + h * D
-        if ROTATE:
-            _rotate_store(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, D, BM, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc0, dq, m_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc1, dq, m_ok, row_off, CH, L)
+        _store_out(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, ROTATE, D, BM, NCH, L, num_warps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -964,9 +1090,10 @@ def padded_vectors_triton(st):
 
 def _resolve_vecs(vecs, cfg, st, torch_fn, triton_fn):
     """The launchers' `vecs`: prebuilt tensors, or None / "torch" / "triton" to build them
-    (None: the config's choice, cfg.vec_gather -> the Triton gather)."""
+    (None: the config's choice, cfg.vec_gather -> the Triton gather; the fp8_mixed configs
+    have no vec_gather: torch)."""
     if vecs is None:
-        vecs = "triton" if cfg.vec_gather else "torch"
+        vecs = "triton" if getattr(cfg, "vec_gather", False) else "torch"
     if isinstance(vecs, str):
         if vecs not in ("torch", "triton"):
             raise ValueError(f"vecs={vecs!r}: tensors, None, 'torch' or 'triton'")
@@ -1029,27 +1156,76 @@ def vec_desc(x, cols: int):
     return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, cols], lay)
 
 
+# --- launch pieces shared with backward_gluon_mixed -----------------------------------------------
+
+def _check_state(st, recipe: int, what: str) -> None:
+    """What every Gluon backward kernel needs of `st`; `what` names the kernel in messages."""
+    if not HAVE_GLUON:
+        raise RuntimeError("triton.experimental.gluon is not available")
+    if st.recipe != recipe or st.dq_atomic:
+        raise ValueError(f"the Gluon {what} kernel needs st.recipe == {recipe} (not "
+                         f"{st.recipe}) and no dq_atomic")
+    if st.D not in (64, 128):
+        raise ValueError(f"the Gluon {what} kernel supports D in (64, 128), not {st.D}")
+
+
+def _check_blocks(cfg, cta_rows: int, step_rows: int, what: str) -> None:
+    """The block sizes every kernel assumes: a CTA's rows (dK/dV: bn keys, dQ: bm queries) one
+    m64 wgmma row block per warpgroup, 64 rows per loop step (the chunk layout), a ring."""
+    if step_rows != CH_ or cta_rows != 16 * cfg.num_warps or cfg.stages < 1:
+        raise ValueError(f"unsupported Gluon {what} config {cfg}")
+
+
+def _vec_descs(st, cfg, vecs, box: int, count: int, torch_fn, triton_fn) -> tuple:
+    """TMA descriptors ((1, box) boxes) of the `count` padded per-row vectors: `vecs` resolved
+    by _resolve_vecs with vec_tma, else dummies the kernel never reads."""
+    if cfg.vec_tma:
+        vecs = _resolve_vecs(vecs, cfg, st, torch_fn, triton_fn)
+    else:
+        vecs = (_dummy_vec(st.lse.device, box),) * count
+    return tuple(vec_desc(x, box) for x in vecs)
+
+
+def _launch_args(st, cfg, descs, tensors, dq: bool, **kwargs):
+    """grid, args, kwargs of a kernel launch. One program per (document, kv head, bn keys) for
+    dK/dV, (document, query head, bm queries) for dQ; args: the descriptors, the tensors, then
+    the scalars every kernel takes; kwargs: the common ones and `kwargs`."""
+    out = st.dq if dq else st.dk
+    if dq:
+        grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.bm))
+    else:
+        grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.bn))
+    args = (*descs, *tensors, st.hmat, st.cu, st.pcu, st.T, out.stride(0), st.sm_scale,
+            st.sm_scale * LOG2E, st.D ** -0.5)
+    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
+                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
+                  num_warps=cfg.num_warps, **kwargs)
+    return grid, args, kwargs
+
+
+def _no_tokens(st, *outs) -> bool:
+    """True (and `outs` zeroed) when there is nothing to launch for: no tokens / documents."""
+    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
+        for x in outs:
+            x.zero_()
+        return True
+    return False
+
+
+# --- dK/dV ----------------------------------------------------------------------------------------
+
 def _descs(st, cfg: GluonDkdvConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-    if cfg.vec_tma:
-        vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
-    else:
-        vecs = (_dummy_vec(st.lse.device, BM),) * 4
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *(vec_desc(x, BM) for x in vecs))
+            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM),
+            *_vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton))
 
 
 def _args(st, cfg: GluonDkdvConfig, vecs=None):
-    if not HAVE_GLUON:
-        raise RuntimeError("triton.experimental.gluon is not available")
-    if st.recipe != 0 or st.dq_atomic:
-        raise ValueError("the Gluon dK/dV kernel implements the fp8 recipe without dq_atomic")
-    if st.D not in (64, 128):
-        raise ValueError(f"the Gluon dK/dV kernel supports D in (64, 128), not {st.D}")
-    if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
-        raise ValueError(f"unsupported Gluon config {cfg}")
+    _check_state(st, 0, "fp8 dK/dV")
+    _check_blocks(cfg, cfg.bn, cfg.bm, "fp8 dK/dV")
     if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not cfg.vec_tma or cfg.sync_mma
                    or not 24 <= cfg.producer_regs <= 256):
         raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups), vec_tma, "
@@ -1057,14 +1233,9 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
-    grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.bn))
-    args = (*_descs(st, cfg, vecs), st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv,
-            st.hmat, st.cu, st.pcu, st.T, st.dk.stride(0), st.sm_scale, st.sm_scale * LOG2E,
-            st.D ** -0.5)
-    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
-                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.num_warps)
-    return grid, args, kwargs
+    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
+    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
+                        PRODUCER_REGS=cfg.producer_regs)
 
 
 def _check_v2(cfg, one_warpgroup_ok: bool) -> None:
@@ -1089,9 +1260,7 @@ def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> N
     padded_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
     or with vecs="triton" / config.vec_gather by one Triton launch, padded_vectors_triton)."""
     cfg = config or default_gluon_config(st.D)
-    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
-        st.dk.zero_()
-        st.dv.zero_()
+    if _no_tokens(st, st.dk, st.dv):
         return
     grid, args, kwargs = _args(st, cfg, vecs)
     _dkdv_fp8_kernel[grid](*args, **kwargs)
@@ -1170,35 +1339,21 @@ def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
 def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-    if cfg.vec_tma:
-        vecs = _resolve_vecs(vecs, cfg, st, padded_kv_vectors, padded_kv_vectors_triton)
-    else:
-        vecs = (_dummy_vec(st.lse.device, BN),) * 2
     return (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
             tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
-            kmajor_desc(st.kT8, BN), *(vec_desc(x, BN) for x in vecs))
+            kmajor_desc(st.kT8, BN),
+            *_vec_descs(st, cfg, vecs, BN, 2, padded_kv_vectors, padded_kv_vectors_triton))
 
 
 def _dq_args(st, cfg: GluonDqConfig, vecs=None):
-    if not HAVE_GLUON:
-        raise RuntimeError("triton.experimental.gluon is not available")
-    if st.recipe != 0 or st.dq_atomic:
-        raise ValueError("the Gluon dQ kernel implements the fp8 recipe without dq_atomic")
-    if st.D not in (64, 128):
-        raise ValueError(f"the Gluon dQ kernel supports D in (64, 128), not {st.D}")
-    if cfg.bn != CH_ or cfg.bm != 16 * cfg.num_warps or cfg.stages < 1:
-        raise ValueError(f"unsupported Gluon dQ config {cfg}")
+    _check_state(st, 0, "fp8 dQ")
+    _check_blocks(cfg, cfg.bm, cfg.bn, "fp8 dQ")
     for x in (st.q8, st.k8, st.v8, st.do8, st.kT8, st.lse, st.delta, st.sq, st.sdo, st.sk,
               st.sv, st.dq):
         assert x.is_contiguous()
-    grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.bm))
-    args = (*_dq_descs(st, cfg, vecs), st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq,
-            st.hmat, st.cu, st.pcu, st.T, st.dq.stride(0), st.sm_scale, st.sm_scale * LOG2E,
-            st.D ** -0.5)
-    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
-                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                  num_warps=cfg.num_warps)
+    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
+    grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
+                                      XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_v2(cfg, cfg.num_warps == 4)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
@@ -1212,8 +1367,7 @@ def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
     padded_kv_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
     or with vecs="triton" / config.vec_gather by one Triton launch, padded_kv_vectors_triton)."""
     cfg = config or default_dq_config(st.D)
-    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
-        st.dq.zero_()
+    if _no_tokens(st, st.dq):
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs)
     _dq_fp8_kernel[grid](*args, **kwargs)

@@ -55,16 +55,16 @@ order, before that tile's S wait); off by default because ptxas 3.6 then seriali
 (warning C7515) in both kernels. dK/dV `early_dv` issues dV's first half before dS^T is
 computed, as the fp8 kernel does: 240 vs 144 bytes of spills at D = 128, so off by default.
 
-Helpers (_pow2_scale_g, _row_vec, _mma, _mma_wait, _zero_tail_cols, _rotate_store, _store_chunk,
-padded_vectors, padded_kv_vectors, _compile_sm90, resource_report) are imported from
-backward_gluon unchanged.
+What does not depend on the GEMM operand types comes from backward_gluon unchanged: the program
+prologues, rings, barriers, per-row vectors, tile indices, masks, P^T / the dV operand, the
+epilogues (its "Pieces ... reuse" section), the host-side checks, descriptors and launch
+arguments, _compile_sm90 and resource_report.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import backward_gluon as G
 
@@ -75,9 +75,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from .backward_gluon import (  # noqa: F401  (gluon.jit resolves them from this module)
-        _mma, _mma_wait, _pow2_scale_g, _rotate_store, _row_vec, _store_chunk, _zero_tail_cols)
+        _causal_shift, _dkdv_bounds, _dkdv_epilogue, _dkdv_program, _dq_bounds, _dq_program,
+        _dv_operand, _init_barriers, _invalidate_barriers, _issue_key_vecs, _issue_query_vecs,
+        _key_scales, _kv_tile, _mask_ds, _mask_ds_t, _mma, _mma_wait, _q_tile, _q_tile_rows,
+        _query_scales, _row_vec, _store_out, _vec_ring, _zero_tail_cols)
 
-LOG2E = 1.4426950408889634
 CH_ = G.CH_     # 64: column chunk of D; also BM (dK/dV) / BN (dQ)
 RECIPE_MIXED = 1
 
@@ -143,6 +145,19 @@ if HAVE_GLUON:
         return r0, r1
 
     @gluon.jit
+    def _load_once(f8_desc, bf_desc, bar, f8_s, bf_s, start, r0, head, D: gl.constexpr,
+                   NCH: gl.constexpr):
+        """TMA of a program's operand loaded once: its fp8 tile (tokens start + r0 on, head
+        `head`) and the bf16 copy's NCH (rows, 64) chunks (columns head * D + 64 c: 128-byte
+        aligned). The coordinates are computed here, after the expect, not by the caller: that
+        is the order of the validated PTX."""
+        mbarrier.expect(bar, f8_desc.block_type.nbytes + NCH * bf_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(f8_desc, [start + r0, head * D], bar, f8_s)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(bf_desc, [start + r0, head * D + cc * CH], bar,
+                                            bf_s.index(cc))
+
+    @gluon.jit
     def _e4m3_to_bf16_rows(src, dst, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
         """dst (ROWS, 64) bf16 <- the e4m3 values of src (ROWS, 64) (exact), rows with
         row0 + r >= L zeroed (the next document's bytes: 0 * NaN would reach the GEMM)."""
@@ -174,9 +189,7 @@ if HAVE_GLUON:
         """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS:
         q8_i (fp8, token-major), dO_i (bf16, NCH (BM, 64) chunks), doT8_i (fp8 K-major, padded
         columns) and with VEC_TMA lse / Delta / sq / sdo ((1, BM) boxes, padded columns)."""
-        g = it // nb
-        i0 = lo + (it - g * nb) * BM
-        h = hk * GROUP + g
+        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
         s = it % NS
         bar = ready.index(s)
         if VEC_TMA:
@@ -194,11 +207,8 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
                                         pred=pred)
         if VEC_TMA:
-            c0 = pstart + i0     # 16-aligned column of the padded (Hq, Tp) copies
-            tma.async_copy_global_to_shared(lse_desc, [h, c0], bar, lse_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(dl_desc, [h, c0], bar, dl_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(sq_desc, [h, c0], bar, sq_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(sdo_desc, [h, c0], bar, sdo_s.index(s), pred=pred)
+            _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
+                              pstart + i0, bar, s, pred)
 
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
     def _dkdv_mixed_kernel(
@@ -211,9 +221,6 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, CARRY: gl.constexpr,
         EARLY_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
-        gl.static_assert(BM == CH, "S^T / dP^T tiles share the chunk layout (BM == 64)")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         # fp8 wgmma results (S^T, dV; N = 64): per-key and per-query vectors broadcast without
@@ -230,14 +237,7 @@ if HAVE_GLUON:
         COL: gl.constexpr = gl.SliceLayout(0, L)     # per query
         BF_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, CH], gl.bfloat16)
 
-        pid = gl.program_id(0)
-        jb = gl.program_id(1)
-        doc = pid // HKV
-        hk = pid % HKV
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        n0 = jb * BN
+        hk, start, L_doc, pstart, n0 = _dkdv_program(cu, pcu, HKV, D, BM, BN, num_warps)
         if n0 >= L_doc:
             return
 
@@ -248,47 +248,23 @@ if HAVE_GLUON:
         dob_s = gl.allocate_shared_memory(dob_desc.dtype, [NS * NCH, BM, CH], dob_desc.layout)
         doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
         qb_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, BM, CH], BF_LAYOUT)
-        if VEC_TMA:
-            lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], lse_desc.layout)
-            dl_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], dl_desc.layout)
-            sq_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sq_desc.layout)
-            sdo_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BM], sdo_desc.layout)
-        else:   # placeholders, never touched
-            lse_s = q_s
-            dl_s = q_s
-            sq_s = q_s
-            sdo_s = q_s
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
+        lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
+        dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
+        sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
+        sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
+        ready, kv_bar, _ = _init_barriers(NS, False)
 
         # --- K_j (fp8, for S^T) and bf16 V_j (A of dP^T), once ---------------------------
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + NCH * vb_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        for cc in gl.static_range(NCH):
-            tma.async_copy_global_to_shared(vb_desc, [start + n0, hk * D + cc * CH], kv_bar,
-                                            vb_s.index(cc))
+        _load_once(k_desc, vb_desc, kv_bar, k_s, vb_s, start, n0, hk, D, NCH)
 
-        if CAUSAL:
-            lo = n0
-        else:
-            lo = 0
-        nb = gl.cdiv(L_doc - lo, BM)
-        total = GROUP * nb
+        lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
         for pi in gl.static_range(NS - 1):
             _issue_q_tile(pi, nb, lo, start, pstart, hk, q_desc, dob_desc, doT_desc,
                           lse_desc, dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s,
                           lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, NCH,
                           VEC_TMA)
 
-        n_idx = n0 + gl.arange(0, BN, layout=ROW)
-        n_ok = n_idx < L_doc
-        sk_j = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
-        rowf = sk_j * qk_scale2
-        sv_j = gl.load(sv + hk * T + start + n_idx, mask=n_ok, other=0.0)
+        n_idx, n_ok, rowf, sv_j = _key_scales(sk, sv, hk, T, start, n0, L_doc, qk_scale2, BN, ROW)
 
         zero = gl.zeros([BN, CH], gl.float32, L)
         zero_b = gl.zeros([BN, CH], gl.float32, LB)
@@ -296,23 +272,13 @@ if HAVE_GLUON:
         acc_dk0 = gl.zeros([BN, CH], gl.float32, LB)
         acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
         acc_dk1 = gl.zeros([BN, CH], gl.float32, LB)
-        if CAUSAL:
-            shift = 0             # query >= key on the diagonal tiles
-        else:
-            shift = L_doc         # never binding
+        shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
 
         for it in range(total):
             s = it % NS
-            g = it // nb
-            i0 = lo + (it - g * nb) * BM
-            h = hk * GROUP + g
-            m_idx = i0 + gl.arange(0, BM, layout=COL)
-            tail = i0 + BM > L_doc
-            if CAUSAL:
-                need_mask = tail | (i0 < n0 + BN)
-            else:
-                need_mask = tail
+            i0, h, m_idx, tail, need_mask = _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM, BN,
+                                                    CAUSAL, COL)
             # every warp is past its reads of slot (it - 1) % NS (vectors, q8 by ld.shared)
             # before the refill; that slot's wgmmas were waited for in tile it - 1 (dK reads
             # only qb_s)
@@ -344,20 +310,10 @@ if HAVE_GLUON:
             fence_async_shared()
             gl.thread_barrier()
 
-            lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                            VEC_TMA) * 1.4426950408889634
-            sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            st = _mma_wait(s_tok, NCH, SYNC)
-            p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
-                        - gl.expand_dims(lse2, 0))
-            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-            a = p * gl.expand_dims(sdo_i, 0)
-            if need_mask:   # on a (not P): sdo of another document's token may be NaN
-                ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                      & gl.expand_dims(m_idx < L_doc, 0))
-                a = gl.where(ok, a, 0.0)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP8)
+            # (S^T waited for past the dP^T wgmmas: NCH of them)
+            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
+                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, NCH, COL, AOP8,
+                                      VEC_TMA, SYNC)
             if EARLY_DV:   # dV's first half overlaps dS^T (its 32 result registers in flight)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -368,13 +324,8 @@ if HAVE_GLUON:
                 dp = gl.convert_layout(_mma_wait(dp_tok, 0, SYNC), L)
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
             # _dkdv_tile: ds_t = p_t (dP^T sv_j - Delta_i); dK operand bf16(ds_t sq_i)
-            b = p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)) \
-                * gl.expand_dims(sq_i2, 0)
-            if need_mask:   # dP^T / Delta / sq of out-of-document columns may be anything
-                # `ok` written differently (backward_gluon._dkdv_loop: not CSE'd and hoisted)
-                ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
-                       & gl.expand_dims((L_doc - m_idx) > 0, 0))
-                b = gl.where(ok2, b, 0.0)
+            b = _mask_ds_t(p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0))
+                           * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc, need_mask)
             b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
             if not EARLY_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
@@ -402,24 +353,9 @@ if HAVE_GLUON:
 
         if CARRY:
             acc_dk0, acc_dk1 = _wait_pair(acc_dk0, acc_dk1, 0, NCH, SYNC)
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-        mbarrier.invalidate(kv_bar)
-
-        # --- epilogue (as backward_gluon's) ---------------------------------------------------
-        row_off = (start + n_idx) * stride_dkt + hk * D
-        _store_chunk(acc_dv0, dv, n_ok, row_off, 0, L)
-        if NCH == 2:
-            _store_chunk(acc_dv1, dv, n_ok, row_off, CH, L)
-        acc_dk0 = gl.convert_layout(acc_dk0, L) * sm_scale
-        acc_dk1 = gl.convert_layout(acc_dk1, L) * sm_scale
-        if ROTATE:
-            _rotate_store(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, D, BN, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc_dk0, dk, n_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc_dk1, dk, n_ok, row_off, CH, L)
+        _invalidate_barriers(ready, kv_bar, ready, NS, False)
+        _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start, hk,
+                       stride_dkt, sm_scale, out_scale, ROTATE, D, BN, NCH, L, num_warps)
 
     # ------------------------------------------------------------------------------------------
     # dQ
@@ -450,10 +386,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(vb_desc, [start + j0, hk * D + cc * CH], bar,
                                             vb_s.index(s * NCH + cc), pred=pred)
         if VEC_TMA:
-            tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], bar, sk_s.index(s),
-                                            pred=pred)
-            tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], bar, sv_s.index(s),
-                                            pred=pred)
+            _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
     def _dq_mixed_kernel(
@@ -465,9 +398,6 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, CARRY: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
         gl.static_assert(NS >= 2 or not CARRY, "carry needs a ring of 2+ stages")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
@@ -479,14 +409,7 @@ if HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query
         COL: gl.constexpr = gl.SliceLayout(0, L)     # per key
 
-        pid = gl.program_id(0)
-        doc = pid // HQ
-        h = pid % HQ
-        hk = h // GROUP
-        start = gl.load(cu + doc)
-        L_doc = gl.load(cu + doc + 1) - start
-        pstart = gl.load(pcu + doc)
-        ib = gl.cdiv(L_doc, BM) - 1 - gl.program_id(1)    # longest causal rows first
+        h, hk, start, L_doc, pstart, ib = _dq_program(cu, pcu, HQ, GROUP, D, BM, BN, num_warps)
         if ib < 0:
             return
         m0 = ib * BM
@@ -497,46 +420,21 @@ if HAVE_GLUON:
         k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         kb_s = gl.allocate_shared_memory(kb_desc.dtype, [NS * NCH, BN, CH], kb_desc.layout)
         vb_s = gl.allocate_shared_memory(vb_desc.dtype, [NS * NCH, BN, CH], vb_desc.layout)
-        if VEC_TMA:
-            sk_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sk_desc.layout)
-            sv_s = gl.allocate_shared_memory(gl.float32, [NS, 1, BN], sv_desc.layout)
-        else:   # placeholders, never touched
-            sk_s = k_s
-            sv_s = k_s
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for si in gl.static_range(NS):
-            mbarrier.init(ready.index(si), count=1)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
+        sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
+        sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
+        ready, q_bar, _ = _init_barriers(NS, False)
 
         # --- q8_i (fp8, A of S) and bf16 dO_i (A of dP), once --------------------------------
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-        for cc in gl.static_range(NCH):
-            tma.async_copy_global_to_shared(dob_desc, [start + m0, h * D + cc * CH], q_bar,
-                                            dob_s.index(cc))
+        _load_once(q_desc, dob_desc, q_bar, q_s, dob_s, start, m0, h, D, NCH)
 
-        if CAUSAL:
-            hi = gl.minimum(m0 + BM, L_doc)
-            mask_from = m0
-            shift = 0
-        else:
-            hi = L_doc
-            mask_from = L_doc
-            shift = L_doc
-        total = gl.cdiv(hi, BN)
+        mask_from, shift, total = _dq_bounds(m0, L_doc, BM, BN, CAUSAL)
         for pi in gl.static_range(NS - 1):
             _issue_kv_tile(pi, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
                            k_s, kb_s, vb_s, sk_s, sv_s, ready, pi < total, D, BN, NS, NCH,
                            VEC_TMA)
 
-        m_idx = m0 + gl.arange(0, BM, layout=ROW)
-        m_ok = m_idx < L_doc
-        lse2 = gl.load(lse + h * T + start + m_idx, mask=m_ok,
-                       other=float("inf")) * 1.4426950408889634
-        rowf = gl.load(sq + h * T + start + m_idx, mask=m_ok, other=0.0) * qk_scale2
-        dl_i = gl.load(delta + h * T + start + m_idx, mask=m_ok, other=0.0)
+        m_idx, m_ok, lse2, rowf, dl_i = _query_scales(lse, sq, delta, h, T, start, m0, L_doc,
+                                                      qk_scale2, BM, ROW)
 
         zero = gl.zeros([BM, CH], gl.float32, L)
         zero_b = gl.zeros([BM, CH], gl.float32, LB)
@@ -546,10 +444,7 @@ if HAVE_GLUON:
 
         for jt in range(total):
             s = jt % NS
-            j0 = jt * BN
-            end = j0 + BN > L_doc
-            need_mask = j0 + BN > mask_from
-            n_idx = j0 + gl.arange(0, BN, layout=COL)
+            j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
             if NS == 1:   # no prefetch: this tile's own loads (tile jt - 1's wgmmas all done)
                 gl.thread_barrier()
                 _issue_kv_tile(jt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc,
@@ -587,12 +482,8 @@ if HAVE_GLUON:
             dp = gl.convert_layout(_mma_wait(dp_tok, 0, SYNC), L)
             sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             # _dq_tile: ds = p (dP sv_j - Delta_i); dQ operand bf16(ds sk_j)
-            b = p * (dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)) \
-                * gl.expand_dims(sk_j2, 0)
-            if need_mask:
-                ok = ((gl.expand_dims(n_idx, 0) <= gl.expand_dims(m_idx, 1) + shift)
-                      & gl.expand_dims(n_idx < L_doc, 0))
-                b = gl.where(ok, b, 0.0)
+            b = _mask_ds(p * (dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1))
+                         * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
             b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
 
             q0_tok = _mma_acc(b16, kb_s.index(s * NCH), acc0, SYNC)
@@ -606,21 +497,13 @@ if HAVE_GLUON:
                 acc0, acc1 = _wait_pair(q0_tok, q1_tok, 0, NCH, SYNC)
 
         acc0, acc1 = _wait_pair(acc0, acc1, 0, NCH, SYNC)
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-        mbarrier.invalidate(q_bar)
+        _invalidate_barriers(ready, q_bar, ready, NS, False)
 
         # --- epilogue: * sm_scale, rotate back, cast -------------------------------------------
         acc0 = gl.convert_layout(acc0, L) * sm_scale
         acc1 = gl.convert_layout(acc1, L) * sm_scale
         row_off = (start + m_idx) * stride_dqt + h * D
-        if ROTATE:
-            _rotate_store(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, D, BM, NCH, L,
-                          num_warps)
-        else:
-            _store_chunk(acc0, dq, m_ok, row_off, 0, L)
-            if NCH == 2:
-                _store_chunk(acc1, dq, m_ok, row_off, CH, L)
+        _store_out(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, ROTATE, D, BM, NCH, L, num_warps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,42 +522,22 @@ def mixed_operands(st, need_k: bool = True):
     return dob.contiguous(), vb.contiguous(), kb.contiguous() if need_k else None
 
 
-def _check_state(st, what: str):
-    if not HAVE_GLUON:
-        raise RuntimeError("triton.experimental.gluon is not available")
-    if st.recipe != RECIPE_MIXED or st.dq_atomic:
-        raise ValueError(f"the Gluon fp8_mixed {what} kernel implements fp8_mixed without "
-                         "dq_atomic")
-    if st.D not in (64, 128):
-        raise ValueError(f"the Gluon fp8_mixed {what} kernel supports D in (64, 128), not {st.D}")
-
-
 def _dkdv_args(st, cfg: MixedDkdvConfig, vecs=None, ops=None):
-    _check_state(st, "dK/dV")
-    if cfg.bm != CH_ or cfg.bn != 16 * cfg.num_warps or cfg.stages < 1:
-        raise ValueError(f"unsupported fp8_mixed dK/dV config {cfg}")
+    G._check_state(st, RECIPE_MIXED, "fp8_mixed dK/dV")
+    G._check_blocks(cfg, cfg.bn, cfg.bm, "fp8_mixed dK/dV")
     D, BM, BN = st.D, cfg.bm, cfg.bn
     dob, vb, _ = ops if ops is not None else mixed_operands(st, need_k=False)
     for x in (st.q8, st.k8, st.doT8, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk,
               st.dv, dob, vb):
         assert x.is_contiguous()
     f8, bf = gl.float8e4nv, gl.bfloat16
-    doT_desc = G.kmajor_desc(st.doT8, BM)
-    if cfg.vec_tma:
-        vecs = vecs if vecs is not None else G.padded_vectors(st)
-    else:
-        vecs = (G._dummy_vec(st.lse.device, BM),) * 4
     descs = (G.tok_major_desc(st.k8, BN, D, f8), G.tok_major_desc(vb, BN, CH_, bf),
-             G.tok_major_desc(st.q8, BM, D, f8), G.tok_major_desc(dob, BM, CH_, bf), doT_desc,
-             *(G.vec_desc(x, BM) for x in vecs))
-    grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, BN))
-    args = (*descs, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv, st.hmat, st.cu,
-            st.pcu, st.T, st.dk.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)
-    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=D, BM=BM, BN=BN, NS=cfg.stages, CAUSAL=st.causal,
-                  ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  CARRY=cfg.carry and not cfg.sync_mma, EARLY_DV=cfg.early_dv,
-                  num_warps=cfg.num_warps)
-    return grid, args, kwargs
+             G.tok_major_desc(st.q8, BM, D, f8), G.tok_major_desc(dob, BM, CH_, bf),
+             G.kmajor_desc(st.doT8, BM),
+             *G._vec_descs(st, cfg, vecs, BM, 4, G.padded_vectors, G.padded_vectors_triton))
+    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
+    return G._launch_args(st, cfg, descs, tensors, False, CARRY=cfg.carry and not cfg.sync_mma,
+                          EARLY_DV=cfg.early_dv)
 
 
 def launch_dkdv_gluon_mixed(st, config: MixedDkdvConfig | None = None, vecs=None,
@@ -682,46 +545,34 @@ def launch_dkdv_gluon_mixed(st, config: MixedDkdvConfig | None = None, vecs=None
     """dK, dV of fp8_mixed into st.dk / st.dv (the contract of backward.launch_dkdv). `vecs`:
     G.padded_vectors(st), `ops`: mixed_operands(st) when the caller already has them."""
     cfg = config or default_mixed_dkdv_config(st.D)
-    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
-        st.dk.zero_()
-        st.dv.zero_()
+    if G._no_tokens(st, st.dk, st.dv):
         return
     grid, args, kwargs = _dkdv_args(st, cfg, vecs, ops)
     _dkdv_mixed_kernel[grid](*args, **kwargs)
 
 
 def _dq_args(st, cfg: MixedDqConfig, vecs=None, ops=None):
-    _check_state(st, "dQ")
-    if cfg.bn != CH_ or cfg.bm != 16 * cfg.num_warps or cfg.stages < 1:
-        raise ValueError(f"unsupported fp8_mixed dQ config {cfg}")
+    G._check_state(st, RECIPE_MIXED, "fp8_mixed dQ")
+    G._check_blocks(cfg, cfg.bm, cfg.bn, "fp8_mixed dQ")
     D, BM, BN = st.D, cfg.bm, cfg.bn
     dob, vb, kb = ops if ops is not None else mixed_operands(st)
     for x in (st.q8, st.k8, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, dob, vb, kb):
         assert x.is_contiguous()
     f8, bf = gl.float8e4nv, gl.bfloat16
-    if cfg.vec_tma:
-        vecs = vecs if vecs is not None else G.padded_kv_vectors(st)
-    else:
-        vecs = (G._dummy_vec(st.lse.device, BN),) * 2
     descs = (G.tok_major_desc(st.q8, BM, D, f8), G.tok_major_desc(dob, BM, CH_, bf),
              G.tok_major_desc(st.k8, BN, D, f8), G.tok_major_desc(kb, BN, CH_, bf),
-             G.tok_major_desc(vb, BN, CH_, bf), *(G.vec_desc(x, BN) for x in vecs))
-    grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, BM))
-    args = (*descs, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, st.hmat, st.cu, st.pcu, st.T,
-            st.dq.stride(0), st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5)
-    kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=D, BM=BM, BN=BN, NS=cfg.stages, CAUSAL=st.causal,
-                  ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  CARRY=cfg.carry and not cfg.sync_mma and cfg.stages >= 2,
-                  num_warps=cfg.num_warps)
-    return grid, args, kwargs
+             G.tok_major_desc(vb, BN, CH_, bf),
+             *G._vec_descs(st, cfg, vecs, BN, 2, G.padded_kv_vectors, G.padded_kv_vectors_triton))
+    tensors = (st.lse, st.delta, st.sq, st.sk, st.sv, st.dq)    # (no sdo: dO was never scaled)
+    return G._launch_args(st, cfg, descs, tensors, True,
+                          CARRY=cfg.carry and not cfg.sync_mma and cfg.stages >= 2)
 
 
 def launch_dq_gluon_mixed(st, config: MixedDqConfig | None = None, vecs=None, ops=None) -> None:
     """dQ of fp8_mixed into st.dq (the contract of backward.launch_dq without dq_atomic).
     `vecs`: G.padded_kv_vectors(st), `ops`: mixed_operands(st) when already built."""
     cfg = config or default_mixed_dq_config(st.D)
-    if st.T == 0 or st.n_docs == 0 or st.max_seqlen == 0:
-        st.dq.zero_()
+    if G._no_tokens(st, st.dq):
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs, ops)
     _dq_mixed_kernel[grid](*args, **kwargs)

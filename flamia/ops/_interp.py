@@ -114,8 +114,32 @@ def install() -> None:
 # Compile-only mode: build the real sm_90a binaries on a machine without a GPU.
 # ---------------------------------------------------------------------------------------------
 
+def compile_for(fn, args, kwargs, arch: int = 90, warp_size: int = 32):
+    """Compile the Triton or Gluon JIT function `fn` for `arch` (default sm_90a) as the launch
+    `fn[grid](*args, **kwargs)` would, without a GPU: the launcher's own binder and argument
+    packing pick the same specialization and options, so the binary is the launched one."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_cls
+    else:
+        source_cls = ASTSource
+    target = GPUTarget("cuda", arch, warp_size)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                          specialization, options)
+    return triton.compile(source_cls(fn, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
 class compile_only:
-    """Context manager: kernel launches compile for `arch` (default sm_90a) instead of running.
+    """Context manager: kernel launches (Triton or Gluon) compile for `arch` (default sm_90a)
+    instead of running.
 
         with compile_only() as built:
             attention_forward(qkv_on_cpu, ...)      # launchers run as usual on CPU tensors
@@ -131,24 +155,14 @@ class compile_only:
         self.built: list = []
 
     def __enter__(self):
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
+        from triton.runtime.jit import JITFunction
 
-        target = GPUTarget("cuda", self.arch, self.warp_size)
-        backend = make_backend(target)
         built = self.built
         self._orig = JITFunction.run
 
         def run(fn, *args, grid, warmup, **kwargs):
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound_args, specialization, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
-                                                                  specialization, options)
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
-            kernel._init_handles = lambda: None
+            kernel = compile_for(fn, args, kwargs, self.arch, self.warp_size)
+            kernel._init_handles = lambda: None     # no driver to load the binary into
             built.append((fn.__name__, kernel))
             return kernel
 

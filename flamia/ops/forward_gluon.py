@@ -45,7 +45,6 @@ from dataclasses import dataclass, replace
 import torch
 
 try:   # Gluon ships with triton >= 3.5; keep this module importable without it
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -192,29 +191,120 @@ if HAVE_GLUON:      # jit code reads globals only as constexpr
 
 if HAVE_GLUON:
 
+    @gluon.constexpr_function
+    def _wgmma_layout(n, num_warps):
+        """Accumulator layout of an m64 x n wgmma: one 64-row block per warpgroup (warps
+        stacked along M)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, n, 32])
+
     @gluon.jit
-    def _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j, kv_row0, kvh,
-                 n_tiles, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    def _program_item(ITEMS, HQ):
+        """(query head, work item, document) of this program; doc < 0 marks a padding item. Head
+        fastest: the GROUP query heads of one KV head run side by side (L2 reuse)."""
+        pid = gl.program_id(0)
+        head = pid % HQ
+        item = pid // HQ
+        doc = gl.load(ITEMS + item)
+        return head, item, doc
+
+    @gluon.jit
+    def _item_span(ITEMS, CU, N_ITEMS, item, doc):
+        """(first token, length) of the item's document and the item's query block in it."""
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(CU + doc)
+        L = gl.load(CU + doc + 1) - start
+        return start, L, blk
+
+    @gluon.jit
+    def _kv_tiles(q_lo, L, shift, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """(full_end, n_tiles) of query rows [q_lo, q_lo + BM): keys < full_end are visible to
+        every row, and the rows visit KV tiles 0 .. n_tiles - 1."""
+        if CAUSAL:
+            hi = gl.minimum(q_lo + BM, L)       # keys [0, hi) visited
+            full_end = q_lo
+        else:
+            hi = L
+            full_end = L
+        return full_end, (hi + shift + BN - 1) // BN
+
+    @gluon.jit
+    def _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L, head, kvh, BM: gl.constexpr,
+                    s_layout: gl.constexpr):
+        """Per-row constants of query rows [q_lo, q_lo + BM) (the rows of S): tok0, the doc-local
+        rows, row_ok, row_f = sq * qk_scale and lr = log2(256 / cap)."""
+        tok0 = start.to(gl.int64)
+        rows = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        row_ok = rows < L
+        sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
+        row_f = sq * qk_scale
+        cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
+        # lr exact from the exponent bits (cap is a power of two or 0)
+        ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
+        return tok0, rows, row_ok, row_f, lr
+
+    @gluon.jit
+    def _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc, STAGES: gl.constexpr, BN: gl.constexpr,
+                       D: gl.constexpr):
+        """Shared memory of the STAGES-deep ring: K (BN x D), V^T (D x BN), sk and sv (1 x BN)
+        per stage, in the layouts of their TMA descriptors."""
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
+        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
+        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        return k_smem, v_smem, sk_smem, sv_smem
+
+    @gluon.jit
+    def _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j, kv_row0, kvh,
+                pred):
         """TMA K tile j (BN x D, token rows) and its sk / sv (1 x BN) into K-ring stage j % STAGES
-        (the scales ride on K's barrier: both are needed for S_j's softmax)."""
+        (the scales ride on K's barrier: both are needed for S_j's softmax). Sizes come from the
+        buffers' types: constexpr arguments of a worker partition arrive as tensors in 3.6."""
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        D: gl.constexpr = k_smem.type.shape[2]
         st = j % STAGES
-        pred = j < n_tiles
         row = kv_row0 + j * BN
-        bk = bar_k.index(st)
+        bk = k_ready.index(st)
         mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st), pred)
         tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st), pred)
         tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st), pred)
 
     @gluon.jit
-    def _issue_v(v_desc, v_smem, bar_v, j, kv_row0, kvh, n_tiles, D: gl.constexpr,
-                 BN: gl.constexpr, STAGES: gl.constexpr):
+    def _load_v(v_desc, v_smem, v_ready, j, kv_row0, kvh, pred):
         """TMA V^T tile j (D x BN, from vt8) into V-ring stage j % STAGES."""
+        STAGES: gl.constexpr = v_smem.type.shape[0]
+        D: gl.constexpr = v_smem.type.shape[1]
+        BN: gl.constexpr = v_smem.type.shape[2]
         st = j % STAGES
-        bv = bar_v.index(st)
+        bv = v_ready.index(st)
+        mbarrier.expect(bv, v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [kvh * D, kv_row0 + j * BN], bv, v_smem.index(st),
+                                        pred)
+
+    @gluon.jit
+    def _load_v_bounded(v_desc, v_smem, v_ready, j, kv_row0, kvh, n_tiles):
+        """_load_v with pred = j < n_tiles (the plain kernel's loads), formed here after the
+        barrier address rather than by the caller: that is the plain kernel's PTX order."""
+        STAGES: gl.constexpr = v_smem.type.shape[0]
+        D: gl.constexpr = v_smem.type.shape[1]
+        BN: gl.constexpr = v_smem.type.shape[2]
+        st = j % STAGES
+        bv = v_ready.index(st)
         mbarrier.expect(bv, v_desc.block_type.nbytes, pred=j < n_tiles)
         tma.async_copy_global_to_shared(v_desc, [kvh * D, kv_row0 + j * BN], bv, v_smem.index(st),
                                         j < n_tiles)
+
+    @gluon.jit
+    def _issue_qk(q_tile, k_tile, s_layout: gl.constexpr):
+        """S = Q K^T of one KV tile, as an async wgmma into a fresh accumulator."""
+        BM: gl.constexpr = q_tile.type.shape[0]
+        BN: gl.constexpr = k_tile.type.shape[0]
+        return warpgroup_mma(q_tile, k_tile.permute((1, 0)),
+                             gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
+                             is_async=True)
 
     @gluon.jit
     def _scale_view(ring, st, BN: gl.constexpr):
@@ -237,16 +327,17 @@ if HAVE_GLUON:
                                              dtype=gl.float32, is_pure=True, pack=8)
 
     @gluon.jit
-    def _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                      BN: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                      col_layout: gl.constexpr, p_layout: gl.constexpr,
-                      FOLD: gl.constexpr = False, POLY: gl.constexpr = 0):
+    def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                        MASKED: gl.constexpr, CAUSAL: gl.constexpr, o_layout: gl.constexpr,
+                        FOLD: gl.constexpr = False, POLY: gl.constexpr = 0):
         """Online softmax of one S tile, written like forward._attn_inner (log2 units, lr riding
         on the subtracted max) -> (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
 
         sk / sv are read from their shared-memory stage here (short register live ranges). On
         masked tiles keys outside the document hold a neighbour's scales (maybe NaN): their
         scores become -inf and their sv 0, as the Triton kernel's masked loads give."""
+        BN: gl.constexpr = s.type.shape[1]
+        col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
         s = s * gl.expand_dims(sk_s.load(col_layout), 0)
         if MASKED:
             cols = n0 + gl.arange(0, BN, layout=col_layout)
@@ -273,8 +364,26 @@ if HAVE_GLUON:
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
-        a = gl.convert_layout(a, p_layout)
+        a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
         return a, m_new, l_i, alpha
+
+    @gluon.jit
+    def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
+                      CAUSAL: gl.constexpr, o_layout: gl.constexpr, FOLD: gl.constexpr,
+                      POLY: gl.constexpr):
+        """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
+        stage st: masked where the tile reaches outside the document or past full_end, the
+        FOLD / POLY variants elsewhere."""
+        BN: gl.constexpr = s.type.shape[1]
+        sk_s = _scale_view(sk_smem, st, BN)
+        sv_s = _scale_view(sv_smem, st, BN)
+        if (n0 < 0) | (n0 + BN > full_end):
+            a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                                 True, CAUSAL, o_layout)
+        else:
+            a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
+                                                 False, CAUSAL, o_layout, FOLD, POLY)
+        return a, m_i, l_i, alpha
 
     @gluon.jit
     def _any_rescale(alpha):
@@ -285,13 +394,18 @@ if HAVE_GLUON:
         return gl.max(gl.where(alpha != 1.0, 1, 0), axis=0) != 0
 
     @gluon.jit
-    def _zero_v_outside(v_tile, n0, L, D: gl.constexpr, BN: gl.constexpr,
-                        num_warps: gl.constexpr):
+    def _mul_rows(acc, x):
+        """acc * x[:, None]: x holds one value per row (in any layout)."""
+        return acc * gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout)), 1)
+
+    @gluon.jit
+    def _zero_v_outside(v_tile, n0, L, num_warps: gl.constexpr):
         """Zero the V^T columns (keys) of a ring stage that lie outside the document, in place.
 
         Their P is 0, but 0 * NaN is NaN in the MMA: keys of a neighbouring document (head tile,
         document end) must not let its NaN/Inf in (P2). Only for the <= 2 edge tiles per item.
         """
+        BN: gl.constexpr = v_tile.type.shape[1]
         TPW_N: gl.constexpr = BN // 16
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
         v = v_tile.load(blk)
@@ -303,51 +417,56 @@ if HAVE_GLUON:
         gl.thread_barrier()       # every thread's columns written before any warp issues PV
 
     @gluon.jit
+    def _wait_v(v_smem, v_ready, st, j, n0, L, num_warps: gl.constexpr):
+        """Wait for V^T tile j (ring stage st, keys from n0) and zero its keys outside the
+        document if it is an edge tile, before the PV wgmma reads it."""
+        STAGES: gl.constexpr = v_smem.type.shape[0]
+        BN: gl.constexpr = v_smem.type.shape[2]
+        mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
+        if (n0 < 0) | (n0 + BN > L):
+            _zero_v_outside(v_smem.index(st), n0, L, num_warps)
+
+    @gluon.jit
+    def _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows, row_ok,
+                   L, head):
+        """Epilogue of query rows [q_lo, q_lo + BM): O = acc / l' and
+        lse = ln2 * (m + log2 l' - lr)."""
+        BM: gl.constexpr = acc.type.shape[0]
+        D: gl.constexpr = acc.type.shape[1]
+        inv_l = 1.0 / l_i
+        out = _mul_rows(acc, inv_l)
+        rows_o = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
+        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
+                  + gl.expand_dims(offs_d, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
+        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
+        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+
+    @gluon.jit
     def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O, LSE, ITEMS,
                                CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
                                D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                FOLD: gl.constexpr, LAZY: gl.constexpr, POLY: gl.constexpr,
                                num_warps: gl.constexpr):
-        # ---- layouts: one m64 wgmma row block per warpgroup (warps stacked along M) ----
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 32])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        s_layout: gl.constexpr = _wgmma_layout(BN, num_warps)
+        o_layout: gl.constexpr = _wgmma_layout(D, num_warps)
 
-        # Head fastest: the GROUP query heads of one KV head run side by side (L2 reuse).
-        pid = gl.program_id(0)
-        head = pid % HQ
-        item = pid // HQ
-        doc = gl.load(ITEMS + item)
+        head, item, doc = _program_item(ITEMS, HQ)
         if doc < 0:
             return
-        blk = gl.load(ITEMS + N_ITEMS + item)
-        start = gl.load(CU + doc)
-        L = gl.load(CU + doc + 1) - start
+        start, L, blk = _item_span(ITEMS, CU, N_ITEMS, item, doc)
         kvh = head // GROUP
         q_lo = blk * BM
         shift = start % 16
         kv_row0 = start - shift                 # absolute, 16-aligned row of KV tile 0
-        if CAUSAL:
-            hi = gl.minimum(q_lo + BM, L)       # keys [0, hi) visited
-            full_end = q_lo                     # keys < q_lo are visible to every row
-        else:
-            hi = L
-            full_end = L
-        n_tiles = (hi + shift + BN - 1) // BN
+        full_end, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
 
         # ---- shared memory: Q, a STAGES-deep ring of K, V^T, sk, sv; mbarriers ----
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
-        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
-        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
+                                                          STAGES, BN, D)
         bar_q = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -359,43 +478,28 @@ if HAVE_GLUON:
         mbarrier.expect(bar_q.index(0), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D], bar_q.index(0), q_smem)
         for i in gl.static_range(STAGES):
-            _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, i, kv_row0, kvh,
-                     n_tiles, D, BN, STAGES)
+            _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, i, kv_row0, kvh,
+                    i < n_tiles)
         for i in gl.static_range(STAGES):
-            _issue_v(v_desc, v_smem, bar_v, i, kv_row0, kvh, n_tiles, D, BN, STAGES)
+            _load_v_bounded(v_desc, v_smem, bar_v, i, kv_row0, kvh, n_tiles)
 
         # ---- per-row state (overlaps the first loads) ----
-        tok0 = start.to(gl.int64)
-        rows = q_lo + gl.arange(0, BM, layout=row_s)            # doc-local query rows
-        row_ok = rows < L
-        sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
-        row_f = sq * qk_scale
-        cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
-        # lr = log2(256 / cap): exact from the exponent bits (cap is a power of two or 0)
-        ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
-        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
+        tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L, head,
+                                                    kvh, BM, s_layout)
+        m_i = gl.full_like(row_f, float("-inf"))
+        l_i = gl.zeros_like(row_f)
 
         # ---- tile 0: S_0, softmax (no PV in flight yet) ----
         n0 = -shift
         mbarrier.wait(bar_q.index(0), 0)
         mbarrier.wait(bar_k.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
-                          gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = _issue_qk(q_smem, k_smem.index(0), s_layout)
         s = warpgroup_mma_wait(0, deps=[s])
-        sk_s = _scale_view(sk_smem, 0, BN)
-        sv_s = _scale_view(sv_smem, 0, BN)
-        if (n0 < 0) | (n0 + BN > full_end):
-            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, True, CAUSAL, col_s, p_layout)
-        else:
-            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, False, CAUSAL, col_s, p_layout,
-                                               FOLD, POLY)
+        a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, 0, m_i, l_i, row_f, lr, rows, n0,
+                                           L, full_end, CAUSAL, o_layout, FOLD, POLY)
         # K stage 0 is free (S_0 done, its scales read): refill it with tile STAGES
-        _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, STAGES, kv_row0, kvh,
-                 n_tiles, D, BN, STAGES)
+        _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, STAGES, kv_row0, kvh,
+                STAGES < n_tiles)
         acc = gl.zeros([BM, D], gl.float32, o_layout)
 
         # ---- steady state: S_j in flight with PV_{j-1}; softmax_j overlaps PV_{j-1} ----
@@ -405,26 +509,17 @@ if HAVE_GLUON:
             n0_prev = n0
             n0 = j * BN - shift
             mbarrier.wait(bar_k.index(st), (j // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)),
-                              gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
-            mbarrier.wait(bar_v.index(pst), ((j - 1) // STAGES) & 1)
-            if (n0_prev < 0) | (n0_prev + BN > L):
-                _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, num_warps)
+            s = _issue_qk(q_smem, k_smem.index(st), s_layout)
+            _wait_v(v_smem, bar_v, pst, j - 1, n0_prev, L, num_warps)
             acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
-            sk_s = _scale_view(sk_smem, st, BN)
-            sv_s = _scale_view(sv_smem, st, BN)
-            if (n0 < 0) | (n0 + BN > full_end):
-                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, True, CAUSAL, col_s, p_layout)
-            else:
-                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, False, CAUSAL, col_s, p_layout,
-                                               FOLD, POLY)
+            a_new, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
+                                                   rows, n0, L, full_end, CAUSAL, o_layout, FOLD,
+                                                   POLY)
             # K stage st is free (S_j done, its scales read): tile j + STAGES gets a full
             # iteration of slack even with two stages
-            _issue_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j + STAGES,
-                     kv_row0, kvh, n_tiles, D, BN, STAGES)
+            _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, bar_k, j + STAGES,
+                    kv_row0, kvh, j + STAGES < n_tiles)
             if LAZY:
                 resc = _any_rescale(alpha)
             # The PV wgmma reads `a` from registers until this wait (fp8 values cannot be wait
@@ -432,19 +527,17 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=[acc])
             if LAZY:
                 if resc:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    acc = _mul_rows(acc, alpha)
             else:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = _mul_rows(acc, alpha)
             a = a_new
             # V stage pst is free (read by the PV just waited on)
-            _issue_v(v_desc, v_smem, bar_v, j - 1 + STAGES, kv_row0, kvh, n_tiles, D, BN, STAGES)
+            _load_v_bounded(v_desc, v_smem, bar_v, j - 1 + STAGES, kv_row0, kvh, n_tiles)
 
         # ---- last PV ----
         last = n_tiles - 1
         lst = last % STAGES
-        mbarrier.wait(bar_v.index(lst), (last // STAGES) & 1)
-        if (n0 < 0) | (n0 + BN > L):
-            _zero_v_outside(v_smem.index(lst), n0, L, D, BN, num_warps)
+        _wait_v(v_smem, bar_v, lst, last, n0, L, num_warps)
         acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
 
@@ -453,46 +546,14 @@ if HAVE_GLUON:
             mbarrier.invalidate(bar_k.index(i))
             mbarrier.invalidate(bar_v.index(i))
 
-        # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
-        inv_l = 1.0 / l_i
-        out = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        rows_o = q_lo + gl.arange(0, BM, layout=row_o)
-        offs_d = gl.arange(0, D, layout=col_o)
-        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
-                  + gl.expand_dims(offs_d, 0))
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
-        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
-        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+        _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows, row_ok,
+                   L, head)
+
     # -----------------------------------------------------------------------------------------
     # Warp-specialized variant: a 1-warp producer issues every TMA load into an empty/ready
     # mbarrier ring; each consumer warpgroup (64 query rows) runs the loop body above with the
     # TMA issues replaced by releases of the stages it has finished reading.
     # -----------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j, kv_row0, kvh,
-                   pred):
-        STAGES: gl.constexpr = k_smem.type.shape[0]
-        BN: gl.constexpr = k_smem.type.shape[1]
-        D: gl.constexpr = k_smem.type.shape[2]
-        st = j % STAGES
-        row = kv_row0 + j * BN
-        bk = k_ready.index(st)
-        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st), pred)
-        tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st), pred)
-        tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st), pred)
-
-    @gluon.jit
-    def _ws_load_v(v_desc, v_smem, v_ready, j, kv_row0, kvh, pred):
-        STAGES: gl.constexpr = v_smem.type.shape[0]
-        D: gl.constexpr = v_smem.type.shape[1]
-        BN: gl.constexpr = v_smem.type.shape[2]
-        st = j % STAGES
-        bv = v_ready.index(st)
-        mbarrier.expect(bv, v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [kvh * D, kv_row0 + j * BN], bv, v_smem.index(st),
-                                        pred)
 
     @gluon.jit
     def _ws_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem,
@@ -503,7 +564,7 @@ if HAVE_GLUON:
 
         One release barrier per step instead of separate K / V empties because Triton 3.6 puts
         a partition-wide bar.sync in front of every mbarrier.arrive. Sizes come from the
-        buffers' types: constexpr arguments of a worker partition arrive as tensors in 3.6."""
+        buffers' types (see _load_k)."""
         NC: gl.constexpr = q_smem.type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[2]
@@ -512,15 +573,15 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, head * D], bar_q.index(0),
                                             q_smem.index(c))
         for i in gl.static_range(STAGES):
-            _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, i, kv_row0,
-                       kvh, i < n_tiles)
+            _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, i, kv_row0,
+                    kvh, i < n_tiles)
         for i in gl.static_range(STAGES):
-            _ws_load_v(v_desc, v_smem, v_ready, i, kv_row0, kvh, i < n_tiles)
+            _load_v(v_desc, v_smem, v_ready, i, kv_row0, kvh, i < n_tiles)
         for j in range(0, n_tiles - STAGES + 1):
             mbarrier.wait(rel.index(j % STAGES), (j // STAGES) & 1)
-            _ws_load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j + STAGES,
-                       kv_row0, kvh, j + STAGES < n_tiles)
-            _ws_load_v(v_desc, v_smem, v_ready, j + STAGES - 1, kv_row0, kvh, j > 0)
+            _load_k(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, j + STAGES,
+                    kv_row0, kvh, j + STAGES < n_tiles)
+            _load_v(v_desc, v_smem, v_ready, j + STAGES - 1, kv_row0, kvh, j > 0)
 
     @gluon.jit
     def _ws_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, bar_q, k_ready, v_ready, rel,
@@ -533,47 +594,23 @@ if HAVE_GLUON:
         op (same tile grid, same softmax / rounding / rescale order), so results are bitwise
         those of the single-partition kernel up to the wgmma's own rounding."""
         BM: gl.constexpr = 16 * NW
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 32])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
+        o_layout: gl.constexpr = _wgmma_layout(D, NW)
 
         q_lo = q_lo0 + CID * BM
         shift = start % 16
-        if CAUSAL:
-            hi = gl.minimum(q_lo + BM, L)
-            full_end = q_lo
-        else:
-            hi = L
-            full_end = L
         # With two consumers the producer runs to the second one's n_tiles (>= this one's, by
         # at most one tile); the extra tile needs no release: nothing is loaded after it.
-        n_tiles = (hi + shift + BN - 1) // BN
+        full_end, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
         if PP:
             # the other consumer's tile count: both run max(n) + 1 turns (the extra ones empty)
             # so that neither waits for a hand-over that never comes
-            q_lo_o = q_lo0 + (1 - CID) * BM
-            if CAUSAL:
-                hi_o = gl.minimum(q_lo_o + BM, L)
-            else:
-                hi_o = L
-            n_other = (hi_o + shift + BN - 1) // BN
+            _, n_other = _kv_tiles(q_lo0 + (1 - CID) * BM, L, shift, BM, BN, CAUSAL)
 
-        tok0 = start.to(gl.int64)
-        rows = q_lo + gl.arange(0, BM, layout=row_s)
-        row_ok = rows < L
-        sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
-        row_f = sq * qk_scale
-        cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
-        ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
-        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
+        tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L, head,
+                                                    kvh, BM, s_layout)
+        m_i = gl.full_like(row_f, float("-inf"))
+        l_i = gl.zeros_like(row_f)
         q_tile = q_smem.index(CID)
 
         # ---- tile 0 ----
@@ -583,20 +620,12 @@ if HAVE_GLUON:
         if PP:
             if CID == 1:                        # consumer 0 takes the first turn
                 mbarrier.wait(turn.index(1), 0)
-        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
-                          gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = _issue_qk(q_tile, k_smem.index(0), s_layout)
         if PP:
             _pp_handover(turn, CID)
         s = warpgroup_mma_wait(0, deps=[s])
-        sk_s = _scale_view(sk_smem, 0, BN)
-        sv_s = _scale_view(sv_smem, 0, BN)
-        if (n0 < 0) | (n0 + BN > full_end):
-            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, True, CAUSAL, col_s, p_layout)
-        else:
-            a, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                               BN, False, CAUSAL, col_s, p_layout,
-                                               FOLD, POLY)
+        a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, 0, m_i, l_i, row_f, lr, rows, n0,
+                                           L, full_end, CAUSAL, o_layout, FOLD, POLY)
         _ws_release(rel, 0)                     # r_0: K_0 (and its scales) read
         acc = gl.zeros([BM, D], gl.float32, o_layout)
 
@@ -609,33 +638,19 @@ if HAVE_GLUON:
             if PP:
                 # data first, then the turn: the turn is held only while issuing (FA3 ping-pong:
                 # this group's GEMMs queue behind the other's, its softmax runs under them)
-                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-                if (n0_prev < 0) | (n0_prev + BN > L):
-                    _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
+                _wait_v(v_smem, v_ready, pst, j - 1, n0_prev, L, NW)
                 _pp_acquire(turn, CID, j)
-                s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
-                                  gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
-                                  is_async=True)
+                s = _issue_qk(q_tile, k_smem.index(st), s_layout)
                 acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
                 _pp_handover(turn, CID)
             else:
-                s = warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
-                                  gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
-                                  is_async=True)
-                mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-                if (n0_prev < 0) | (n0_prev + BN > L):
-                    _zero_v_outside(v_smem.index(pst), n0_prev, L, D, BN, NW)
+                s = _issue_qk(q_tile, k_smem.index(st), s_layout)
+                _wait_v(v_smem, v_ready, pst, j - 1, n0_prev, L, NW)
                 acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
-            sk_s = _scale_view(sk_smem, st, BN)
-            sv_s = _scale_view(sv_smem, st, BN)
-            if (n0 < 0) | (n0 + BN > full_end):
-                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, True, CAUSAL, col_s, p_layout)
-            else:
-                a_new, m_i, l_i, alpha = _softmax_tile(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows,
-                                                       n0, L, BN, False, CAUSAL, col_s, p_layout,
-                                               FOLD, POLY)
+            a_new, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
+                                                   rows, n0, L, full_end, CAUSAL, o_layout, FOLD,
+                                                   POLY)
             if LAZY:
                 resc = _any_rescale(alpha)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -645,16 +660,14 @@ if HAVE_GLUON:
             _ws_release(rel, st)
             if LAZY:
                 if resc:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    acc = _mul_rows(acc, alpha)
             else:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = _mul_rows(acc, alpha)
             a = a_new
 
         last = n_tiles - 1
         lst = last % STAGES
-        mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
-        if (n0 < 0) | (n0 + BN > L):
-            _zero_v_outside(v_smem.index(lst), n0, L, D, BN, NW)
+        _wait_v(v_smem, v_ready, lst, last, n0, L, NW)
         if PP:
             _pp_acquire(turn, CID, n_tiles)
         acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
@@ -665,15 +678,8 @@ if HAVE_GLUON:
                 _pp_handover(turn, CID)
         acc = warpgroup_mma_wait(0, deps=[acc])
 
-        inv_l = 1.0 / l_i
-        out = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        rows_o = q_lo + gl.arange(0, BM, layout=row_o)
-        offs_d = gl.arange(0, D, layout=col_o)
-        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
-                  + gl.expand_dims(offs_d, 0))
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
-        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
-        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+        _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows, row_ok,
+                   L, head)
 
     @gluon.jit
     def _pp_acquire(turn, CID: gl.constexpr, k):
@@ -705,30 +711,20 @@ if HAVE_GLUON:
                                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                   FOLD: gl.constexpr, LAZY: gl.constexpr, POLY: gl.constexpr,
                                   PP: gl.constexpr, num_warps: gl.constexpr):
-        pid = gl.program_id(0)
-        head = pid % HQ
-        item = pid // HQ
-        doc = gl.load(ITEMS + item)
+        head, item, doc = _program_item(ITEMS, HQ)
         if doc < 0:
             return
-        blk = gl.load(ITEMS + N_ITEMS + item)
-        start = gl.load(CU + doc)
-        L = gl.load(CU + doc + 1) - start
+        start, L, blk = _item_span(ITEMS, CU, N_ITEMS, item, doc)
         kvh = head // GROUP
         q_lo = blk * BM
         shift = start % 16
         kv_row0 = start - shift
-        if CAUSAL:
-            hi = gl.minimum(q_lo + BM, L)       # the last consumer's rows reach furthest
-        else:
-            hi = L
-        n_tiles = (hi + shift + BN - 1) // BN
+        # the producer loads for the whole item: the last consumer's rows reach furthest
+        _, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NC, 64, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
-        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
-        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
+                                                          STAGES, BN, D)
         bar_q = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -909,48 +905,6 @@ PTX_COUNTS = {
 }
 
 
-class gluon_compile_only:
-    """Context manager: Gluon (and Triton) kernel launches compile for sm_90a instead of running.
-
-    Like flamia.ops._interp.compile_only, but builds a GluonASTSource for Gluon functions. Needs
-    TRITON_INTERPRET unset when the kernels were defined (real JIT functions).
-    """
-
-    def __init__(self, arch: int = 90, warp_size: int = 32):
-        self.arch, self.warp_size = arch, warp_size
-        self.built: list = []
-
-    def __enter__(self):
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
-        from triton.experimental.gluon._runtime import GluonASTSource
-        from triton.runtime.jit import JITFunction, create_function_from_signature
-
-        target = GPUTarget("cuda", self.arch, self.warp_size)
-        backend = make_backend(target)
-        built = self.built
-        self._orig = JITFunction.run
-
-        def run(fn, *args, grid, warmup, **kwargs):
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound_args, specialization, options = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
-                                                                  specialization, options)
-            src_cls = GluonASTSource if fn.is_gluon() else ASTSource
-            kernel = triton.compile(src_cls(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
-            built.append((fn.__name__, kernel))
-            return kernel
-
-        JITFunction.run = run
-        return built
-
-    def __exit__(self, *exc):
-        from triton.runtime.jit import JITFunction
-        JITFunction.run = self._orig
-        return False
-
-
 def _fake_qkv(T: int, Hq: int, Hkv: int, D: int) -> QuantizedQKV:
     f8 = torch.float8_e4m3fn
     z = lambda *s: torch.zeros(*s, dtype=f8)            # noqa: E731
@@ -963,12 +917,12 @@ def _fake_qkv(T: int, Hq: int, Hkv: int, D: int) -> QuantizedQKV:
 def compile_report(cfg: GluonFwdConfig, D: int, causal: bool = True, T: int = 4096, Hq: int = 8,
                    Hkv: int = 2) -> dict:
     """Compile the Gluon forward for sm_90a on the CPU; registers / spills / smem / PTX counts."""
-    from ._interp import resource_usage
+    from ._interp import compile_only, resource_usage
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_report needs TRITON_INTERPRET unset (run it in a subprocess)")
     qkv = _fake_qkv(T, Hq, Hkv, D)
     cu = torch.tensor([0, T], dtype=torch.int32)
-    with gluon_compile_only() as built:
+    with compile_only() as built:
         attention_forward_gluon(qkv, cu, T, causal, None, torch.bfloat16, config=cfg)
     (_, kern), = built
     u = resource_usage(kern)

@@ -1393,19 +1393,8 @@ def compile_dq_sm90(st, config: GluonDqConfig | None = None):
 
 
 def _compile_sm90(fn, args, kwargs):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
-                                                          specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    from ._interp import compile_for
+    return compile_for(fn, args, kwargs)
 
 
 def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,

@@ -304,3 +304,46 @@ def test_degenerate_documents():
     qkv = B.QuantizedQKV("bf16", z, z[:, :HKV], z[:, :HKV], None, None, None, None, False)
     dq, dk, dv = B.attention_backward(z, z, torch.zeros(HQ, 0), qkv, cu0, 0)
     assert dq.shape == (0, HQ, D) and dk.shape == (0, HKV, D) and dv.shape == (0, HKV, D)
+
+
+def test_gluon_routing(monkeypatch):
+    """Which backward kernels a state runs on an sm_90 GPU (the routing only: CUDA faked)."""
+    from types import SimpleNamespace
+
+    from flamia.ops import backward_gluon, backward_gluon_mixed
+    if not backward_gluon.HAVE_GLUON:
+        pytest.skip("triton.experimental.gluon not available")
+    calls = []
+    for mod, name in ((backward_gluon, "launch_dkdv_gluon"), (backward_gluon, "launch_dq_gluon"),
+                      (backward_gluon_mixed, "launch_dkdv_gluon_mixed"),
+                      (backward_gluon_mixed, "launch_dq_gluon_mixed")):
+        monkeypatch.setattr(mod, name, lambda st, name=name: calls.append(name))
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+
+    def state(recipe, **kw):
+        fields = dict(recipe=B.RECIPE_IDS[recipe], dq_atomic=False, interp=False, D=128,
+                      dk=SimpleNamespace(is_cuda=True, device="cuda:0"), cfg=B.BwdConfig())
+        fields.update(kw)
+        return SimpleNamespace(**fields)
+
+    def route(st):
+        calls.clear()
+        for fn in (B.launch_dkdv, B.launch_dq):
+            try:
+                fn(st)
+            except Exception:       # a Triton launch on the fake state: not a Gluon route
+                calls.append("triton")
+        return calls[:]
+
+    assert route(state("fp8")) == ["launch_dkdv_gluon", "launch_dq_gluon"]
+    assert route(state("fp8_mixed")) == ["launch_dkdv_gluon_mixed", "launch_dq_gluon_mixed"]
+    assert route(state("bf16")) == ["triton", "triton"]
+    assert route(state("fp8", D=96)) == ["triton", "triton"]
+    assert route(state("fp8", cfg=B.BwdConfig(gluon_dkdv=False))) == ["triton",
+                                                                      "launch_dq_gluon"]
+    monkeypatch.setenv("FLAMIA_GLUON", "0")
+    assert route(state("fp8_mixed")) == ["triton", "triton"]
+    monkeypatch.delenv("FLAMIA_GLUON")
+    cap["value"] = (10, 0)                   # not Hopper
+    assert route(state("fp8")) == ["triton", "triton"]

@@ -317,15 +317,18 @@ def test_gluon_routing(monkeypatch):
     for mod, name in ((backward_gluon, "launch_dkdv_gluon"), (backward_gluon, "launch_dq_gluon"),
                       (backward_gluon_mixed, "launch_dkdv_gluon_mixed"),
                       (backward_gluon_mixed, "launch_dq_gluon_mixed")):
-        monkeypatch.setattr(mod, name, lambda st, name=name: calls.append(name))
+        monkeypatch.setattr(mod, name, lambda st, name=name, **kw: calls.append((name, kw)))
     cap = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
 
     def state(recipe, **kw):
         fields = dict(recipe=B.RECIPE_IDS[recipe], dq_atomic=False, interp=False, D=128,
-                      dk=SimpleNamespace(is_cuda=True, device="cuda:0"), cfg=B.BwdConfig())
+                      dk=SimpleNamespace(is_cuda=True, device="cuda:0"), cfg=B.BwdConfig(),
+                      mixed_ops=mixed_ops)
         fields.update(kw)
         return SimpleNamespace(**fields)
+
+    mixed_ops = ("dob", "vb", "kb")          # as if already built: no conversion on the fake
 
     def route(st):
         calls.clear()
@@ -333,11 +336,12 @@ def test_gluon_routing(monkeypatch):
             try:
                 fn(st)
             except Exception:       # a Triton launch on the fake state: not a Gluon route
-                calls.append("triton")
-        return calls[:]
+                calls.append(("triton", {}))
+        return [name for name, _ in calls]
 
     assert route(state("fp8")) == ["launch_dkdv_gluon", "launch_dq_gluon"]
     assert route(state("fp8_mixed")) == ["launch_dkdv_gluon_mixed", "launch_dq_gluon_mixed"]
+    assert [kw["ops"] for _, kw in calls] == [mixed_ops, mixed_ops]   # bf16 operands built once
     assert route(state("bf16")) == ["triton", "triton"]
     assert route(state("fp8", D=96)) == ["triton", "triton"]
     assert route(state("fp8", cfg=B.BwdConfig(gluon_dkdv=False))) == ["triton",

@@ -656,6 +656,9 @@ class BwdState:
     # None for bf16.
     pcu: torch.Tensor | None = None       # (n_docs + 1,) int32
     tok_of_col: torch.Tensor | None = None    # (Tp,) int32
+    # fp8_mixed on the Gluon kernels: bf16 dO, V, K (backward_gluon_mixed.mixed_operands), built
+    # once for the dK/dV and the dQ launch
+    mixed_ops: tuple | None = None
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
@@ -770,6 +773,15 @@ def _gluon_applies(st: BwdState, enabled: bool, recipes=(RECIPE_IDS["fp8"],)) ->
     return backward_gluon.HAVE_GLUON and st.D in (64, 128)
 
 
+def _mixed_operands(st: BwdState) -> tuple:
+    """fp8_mixed's bf16 GEMM operands, converted once per backward call (dK/dV and dQ share
+    dO and V; K's copy is made with them, for the dQ launch)."""
+    if st.mixed_ops is None:
+        from .backward_gluon_mixed import mixed_operands
+        st.mixed_ops = mixed_operands(st)
+    return st.mixed_ops
+
+
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
     if _gluon_applies(st, cfg.gluon_dkdv, (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])):
@@ -778,7 +790,7 @@ def launch_dkdv(st: BwdState) -> None:
             launch_dkdv_gluon(st)
         else:   # dK bitwise the Triton kernel's; dV by the FA rule (BM 64 vs 32 tile scales)
             from .backward_gluon_mixed import launch_dkdv_gluon_mixed
-            launch_dkdv_gluon_mixed(st)
+            launch_dkdv_gluon_mixed(st, ops=_mixed_operands(st))
         return
     if cfg.split_dkdv:
         _launch_dkdv(st, cfg.kv_bm, True, False)
@@ -815,7 +827,7 @@ def launch_dq(st: BwdState) -> None:
             launch_dq_gluon(st)
         else:
             from .backward_gluon_mixed import launch_dq_gluon_mixed
-            launch_dq_gluon_mixed(st)
+            launch_dq_gluon_mixed(st, ops=_mixed_operands(st))
         return
     if st.dq_atomic:     # the dK/dV launch accumulated dq_acc
         _dq_finalize[(triton.cdiv(st.T, cfg.pre_bt), st.Hq)](

@@ -20,7 +20,8 @@ import torch  # noqa: E402
 
 from flamia.bench.workloads import load_workloads  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
-from flamia.interface import flamia_attn_varlen_func  # noqa: E402
+
+from profile_call import call_fn  # noqa: E402  (benchmarks/: the same call profile_call times)
 
 
 def main():
@@ -35,14 +36,7 @@ def main():
                            device="cuda", seed=0)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     dout = torch.randn_like(q)
-    L = max(w.doc_lengths)
-
-    def call():
-        out = flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=args.recipe,
-                                      check_finite=False)
-        if not args.forward_only:
-            torch.autograd.grad(out, (q, k, v), dout)
-
+    call = call_fn(q, k, v, cu, max(w.doc_lengths), args.recipe, dout, args.forward_only)
     for _ in range(2):
         call()
     torch.cuda.synchronize()

@@ -8,15 +8,9 @@ registers and spills). Numerics are checked on the H200 by benchmarks/bwd_gluon_
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _sm90 import compile_report
 
 # Spill budget (bytes of spill stores per thread). Measured when written: D=128 180 (causal) /
 # 336 (not causal), D=64 0; the Triton fp8 dK/dV kernel spills ~384 B at D=128.
@@ -50,28 +44,9 @@ print("REPORT" + json.dumps(out))
 """ % (LADDER,)
 
 
-def _gluon_available() -> bool:
-    try:
-        import triton.experimental.gluon  # noqa: F401
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-    except Exception:   # noqa: BLE001
-        return False
-    import triton
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    return ptxas.exists()
-
-
 @pytest.fixture(scope="module")
 def report():
-    if not _gluon_available():
-        pytest.skip("triton.experimental.gluon (Hopper) or the bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"sm_90a compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_report(_SCRIPT, timeout=600)
 
 
 def test_module_imports_without_gpu():
@@ -177,15 +152,7 @@ print("REPORT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def dq_report():
-    if not _gluon_available():
-        pytest.skip("triton.experimental.gluon (Hopper) or the bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _DQ_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"sm_90a compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_report(_DQ_SCRIPT, timeout=600)
 
 
 def _dq_loop_wgmma(D: int) -> int:
@@ -292,15 +259,7 @@ print("REPORT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def variant_report():
-    if not _gluon_available():
-        pytest.skip("triton.experimental.gluon (Hopper) or the bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _VAR_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"sm_90a compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_report(_VAR_SCRIPT, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

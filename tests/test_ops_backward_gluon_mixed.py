@@ -8,15 +8,9 @@ Gluon does not run in the interpreter). Numerics: benchmarks/bwd_gluon_dev.py --
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _sm90 import compile_report
 
 # Spill stores (bytes / thread). Measured when written (default configs): dK/dV D=128 144
 # (causal) / 160, D=64 0; dQ 0 everywhere (196 regs at D=128).
@@ -62,27 +56,9 @@ print("REPORT" + json.dumps(out))
 """ % (DKDV_LADDER, DQ_LADDER)
 
 
-def _gluon_available() -> bool:
-    try:
-        import triton.experimental.gluon  # noqa: F401
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-    except Exception:   # noqa: BLE001
-        return False
-    import triton
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
 @pytest.fixture(scope="module")
 def report():
-    if not _gluon_available():
-        pytest.skip("triton.experimental.gluon (Hopper) or the bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"sm_90a compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_report(_SCRIPT, timeout=900)
 
 
 def _get(report, kernel, D, causal, config="default"):

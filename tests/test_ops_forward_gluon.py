@@ -9,14 +9,11 @@ on the H200 by benchmarks/fwd_gluon_dev.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from _sm90 import compile_report, gluon_available
 
 _SCRIPT = r"""
 import json, sys
@@ -25,31 +22,17 @@ out = []
 for name, D, causal in json.loads(sys.argv[1]):
     u = compile_report(CONFIGS[name], D, causal)
     out.append({k: v for k, v in u.items() if k not in ("ptx", "kernel")} | {"name": name, "D": D})
-print("RESULT" + json.dumps(out))
+print("REPORT" + json.dumps(out))
 """
 
 SPILL_BOUND = 64      # bytes of spill stores tolerated (today: 0 for every config)
 
 
 def _compile(jobs):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(jobs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
-    assert proc.returncode == 0 and line, f"compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(line[len("RESULT"):])
+    return compile_report(_SCRIPT, json.dumps(jobs))
 
 
-def _gluon_available() -> bool:
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
-        return True
-    except Exception:   # noqa: BLE001
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _gluon_available(), reason="triton.experimental.gluon missing")
+pytestmark = pytest.mark.skipif(not gluon_available(), reason="triton.experimental.gluon missing")
 
 
 WS_CONFIGS = ("g64x128w4s2-ws1-p24-r128", "g128x128w4s2-ws2-p24-c240-r168")

@@ -93,6 +93,7 @@ if "--cpu-smoke" in sys.argv or "--precompile-worker" in sys.argv:
 import torch  # noqa: E402
 
 from flamia.ops import backward as B  # noqa: E402
+from flamia.bench.timing import TimingSettings, cuda_time  # noqa: E402
 from flamia.ops import backward_gluon as G  # noqa: E402
 from flamia.ops import backward_gluon_mixed as M  # noqa: E402
 
@@ -362,19 +363,9 @@ def run_gluon(st, cfg, vecs=None):
 
 
 def time_ms(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms of `reps` CUDA-event-timed calls after `warmup` (flamia.bench.timing)."""
+    settings = TimingSettings(warmup=warmup, reps=reps, min_reps=reps)
+    return cuda_time(lambda _: fn(), 1, settings).median_ms
 
 
 def kernel_inputs(lengths, Hq, Hkv, D, causal=True, seed=0, family="mild"):

@@ -47,7 +47,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -60,6 +59,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from flamia.bench.workloads import fwd_flops  # noqa: E402
+from flamia.bench.timing import TimingSettings, cuda_time as bench_cuda_time  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import forward_gluon as G  # noqa: E402
 
@@ -313,18 +313,8 @@ def phase_properties(cfgs, dev):
 
 def cuda_time(fn, reps: int, warmup: int = 5) -> float:
     """Median milliseconds over `reps` CUDA-event-timed calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    settings = TimingSettings(warmup=warmup, reps=reps, min_reps=reps)
+    return bench_cuda_time(lambda _: fn(), 1, settings).median_ms
 
 
 def load_workloads():

@@ -35,6 +35,9 @@ def call_fn(q, k, v, cu, L, recipe, dout, forward_only=False):
 
 
 def wall_ms(fn, reps=10):
+    """Median ms of one call, each timed from an idle GPU (synchronized before the next): the
+    host time before the first kernel counts, as a layer's call in a training step sees it.
+    (flamia.bench.timing queues reps back to back, which hides that gap.)"""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()

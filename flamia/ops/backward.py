@@ -758,13 +758,17 @@ def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
     return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
-def _gluon_applies(st: BwdState, enabled: bool, recipes=(RECIPE_IDS["fp8"],)) -> bool:
+# the recipes with Gluon kernels (dK/dV and dQ each)
+GLUON_RECIPES = (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])
+
+
+def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     """The Gluon kernels (flamia/ops/backward_gluon.py, backward_gluon_mixed.py: TMA rings,
     async wgmma; on the H200 dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels,
-    benchmarks/NOTES.md) run `recipes` on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq;
+    benchmarks/NOTES.md) run GLUON_RECIPES on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq;
     False or FLAMIA_GLUON=0 keep the Triton kernels (the ones CPU CI tests under the interpreter;
     the GPU tests check both)."""
-    if not (enabled and st.recipe in recipes and not st.dq_atomic and not st.interp
+    if not (enabled and st.recipe in GLUON_RECIPES and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
     if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
@@ -784,7 +788,7 @@ def _mixed_operands(st: BwdState) -> tuple:
 
 def launch_dkdv(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_applies(st, cfg.gluon_dkdv, (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])):
+    if _gluon_applies(st, cfg.gluon_dkdv):
         if st.recipe == RECIPE_IDS["fp8"]:
             from .backward_gluon import launch_dkdv_gluon
             launch_dkdv_gluon(st)
@@ -820,7 +824,7 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
 
 def launch_dq(st: BwdState) -> None:
     cfg = st.cfg
-    if _gluon_applies(st, cfg.gluon_dq, (RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"])):
+    if _gluon_applies(st, cfg.gluon_dq):
         # bitwise the Triton kernels' dQ (same tiles, same scales)
         if st.recipe == RECIPE_IDS["fp8"]:
             from .backward_gluon import launch_dq_gluon

@@ -116,6 +116,10 @@ CONFIGS = {
     "gather": "vec_gather=True",                         # padded vectors by one Triton launch
     "w8ws": "bn=128,num_warps=8,ws=True",                # w8 + a 1-warp TMA producer partition
     "w8wsns3": "bn=128,num_warps=8,ws=True,stages=3",
+    "fold": "fold_sdo=True",                             # sdo folded into the exponent
+    "smask": "shared_mask=True",                         # session 4's dS^T mask (A/B)
+    "smaskfold": "shared_mask=True,fold_sdo=True",
+    "w8wsfold": "bn=128,num_warps=8,ws=True,fold_sdo=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -229,6 +229,9 @@ def test_padded_kv_vectors_layout():
 VARIANTS = {
     "dkdv_w8ws": ("dkdv", 128, dict(bn=128, num_warps=8, ws=True, stages=2), 600),
     "dkdv_w8ws_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True), 64),
+    "dkdv_fold": ("dkdv", 128, dict(fold_sdo=True), 512),
+    "dkdv_shared_mask": ("dkdv", 128, dict(shared_mask=True), 512),
+    "dkdv_w8ws_fold": ("dkdv", 128, dict(bn=128, num_warps=8, ws=True, fold_sdo=True), 600),
     "dq_xo1": ("dq", 128, dict(overlap=1), 64),
     "dq_xo2": ("dq", 128, dict(overlap=2), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
@@ -325,6 +328,33 @@ def test_variant_routing_and_validation():
                 G.GluonDqConfig(overlap=3)):
         with pytest.raises(ValueError):
             G._dq_args(st, bad)
+
+
+def test_fold_sdo_vectors():
+    """fold_sdo: the lse slot becomes lse * log2(e) - log2(sdo), so exp2(x - folded) is
+    exp2(x - lse * log2(e)) * sdo for power-of-two sdo (to fp32 rounding of the add); pad
+    columns (lse +inf, sdo 0) and zero sdo give +inf (a = 0); the other vectors are untouched;
+    the kernel option needs the padded vectors (vec_tma)."""
+    import torch
+    from flamia.ops import backward_gluon as G
+    g = torch.Generator().manual_seed(1)
+    lse = torch.randn(3, 50, generator=g) * 20
+    sdo = torch.exp2(torch.randint(-20, 5, (3, 50), generator=g).float())
+    lse[:, -5:], sdo[:, -5:] = float("inf"), 0.0           # pad columns
+    sdo[0, 3] = 0.0                                         # a zero dO row
+    delta, sq = torch.randn(3, 50, generator=g), torch.rand(3, 50, generator=g)
+    f, d2, q2, s2 = G.fold_sdo((lse, delta, sq, sdo))
+    assert d2 is delta and q2 is sq and s2 is sdo
+    assert bool(torch.isposinf(f[:, -5:]).all()) and bool(torch.isposinf(f[0, 3]))
+    x = torch.randn(3, 45, generator=g) * 10
+    want = torch.exp2(x - lse[:, :45] * G.LOG2E) * sdo[:, :45]
+    got = torch.exp2(x - f[:, :45])
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=0)
+    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    assert G._args(st, G.GluonDkdvConfig(fold_sdo=True))[2]["FOLD"] is True
+    assert G._args(st, G.GluonDkdvConfig())[2]["FOLD"] is False
+    with pytest.raises(ValueError, match="fold_sdo"):
+        G._args(st, G.GluonDkdvConfig(fold_sdo=True, vec_tma=False))
 
 
 def test_vecs_option_resolution():

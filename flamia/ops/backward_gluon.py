@@ -96,6 +96,14 @@ class GluonDkdvConfig:
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
     # gathers (host side only: the kernel is the same)
     vec_gather: bool = False
+    # fold_sdo: the lse vector arrives as lse * log2(e) - log2(sdo) (sdo is a power of two), so
+    # exp2 gives a = P^T sdo_i directly: one FMUL per element and one per query less per tile
+    # (constexpr FOLD; needs vec_tma)
+    fold_sdo: bool = False
+    # shared_mask: the dS^T mask written as the same expression as the dV operand's (the
+    # compiler then computes it once, on every tile, masked or not: ~120 more SASS
+    # instructions per tile but fewer spills). Timed against the default (constexpr SHARED_MASK)
+    shared_mask: bool = False
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
@@ -485,17 +493,23 @@ if HAVE_GLUON:
     def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
                     lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr):
+                    SYNC: gl.constexpr, FOLD: gl.constexpr):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
-        dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j)."""
-        lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL,
-                        VEC_TMA) * 1.4426950408889634
+        dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
+        FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
+        (p is then a as well: only for callers that do not need P itself)."""
+        lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL, VEC_TMA)
+        if not FOLD:
+            lse2 = lse2 * 1.4426950408889634
         sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
         st = _mma_wait(s_tok, PENDING, SYNC)
         p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
                     - gl.expand_dims(lse2, 0))
-        sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
-        a = p * gl.expand_dims(sdo_i, 0)
+        if FOLD:
+            a = p
+        else:
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
                   & gl.expand_dims(m_idx < L_doc, 0))
@@ -505,10 +519,14 @@ if HAVE_GLUON:
         return p, a, c, a8
 
     @gluon.jit
-    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask):
+    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask, SHARED: gl.constexpr):
         """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
         dP^T, Delta, sq of out-of-document columns may be anything (another document)."""
-        if need_mask:
+        if SHARED and need_mask:
+            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                  & gl.expand_dims(m_idx < L_doc, 0))
+            b = gl.where(ok, b, 0.0)
+        elif need_mask:
             # the predicate of _dv_operand's `ok`, written differently: as the same expression
             # the compiler computed it once, before the first `if`, on every tile (~120 of
             # ~1200 SASS instructions per tile; benchmarks/NOTES.md, session 4)
@@ -596,7 +614,8 @@ if HAVE_GLUON:
                    total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   WS: gl.constexpr, num_warps: gl.constexpr):
+                   WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
+                   num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -644,7 +663,7 @@ if HAVE_GLUON:
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC)
+                                      VEC_TMA, SYNC, FOLD)
             dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -653,7 +672,7 @@ if HAVE_GLUON:
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                           need_mask)
+                           need_mask, SHARED_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
 
@@ -691,10 +710,12 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
+        gl.static_assert(not FOLD or VEC_TMA, "FOLD needs VEC_TMA (the folded padded vector)")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -731,7 +752,7 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, num_warps)),
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -747,7 +768,7 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, num_warps)
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1217,10 +1238,21 @@ def _no_tokens(st, *outs) -> bool:
 def _descs(st, cfg: GluonDkdvConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
+    if cfg.fold_sdo:
+        vecs = fold_sdo(_resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton))
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
             kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM),
             *_vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton))
+
+
+def fold_sdo(vecs):
+    """The padded (lse, Delta, sq, sdo) with lse replaced by lse * log2(e) - log2(sdo), the
+    exponent offset of GluonDkdvConfig.fold_sdo (sdo is a power of two, so exp2 of the folded
+    exponent is P * sdo up to the rounding of one fp32 add). Pad columns stay +inf (lse +inf,
+    sdo 0); an out-of-document sdo of 0 gives +inf too (a = 0, as P * 0)."""
+    lse, delta, sq, sdo = vecs
+    return (torch.sub(lse * LOG2E, torch.log2(sdo)), delta, sq, sdo)
 
 
 def _args(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1234,8 +1266,11 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
+    if cfg.fold_sdo and not cfg.vec_tma:
+        raise ValueError(f"fold_sdo needs vec_tma (the folded lse is a padded vector): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
-                        PRODUCER_REGS=cfg.producer_regs)
+                        PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
+                        SHARED_MASK=cfg.shared_mask)
 
 
 def _check_v2(cfg, one_warpgroup_ok: bool) -> None:

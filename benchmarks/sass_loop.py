@@ -1,0 +1,110 @@
+"""SASS of the Gluon backward kernels' main loop, counted by opcode, on a CPU-only machine.
+
+    python benchmarks/sass_loop.py                          # dK/dV fp8, D=128, causal, default
+    python benchmarks/sass_loop.py --kernel dq --D 64
+    python benchmarks/sass_loop.py --set fold_sdo=True      # a GluonDkdvConfig field changed
+    python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
+
+Compiles for sm_90a with the bundled ptxas (flamia.ops._interp: nothing runs), disassembles
+with the bundled cuobjdump, and takes the largest loop (the longest span between a backward
+branch and its target, which is the query-block loop of dK/dV and the kv loop of dQ). Prints
+the total, the opcode histogram of that span (largest first), and the local-memory (spill)
+operations. The count per loop iteration is the instruction stream each warp issues per tile:
+the dK/dV kernel is bound by it (benchmarks/NOTES.md, session 4, item 4).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the interpreter
+
+import triton  # noqa: E402
+
+from flamia.ops import backward_gluon as G  # noqa: E402
+from flamia.ops import backward_gluon_mixed as M  # noqa: E402
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_of(kernel) -> str:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def parse(sass: str):
+    """[(address, opcode with modifiers, operands)] in program order."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in LINE.finditer(sass)]
+
+
+def main_loop(instrs):
+    """The instructions of the innermost loop that issues wgmmas: the shortest span [target,
+    branch] of a backward branch holding a GMMA. Conditional code inside the loop (the masked
+    tiles' predicates, the tail zeroing) is counted too: an upper bound on a tile's stream."""
+    best = None
+    for addr, op, args in instrs:
+        t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if not t or int(t.group(1), 16) >= addr:
+            continue
+        span = [x for x in instrs if int(t.group(1), 16) <= x[0] <= addr]
+        if any("GMMA" in x[1] for x in span) and (best is None or len(span) < len(best)):
+            best = span
+    return best or []
+
+
+def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
+    mod = M if recipe == "fp8_mixed" else G
+    if recipe == "fp8_mixed":
+        cfg = M.default_mixed_dq_config(D) if kernel == "dq" else M.default_mixed_dkdv_config(D)
+        comp = M.compile_dq_sm90 if kernel == "dq" else M.compile_dkdv_sm90
+    else:
+        cfg = G.default_dq_config(D) if kernel == "dq" else G.default_gluon_config(D)
+        comp = G.compile_dq_sm90 if kernel == "dq" else G.compile_sm90
+    for s in sets:
+        k, v = s.split("=")
+        cfg = dataclasses.replace(cfg, **{k: type(getattr(cfg, k))(eval(v))})
+    st = mod.fake_state(D, causal=causal)
+    return comp(st, cfg), cfg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv")
+    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed"), default="fp8")
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--no-causal", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--dump", default=None, help="write the whole SASS here")
+    args = ap.parse_args()
+    kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
+    sass = sass_of(kern)
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(sass)
+    instrs = parse(sass)
+    loop = main_loop(instrs)
+    hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+    local = sum(1 for _, op, _ in loop if op.startswith(("LDL", "STL")))
+    print(f"{args.kernel} {args.recipe} D={args.D} causal={not args.no_causal} {cfg}")
+    print(f"kernel {len(instrs)} SASS instructions; main loop {len(loop)} "
+          f"(local memory ops {local}); regs/spills {G.resource_report(kern)['regs']}/"
+          f"{G.resource_report(kern)['spill_stores']} B")
+    for op, n in hist.most_common(args.top):
+        print(f"  {op:10s} {n:5d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,16 +52,16 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs ladder
     python benchmarks/bwd_gluon_dev.py --kernel dq --cpu-smoke --configs ladder
 
---configs next (both kernels): the production default and the opt-in variants (NEXT / DQ_NEXT):
-gather (padded vectors by one Triton launch, kmajor.padded_rows; checked end to end in the smoke
-phase, and per workload bitwise against the torch gathers and timed apart); dK/dV: w8ns3 and
-w8ws / w8wsns3 (constexpr WS of _dkdv_fp8_kernel: FA3's layout, two consumer warpgroups of 64
-keys each fed by a 1-warp TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; the
-one-warpgroup xo / ws variants lost to the default on the H200 and were removed:
-benchmarks/NOTES.md, session 4); dQ (constexprs XO / WS of _dq_fp8_kernel): xo1 / xo2 (tile
-j+1's S (xo2: and dP) issued before tile j's dQ GEMMs are waited for), ws (1-warp TMA producer
-partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232), wsxo1 / wsxo2. The variants keep
-the defaults' per-tile numerics op for op: expected bitwise equal to default (w8ws: to w8ns3).
+--configs next (both kernels): the production default and the opt-in variants (NEXT / DQ_NEXT).
+dK/dV: "default" is default_gluon_config (tuned per head dim), the others start from
+plain_gluon_config (no opt-ins): fold (sdo folded into the exponent), smaskfold (+ the shared
+mask predicate), w8wsfold (FA3's layout: two consumer warpgroups of 64 keys each fed by a 1-warp
+TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; + fold), gather (padded vectors by
+one Triton launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload
+bitwise against the torch gathers and timed apart). dQ (constexprs XO / WS of _dq_fp8_kernel):
+xo1 / xo2 (tile j+1's S (xo2: and dP) issued before tile j's dQ GEMMs are waited for), ws (1-warp
+TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232), wsxo1 / wsxo2; they
+keep the default's per-tile numerics op for op (expected bitwise equal to it).
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -107,7 +107,8 @@ CONFIGS = {
     "sync": "stages=2,vec_tma=False,sync_mma=True",      # + TMA ring prefetch
     "vecload": "vec_tma=False",                          # + async wgmma
     "synctma": "stages=2,sync_mma=True",                 # vector TMA without async wgmma
-    "default": None,                                     # default_gluon_config: the full design
+    "default": None,                                     # default_gluon_config (tuned per D)
+    "plain": "vec_tma=True",                             # plain_gluon_config: no opt-ins
     "ns3": "stages=3",                                   # 1 CTA/SM at D=128
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA
@@ -115,15 +116,13 @@ CONFIGS = {
     # opt-in variants (GluonDkdvConfig.vec_gather: host side only; .ws: constexpr WS)
     "gather": "vec_gather=True",                         # padded vectors by one Triton launch
     "w8ws": "bn=128,num_warps=8,ws=True",                # w8 + a 1-warp TMA producer partition
-    "w8wsns3": "bn=128,num_warps=8,ws=True,stages=3",
     "fold": "fold_sdo=True",                             # sdo folded into the exponent
-    "smask": "shared_mask=True",                         # session 4's dS^T mask (A/B)
     "smaskfold": "shared_mask=True,fold_sdo=True",
     "w8wsfold": "bn=128,num_warps=8,ws=True,fold_sdo=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
-NEXT = ["default", "gather", "w8ns3", "w8ws", "w8wsns3"]
+NEXT = ["default", "plain", "fold", "smaskfold", "w8wsfold", "gather"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {
@@ -271,8 +270,11 @@ def make_cfg(name: str, D: int):
         base = M.default_mixed_dq_config(D) if dq else M.default_mixed_dkdv_config(D)
         cls = M.MixedDqConfig if dq else M.MixedDkdvConfig
     else:
-        base = G.default_dq_config(D) if dq else G.default_gluon_config(D)
+        # dK/dV: variants start from the plain config (no opt-ins), "default" is the default
+        base = G.default_dq_config(D) if dq else G.plain_gluon_config(D)
         cls = G.GluonDqConfig if dq else G.GluonDkdvConfig
+        if name == "default" and not dq:
+            return G.default_gluon_config(D)
     spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
     if not spec:
         return base

@@ -37,7 +37,7 @@ for D in (128, 64):
         out.append(dict(D=D, causal=causal, config="default", **r))
 for name, kw in LADDER.items():
     st = G.fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
-    cfg = G.GluonDkdvConfig(**{**G.default_gluon_config(128).__dict__, **kw})
+    cfg = G.GluonDkdvConfig(**{**G.plain_gluon_config(128).__dict__, **kw})
     r = G.resource_report(G.compile_sm90(st, cfg))
     out.append(dict(D=128, causal=True, config=name, **r))
 print("REPORT" + json.dumps(out))
@@ -251,7 +251,7 @@ for name, (kern, D, kw, _) in VARIANTS.items():
     if kern == "dq":
         k = G.compile_dq_sm90(st, G.GluonDqConfig(**{**G.default_dq_config(D).__dict__, **kw}))
     else:
-        k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.default_gluon_config(D).__dict__, **kw}))
+        k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.plain_gluon_config(D).__dict__, **kw}))
     r = G.resource_report(k)
     r["ws_partition"] = "setmaxnreg" in k.asm["ptx"]
     r["maxnreg_directive"] = ".maxnreg" in k.asm["ptx"]
@@ -297,8 +297,16 @@ def test_variant_routing_and_validation():
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)
     # dK/dV: no overlap schedule and no launch register cap; ws (constexpr WS) for two
     # consumer warpgroups only
-    kw = G._args(st, G.default_gluon_config(64))[2]
+    kw = G._args(st, G.plain_gluon_config(64))[2]
     assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
+    # the defaults (fastest on the H200): D=64 FA3's layout, D=128 one warpgroup; both fold sdo
+    kw = G._args(st, G.default_gluon_config(64))[2]
+    assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"]) == \
+        (True, 128, 8, True, False)
+    st128 = G.fake_state(128, T=64, Hq=2, Hkv=1)
+    kw = G._args(st128, G.default_gluon_config(128))[2]
+    assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"]) == \
+        (False, 64, 4, True, True)
     assert not {"XO", "maxnreg"} & kw.keys()
     fields = {f.name for f in dataclasses.fields(G.GluonDkdvConfig)}
     assert not {"overlap", "maxnreg"} & fields and {"ws", "producer_regs"} <= fields

@@ -59,6 +59,7 @@ compile_dq_sm90.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +89,7 @@ class GluonDkdvConfig:
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
     # ws: a 1-warp TMA producer partition, for bn=128 / num_warps=8 only (FA3's layout). The two
     # consumer warpgroups issue no TMA, so the membar pass's bar.sync per TMA issue goes away
-    # (12 partition-wide bar.sync per tile -> 4) and they can drift apart between the rest. The
-    # one-warpgroup ws / overlap schedules were slower than the default on the H200 (doc32k
-    # 47-79 ms vs 41.7; benchmarks/NOTES.md, session 4).
+    # (12 partition-wide bar.sync per tile -> 4) and they can drift apart between the rest.
     ws: bool = False
     producer_regs: int = 24   # setmaxnreg of the ws producer warp
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
@@ -100,14 +99,27 @@ class GluonDkdvConfig:
     # exp2 gives a = P^T sdo_i directly: one FMUL per element and one per query less per tile
     # (constexpr FOLD; needs vec_tma)
     fold_sdo: bool = False
-    # shared_mask: the dS^T mask written as the same expression as the dV operand's (the
-    # compiler then computes it once, on every tile, masked or not: ~120 more SASS
-    # instructions per tile but fewer spills). Timed against the default (constexpr SHARED_MASK)
+    # shared_mask: the dS^T mask written as the same expression as the dV operand's; the
+    # compiler then computes the predicate once, before the first masked `where`, on every
+    # tile (~180 more SASS instructions per tile at D=128, but 180 instead of 340 B of spills).
+    # Off: each masked branch computes its own (constexpr SHARED_MASK).
     shared_mask: bool = False
 
 
-def default_gluon_config(D: int) -> GluonDkdvConfig:
+def plain_gluon_config(D: int) -> GluonDkdvConfig:
+    """One warpgroup per 64 keys, no opt-in: the base the dev ladders and variants start from."""
     return GluonDkdvConfig(stages=3 if D <= 64 else 2)
+
+
+def default_gluon_config(D: int) -> GluonDkdvConfig:
+    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 5, item 1;
+    bwd_gluon_dev.py --configs ... in one process, ms, doc8k_x4 / longtail / doc32k at D=128,
+    doc8k_x4 at D=64): D=128 shared_mask + fold_sdo 10.00 / 9.58 / 40.72 (plain 10.54 / 10.08 /
+    43.81); D=64 FA3's layout (w8ws) + fold_sdo 6.69 (plain 7.25, shared_mask 8.37)."""
+    if D <= 64:
+        return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
+                                   fold_sdo=True)
+    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, shared_mask=True)
 
 
 @dataclass(frozen=True)

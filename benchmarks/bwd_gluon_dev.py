@@ -58,10 +58,10 @@ plain_gluon_config (no opt-ins): fold (sdo folded into the exponent), smaskfold 
 mask predicate), w8wsfold (FA3's layout: two consumer warpgroups of 64 keys each fed by a 1-warp
 TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; + fold), gather (padded vectors by
 one Triton launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload
-bitwise against the torch gathers and timed apart). dQ (constexprs XO / WS of _dq_fp8_kernel):
-xo1 / xo2 (tile j+1's S (xo2: and dP) issued before tile j's dQ GEMMs are waited for), ws (1-warp
-TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232), wsxo1 / wsxo2; they
-keep the default's per-tile numerics op for op (expected bitwise equal to it).
+bitwise against the torch gathers and timed apart). dQ: gather, ws (constexpr WS of
+_dq_fp8_kernel: 1-warp TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232;
+the default's per-tile numerics op for op, expected bitwise equal to it). The overlap variants
+(xo1 / xo2 / wsxo1 / wsxo2) lost and were removed (benchmarks/NOTES.md, session 5).
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -133,16 +133,12 @@ DQ_CONFIGS = {
     "ns2": "stages=2",
     "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
-    # opt-in variants (GluonDqConfig.overlap / ws / vec_gather; XO / WS of _dq_fp8_kernel)
+    # opt-in variants (GluonDqConfig.ws / vec_gather; WS of _dq_fp8_kernel)
     "gather": "vec_gather=True",                         # sk / sv by one Triton launch
-    "xo1": "overlap=1",                                  # next S during the dQ promotions
-    "xo2": "overlap=2",                                  # next S and dP
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
-    "wsxo1": "ws=True,overlap=1,maxnreg=128",
-    "wsxo2": "ws=True,overlap=2,maxnreg=128",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
-DQ_NEXT = ["default", "gather", "xo1", "xo2", "ws", "wsxo1", "wsxo2"]
+DQ_NEXT = ["default", "gather", "ws"]
 
 # --recipe fp8_mixed: flamia/ops/backward_gluon_mixed.py against the Triton fp8_mixed kernels
 # (default fp8_mixed BwdConfig: fused BM=32 below 4096 tokens, split dK / dV launches above)

@@ -218,9 +218,10 @@ def test_padded_kv_vectors_layout():
 
 
 # ----------------------------------------------------------------------------------------------
-# Opt-in variants (constexprs XO / WS of _dq_fp8_kernel, WS of _dkdv_fp8_kernel for two consumer
+# Opt-in variants (constexpr WS of _dq_fp8_kernel, WS of _dkdv_fp8_kernel for two consumer
 # warpgroups; vec_gather: host-only, both kernels). The dK/dV kernel's one-warpgroup overlap / ws
-# variants were removed: each lost to its default on the H200.
+# variants and the dQ kernel's overlap schedules were removed: each lost to its default on the
+# H200.
 # ----------------------------------------------------------------------------------------------
 
 # name -> (kernel, D, config overrides, spill bound in bytes). Measured when written (causal,
@@ -232,12 +233,7 @@ VARIANTS = {
     "dkdv_fold": ("dkdv", 128, dict(fold_sdo=True), 512),
     "dkdv_shared_mask": ("dkdv", 128, dict(shared_mask=True), 512),
     "dkdv_w8ws_fold": ("dkdv", 128, dict(bn=128, num_warps=8, ws=True, fold_sdo=True), 600),
-    "dq_xo1": ("dq", 128, dict(overlap=1), 64),
-    "dq_xo2": ("dq", 128, dict(overlap=2), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
-    "dq_wsxo1": ("dq", 128, dict(ws=True, overlap=1, maxnreg=128), 64),
-    "dq_wsxo2": ("dq", 128, dict(ws=True, overlap=2, maxnreg=128), 64),
-    "dq_xo1_d64": ("dq", 64, dict(overlap=1), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
 }
 
@@ -322,18 +318,20 @@ def test_variant_routing_and_validation():
                 G.GluonDkdvConfig(**w8ws, producer_regs=16)):
         with pytest.raises(ValueError):
             G._args(st, bad)
-    # dQ: one kernel, the options are constexprs; maxnreg only when set
+    # dQ: one kernel, the options are constexprs; maxnreg only when set; no overlap schedule
     kw = G._dq_args(st, G.default_dq_config(64))[2]
-    assert (kw["XO"], kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (0, False, True, False)
-    assert "maxnreg" not in kw
-    kw = G._dq_args(st, G.GluonDqConfig(overlap=1, ws=True, maxnreg=128, producer_regs=32))[2]
-    assert (kw["XO"], kw["WS"], kw["PRODUCER_REGS"], kw["maxnreg"]) == (1, True, 32, 128)
-    kw = G._dq_args(st, G.GluonDqConfig(overlap=2))[2]
-    assert (kw["XO"], kw["WS"]) == (2, False) and "maxnreg" not in kw
+    assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
+    assert not {"XO", "maxnreg"} & kw.keys()
+    kw = G._dq_args(st, G.GluonDqConfig(ws=True, maxnreg=128, producer_regs=32))[2]
+    assert (kw["WS"], kw["PRODUCER_REGS"], kw["maxnreg"]) == (True, 32, 128)
+    assert "overlap" not in {f.name for f in dataclasses.fields(G.GluonDqConfig)}
+    assert "XO" not in G._dq_fp8_kernel.arg_names
+    with pytest.raises(TypeError):
+        G.GluonDqConfig(overlap=1)
     assert not hasattr(G, "_dkdv_fp8_v2_kernel") and not hasattr(G, "_dq_fp8_v2_kernel")
-    for bad in (G.GluonDqConfig(overlap=1, stages=1), G.GluonDqConfig(ws=True, bm=128, num_warps=8),
-                G.GluonDqConfig(ws=True, vec_tma=False), G.GluonDqConfig(overlap=1, sync_mma=True),
-                G.GluonDqConfig(overlap=3)):
+    for bad in (G.GluonDqConfig(ws=True, bm=128, num_warps=8),
+                G.GluonDqConfig(ws=True, vec_tma=False), G.GluonDqConfig(ws=True, sync_mma=True),
+                G.GluonDqConfig(ws=True, producer_regs=16)):
         with pytest.raises(ValueError):
             G._dq_args(st, bad)
 

@@ -53,9 +53,8 @@ warpgroups (64 keys each) in one CTA per SM, fed by a 1-warp TMA producer partit
 comment above `_release_slot`). The one-warpgroup overlap / ws variants lost to the default on
 the H200 and were removed (benchmarks/NOTES.md, session 4).
 
-dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in schedules
-(overlap, ws; constexprs XO / WS): above `_dq_producer`. CPU builds: compile_sm90 /
-compile_dq_sm90.
+dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in ws schedule
+(constexpr WS): above `_dq_producer`. CPU builds: compile_sm90 / compile_dq_sm90.
 """
 from __future__ import annotations
 
@@ -130,11 +129,10 @@ class GluonDqConfig:
     vec_tma: bool = True  # sk / sv by (1, BN) TMA boxes of padded (Hkv, Tp) copies (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # --- opt-in variants (off: the production schedule of _dq_fp8_kernel) ---
-    # overlap 1: tile j+1's S wgmma issued before tile j's dQ GEMMs are waited for and
-    # promoted; 2: S and dP both. ws: a 1-warp TMA producer partition. Either needs vec_tma,
-    # not sync_mma, one warpgroup (constexprs XO / WS of the same kernel).
-    overlap: int = 0
+    # --- opt-in (off: the production schedule of _dq_fp8_kernel) ---
+    # ws: a 1-warp TMA producer partition (constexpr WS); needs vec_tma, not sync_mma, one
+    # warpgroup. (The software-pipelined S / dP "overlap" schedules lost on the H200 and were
+    # removed: benchmarks/NOTES.md, session 5.)
     ws: bool = False
     producer_regs: int = 24   # setmaxnreg of the ws producer warp
     # launch register cap (0: none). ws allocates 8 warps (the producer warp padded to a
@@ -820,34 +818,14 @@ if HAVE_GLUON:
             _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
     # ------------------------------------------------------------------------------------------
-    # Opt-in schedules of the dQ kernel (GluonDqConfig .overlap, .ws; constexprs XO, WS,
-    # PRODUCER_REGS of _dq_fp8_kernel, all off by default: then it compiles to the production
-    # PTX). Per tile the numerics are the default's, op for op (same tiles, same scales, same
-    # order of the fp32 promotion adds), only the issue order of the wgmmas and TMA loads
-    # changes, so the results are expected bitwise equal to the default's. Both need VEC_TMA,
-    # async wgmma (not SYNC) and one warpgroup (_check_v2).
-    #
-    # overlap (XO): software-pipelined S / dP. Tile j+1's S (XO = 1) or S and dP (XO = 2) are
-    # issued right after tile j's dQ GEMMs, before those are waited for and promoted, so the
-    # tensor core has the next tile's work while the CUDA cores promote. With XO = 1 dP is
-    # issued after the promotion.
-    #
-    # ws: the protocol of the dK/dV kernel's (comment above _release_slot) with a one-warpgroup
-    # consumer; the producer loads q8 / do8 once, then the kv ring.
+    # Opt-in schedule of the dQ kernel: ws (GluonDqConfig.ws / producer_regs; constexprs WS,
+    # PRODUCER_REGS of _dq_fp8_kernel; off by default: then it compiles to the production PTX).
+    # The protocol of the dK/dV kernel's (comment above _release_slot) with a one-warpgroup
+    # consumer; the producer loads q8 / do8 once, then the kv ring. Per tile the numerics are
+    # the default's, op for op; only who issues the TMA loads changes, so the results are
+    # expected bitwise equal to the default's. Needs VEC_TMA, async wgmma (not SYNC) and one
+    # warpgroup (_check_dq_ws).
     # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _next_s_dp(a_s, b_s, x_s, y_s, slot, zero, XO: gl.constexpr):
-        """The first tile's S = a x^T (q_s, k_s) and with XO = 2 dP = b y^T (do_s, v_s), issued
-        and waited for (carried into the loop as values)."""
-        s_tok = _mma(a_s, x_s.index(slot).permute((1, 0)), zero, False)
-        if XO == 2:
-            dp_tok = _mma(b_s, y_s.index(slot).permute((1, 0)), zero, False)
-            s_v, dp_v = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-        else:
-            s_v = _mma_wait(s_tok, 0, False)
-            dp_v = zero
-        return s_v, dp_v
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
@@ -875,7 +853,7 @@ if HAVE_GLUON:
                  lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                 VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
+                 VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
                  num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
@@ -895,12 +873,6 @@ if HAVE_GLUON:
         acc0 = gl.zeros([BM, CH], gl.float32, L)
         acc1 = gl.zeros([BM, CH], gl.float32, L)
         mbarrier.wait(q_bar, 0)
-        if XO > 0:   # tile 0's S (XO = 2: and dP) ahead of the loop, carried as values
-            sc_c = zero
-            dp_c = zero
-            if total > 0:
-                mbarrier.wait(ready.index(0), 0)
-                sc_c, dp_c = _next_s_dp(q_s, do_s, k_s, v_s, 0, zero, XO)
 
         for jt in range(total):
             if not WS:
@@ -912,22 +884,19 @@ if HAVE_GLUON:
                           k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
             s = jt % NS
             j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
-            # (two orders of the same ops: each the PTX its schedule was validated with)
-            if XO == 0 and not WS:
+            # (the same ops in two orders: each the PTX its schedule was validated with)
+            if WS:
+                kTs = kT_s.index(s)
+                mbarrier.wait(ready.index(s), (jt // NS) & 1)
+                s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
+                dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
+            else:
                 mbarrier.wait(ready.index(s), (jt // NS) & 1)
                 ks = k_s.index(s)
                 vs = v_s.index(s)
                 kTs = kT_s.index(s)
                 s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
                 dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
-            else:
-                kTs = kT_s.index(s)
-                if XO == 0:
-                    mbarrier.wait(ready.index(s), (jt // NS) & 1)
-                    s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
-                    dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
-                elif XO == 1:   # S done (carried); dP runs while P is computed, as XO = 0
-                    dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
 
             if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
                 _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
@@ -935,18 +904,12 @@ if HAVE_GLUON:
                 gl.thread_barrier()
 
             sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            if XO == 0:
-                sc = _mma_wait(s_tok, 1, SYNC)
-            else:
-                sc = sc_c
+            sc = _mma_wait(s_tok, 1, SYNC)
             # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
             p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
                         - gl.expand_dims(lse2, 1))
             sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            if XO == 2:
-                dp = dp_c
-            else:
-                dp = _mma_wait(dp_tok, 0, SYNC)
+            dp = _mma_wait(dp_tok, 0, SYNC)
             t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
             # sk_j again from shared memory / L1: not kept live across the wgmma waits
             sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -958,56 +921,14 @@ if HAVE_GLUON:
             if NCH == 2:
                 d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
                 d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                if XO > 0:   # the next tile's S (and dP) while both dQ halves are promoted
-                    if jt + 1 < total:
-                        s1 = (jt + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
-                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, 1 + XO, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        d1 = _mma_wait(d1_tok, XO, False)
-                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-                        if XO == 2:
-                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            sc_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        d0 = _mma_wait(d0_tok, 1, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        d1 = _mma_wait(d1_tok, 0, False)
-                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-                        sc_c = zero
-                        dp_c = zero
-                else:
-                    d0 = _mma_wait(d0_tok, 1, SYNC)
-                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                    d1 = _mma_wait(d1_tok, 0, SYNC)
-                    acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+                d0 = _mma_wait(d0_tok, 1, SYNC)
+                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                d1 = _mma_wait(d1_tok, 0, SYNC)
+                acc1 = acc1 + d1 * gl.expand_dims(c, 1)
             else:
                 d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-                if XO > 0:
-                    if jt + 1 < total:
-                        s1 = (jt + 1) % NS
-                        mbarrier.wait(ready.index(s1), ((jt + 1) // NS) & 1)
-                        s_tok = _mma(q_s, k_s.index(s1).permute((1, 0)), zero, False)
-                        if XO == 2:
-                            dp_tok = _mma(do_s, v_s.index(s1).permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, XO, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        if XO == 2:
-                            sc_c, dp_c = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        else:
-                            sc_c = _mma_wait(s_tok, 0, False)
-                    else:   # (zero, not the old value: that would stay live all iteration)
-                        d0 = _mma_wait(d0_tok, 0, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        sc_c = zero
-                        dp_c = zero
-                else:
-                    d0 = _mma_wait(d0_tok, 0, SYNC)
-                    acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                d0 = _mma_wait(d0_tok, 0, SYNC)
+                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
             if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
                 _release_slot(rel, s)
 
@@ -1020,12 +941,11 @@ if HAVE_GLUON:
         T, stride_dqt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, XO: gl.constexpr, WS: gl.constexpr,
+        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        gl.static_assert(XO == 0 or NS >= 2, "overlap needs the next tile in another slot")
-        gl.static_assert((XO == 0 and not WS) or (VEC_TMA and not SYNC and num_warps == 4),
-                         "overlap / ws need VEC_TMA, async wgmma and one warpgroup")
+        gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
+                         "ws needs VEC_TMA, async wgmma and one warpgroup")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -1048,9 +968,7 @@ if HAVE_GLUON:
         ready, q_bar, rel = _init_barriers(NS, WS)
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
-        # (WS: by the producer; before the loop bounds without XO, after them with XO: each
-        # the PTX its schedule was validated with)
-        if XO == 0 and not WS:
+        if not WS:   # (WS: by the producer)
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
             tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
@@ -1061,23 +979,19 @@ if HAVE_GLUON:
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, XO, WS, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
             ], [1], [PRODUCER_REGS])
         else:
-            if XO > 0:
-                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-                tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
             for pi in gl.static_range(NS - 1):
                 _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                           k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, XO, WS, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
 
@@ -1285,19 +1199,15 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
                         SHARED_MASK=cfg.shared_mask)
 
 
-def _check_v2(cfg, one_warpgroup_ok: bool) -> None:
-    """The dQ kernel's opt-in overlap / warp-specialized schedules (constexprs XO / WS of
-    _dq_fp8_kernel): the option combinations they support. Nothing to check without them."""
-    if cfg.overlap not in (0, 1, 2):
-        raise ValueError(f"overlap must be 0, 1 or 2: {cfg}")
-    if not (cfg.overlap or cfg.ws):
+def _check_dq_ws(cfg: GluonDqConfig) -> None:
+    """The dQ kernel's opt-in warp-specialized schedule (constexpr WS of _dq_fp8_kernel): the
+    option combinations it supports (the kernel's static_assert, as a ValueError here)."""
+    if not cfg.ws:
         return
-    if not cfg.vec_tma or cfg.sync_mma or not one_warpgroup_ok:
-        raise ValueError(f"overlap / ws variants need overlap in (0, 1, 2), vec_tma, async "
-                         f"wgmma and one m64 row block per warpgroup: {cfg}")
-    if cfg.overlap and cfg.stages < 2:
-        raise ValueError(f"overlap needs stages >= 2 (the next tile in another slot): {cfg}")
-    if cfg.ws and not 24 <= cfg.producer_regs <= 256:
+    if not cfg.vec_tma or cfg.sync_mma or cfg.num_warps != 4:
+        raise ValueError(f"dQ ws needs vec_tma, async wgmma and one warpgroup (num_warps=4): "
+                         f"{cfg}")
+    if not 24 <= cfg.producer_regs <= 256:
         raise ValueError(f"producer_regs {cfg.producer_regs} out of range: {cfg}")
 
 
@@ -1400,8 +1310,8 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      XO=cfg.overlap, WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
-    _check_v2(cfg, cfg.num_warps == 4)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
+    _check_dq_ws(cfg)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs

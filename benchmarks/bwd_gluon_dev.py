@@ -119,6 +119,9 @@ CONFIGS = {
     "fold": "fold_sdo=True",                             # sdo folded into the exponent
     "smaskfold": "shared_mask=True,fold_sdo=True",
     "w8wsfold": "bn=128,num_warps=8,ws=True,fold_sdo=True",
+    "smaskfoldpack": "shared_mask=True,fold_sdo=True,pack_vecs=True",   # + one vector box
+    "w8wsfoldpack": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True",
+    "w8wssmaskfold": "bn=128,num_warps=8,ws=True,shared_mask=True,fold_sdo=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

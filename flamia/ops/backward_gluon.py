@@ -103,6 +103,10 @@ class GluonDkdvConfig:
     # tile (~180 more SASS instructions per tile at D=128, but 180 instead of 340 B of spills).
     # Off: each masked branch computes its own (constexpr SHARED_MASK).
     shared_mask: bool = False
+    # pack_vecs: lse, Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer, one (4, BM)
+    # TMA box per tile instead of four (1, BM) ones (each TMA issue costs the consumer a CTA
+    # barrier and ~20 instructions of descriptor / coordinate set-up; needs vec_tma)
+    pack_vecs: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -171,14 +175,18 @@ if HAVE_GLUON:
                     q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
                     GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
                     VEC_TMA: gl.constexpr):
-        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
+        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS.
+        Packed vectors (lse_desc with (4, BM) boxes, GluonDkdvConfig.pack_vecs): one box of the
+        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes."""
         i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
         s = it % NS
         bar = ready.index(s)
+        PACK: gl.constexpr = lse_desc.block_type.shape[0] > 1
+        NVEC: gl.constexpr = 1 if PACK else 4
         # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
         if VEC_TMA:
             NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
-                                    + 4 * lse_desc.block_type.nbytes)
+                                    + NVEC * lse_desc.block_type.nbytes)
         else:
             NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
         mbarrier.expect(bar, NBYTES, pred=pred)
@@ -187,20 +195,28 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
                                         pred=pred)
-        if VEC_TMA:
+        if VEC_TMA and PACK:
+            tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], bar, lse_s.index(s),
+                                            pred=pred)
+        elif VEC_TMA:
             _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
                               pstart + i0, bar, s, pred)
 
     @gluon.jit
     def _row_vec(ring, s, ptr, h, T, start, m_idx, L, other, COL: gl.constexpr,
-                 VEC_TMA: gl.constexpr):
+                 VEC_TMA: gl.constexpr, ROW: gl.constexpr = 0):
         """A per-query vector of the tile in the column slice layout of the MMA results: stage s
-        of a (NS, 1, BM) fp32 ring (unswizzled, so row 0 read as a plain 1-D buffer), or a
-        masked global load."""
+        of a (NS, R, BM) fp32 ring (unswizzled, so read as a plain 1-D buffer; row ROW when the
+        ring packs R > 1 vectors, else row 0), or a masked global load."""
         if VEC_TMA:
+            R: gl.constexpr = ring.shape[1]
             BM: gl.constexpr = ring.shape[2]
-            x = ring.index(s)._reinterpret(gl.float32, [BM],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [0])).load(COL)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            if R == 1:
+                x = ring.index(s)._reinterpret(gl.float32, [BM], flat).load(COL)
+            else:
+                x = ring.index(s)._reinterpret(gl.float32, [R * BM], flat).slice(
+                    ROW * BM, BM).load(COL)
         else:
             x = gl.load(ptr + h * T + start + m_idx, mask=m_idx < L, other=other)
         return x
@@ -356,10 +372,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _vec_ring(desc, placeholder, NS: gl.constexpr, BOX: gl.constexpr,
                   VEC_TMA: gl.constexpr):
-        """The (NS, 1, BOX) fp32 ring of a per-row vector's TMA boxes (the descriptor's
-        unswizzled layout); without VEC_TMA `placeholder`, never touched."""
+        """The (NS, R, BOX) fp32 ring of a per-row vector's TMA boxes (R rows per box: 1, or 4
+        packed vectors; the descriptor's unswizzled layout); without VEC_TMA `placeholder`, never
+        touched."""
         if VEC_TMA:
-            ring = gl.allocate_shared_memory(gl.float32, [NS, 1, BOX], desc.layout)
+            R: gl.constexpr = desc.block_type.shape[0]
+            ring = gl.allocate_shared_memory(gl.float32, [NS, R, BOX], desc.layout)
         else:
             ring = placeholder
         return ring
@@ -511,14 +529,14 @@ if HAVE_GLUON:
         lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL, VEC_TMA)
         if not FOLD:
             lse2 = lse2 * 1.4426950408889634
-        sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+        sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
         st = _mma_wait(s_tok, PENDING, SYNC)
         p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
                     - gl.expand_dims(lse2, 0))
         if FOLD:
             a = p
         else:
-            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 3)
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
@@ -676,11 +694,11 @@ if HAVE_GLUON:
                                       VEC_TMA, SYNC, FOLD)
             dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
-            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
             dp = _mma_wait(dp_tok, 1, SYNC)
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
-            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA)
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
                            need_mask, SHARED_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
@@ -744,9 +762,14 @@ if HAVE_GLUON:
         qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
         doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
         lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
-        dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
-        sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
-        sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
+        if lse_desc.block_type.shape[0] > 1:   # pack_vecs: one ring, rows lse, Delta, sq, sdo
+            dl_s = lse_s
+            sq_s = lse_s
+            sdo_s = lse_s
+        else:
+            dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
+            sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
+            sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
         ready, kv_bar, rel = _init_barriers(NS, WS)
 
         # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
@@ -1096,11 +1119,17 @@ def kmajor_desc(xT, cols: int):
     return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, cols], lay)
 
 
-def vec_desc(x, cols: int):
-    """TMA descriptor over padded per-token fp32 vectors (H, Tp), (1, cols) boxes, like
-    forward_gluon's sk / sv boxes; the default layout of a one-row fp32 box is unswizzled."""
-    lay = gl.NVMMASharedLayout.get_default_for([1, cols], gl.float32)
-    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [1, cols], lay)
+def vec_desc(x, cols: int, rows: int = 1):
+    """TMA descriptor over padded per-token fp32 vectors (H, Tp), (rows, cols) boxes, like
+    forward_gluon's sk / sv boxes; unswizzled, so each row reads as a plain 1-D buffer."""
+    lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [rows, cols], lay)
+
+
+def pack_vectors(vecs):
+    """The padded (lse, Delta, sq, sdo), each (Hq, Tp), interleaved per head as one (Hq * 4, Tp)
+    buffer: rows 4h .. 4h + 3 are head h's four vectors (GluonDkdvConfig.pack_vecs)."""
+    return torch.stack(vecs, dim=1).reshape(-1, vecs[0].shape[1])
 
 
 # --- launch pieces shared with backward_gluon_mixed -----------------------------------------------
@@ -1164,12 +1193,17 @@ def _no_tokens(st, *outs) -> bool:
 def _descs(st, cfg: GluonDkdvConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
+    if cfg.fold_sdo or cfg.pack_vecs:
+        vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
     if cfg.fold_sdo:
-        vecs = fold_sdo(_resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton))
+        vecs = fold_sdo(vecs)
+    if cfg.pack_vecs:   # one descriptor, passed for all four vectors (the kernel reads rows)
+        vec_descs = (vec_desc(pack_vectors(vecs), BM, rows=4),) * 4
+    else:
+        vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM),
-            *_vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton))
+            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs)
 
 
 def fold_sdo(vecs):
@@ -1192,8 +1226,8 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
-    if cfg.fold_sdo and not cfg.vec_tma:
-        raise ValueError(f"fold_sdo needs vec_tma (the folded lse is a padded vector): {cfg}")
+    if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
+        raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask)

@@ -299,6 +299,9 @@ def test_variant_routing_and_validation():
     kw = G._args(st, G.plain_gluon_config(64))[2]
     assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
     # the defaults (fastest on the H200): D=64 FA3's layout, D=128 one warpgroup; both fold sdo
+    # and read the four query vectors as one packed (4, BM) box
+    assert G.default_gluon_config(64).pack_vecs and G.default_gluon_config(128).pack_vecs
+    assert G._descs(st, G.default_gluon_config(64))[6].block_shape == [4, 64]
     kw = G._args(st, G.default_gluon_config(64))[2]
     assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"]) == \
         (True, 128, 8, True, False)

@@ -115,14 +115,15 @@ def plain_gluon_config(D: int) -> GluonDkdvConfig:
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
-    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 5, item 1;
-    bwd_gluon_dev.py --configs ... in one process, ms, doc8k_x4 / longtail / doc32k at D=128,
-    doc8k_x4 at D=64): D=128 shared_mask + fold_sdo 10.00 / 9.58 / 40.72 (plain 10.54 / 10.08 /
-    43.81); D=64 FA3's layout (w8ws) + fold_sdo 6.69 (plain 7.25, shared_mask 8.37)."""
+    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 5, items 1 and 5;
+    bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at D=128, doc8k_x4 at
+    D=64): D=128 shared_mask + fold_sdo + pack_vecs 9.68 / 9.35 / 39.69 (plain 10.54 / 10.08 /
+    43.81); D=64 FA3's layout (w8ws) + fold_sdo + pack_vecs 6.51 (plain 7.25, shared_mask 8.37)."""
     if D <= 64:
         return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
-                                   fold_sdo=True)
-    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, shared_mask=True)
+                                   fold_sdo=True, pack_vecs=True)
+    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, shared_mask=True,
+                               pack_vecs=True)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd, ncu.
+# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd,
+# host (cProfile of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -64,6 +65,7 @@ for spec in "$@"; do
              --configs nextfwd ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
+    host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;
     ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \

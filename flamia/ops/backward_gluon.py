@@ -59,6 +59,7 @@ dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -1105,26 +1106,37 @@ def check_tma_coords(st, cfg: GluonDkdvConfig | None = None) -> list[str]:
     return bad
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, dtype):
+    """The shared layout of a (rows, cols) TMA box, memoized: building it is pure Python with
+    validation (~10 us each, 16 descriptors per backward call; the host issues a short-document
+    call about as fast as the GPU runs it, benchmarks/NOTES.md session 5). fp32 boxes (the
+    padded vectors) unswizzled, so each row reads as a plain 1-D buffer."""
+    if dtype == gl.float32:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
 def tok_major_desc(x, rows: int, cols: int, dtype):
     """TMA descriptor over (T, heads, D) seen as (T, heads * D), (rows, cols) boxes."""
     x2 = x.view(x.shape[0], -1)
-    lay = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-    return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, cols], lay)
+    return GluonTensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, cols],
+                                 _smem_layout(rows, cols, dtype))
 
 
 def kmajor_desc(xT, cols: int):
     """TMA descriptor over a K-major fp8 copy (heads, D, Tp) seen as (heads * D, Tp), (D, cols)
     boxes."""
     H, D, Tp = xT.shape
-    lay = gl.NVMMASharedLayout.get_default_for([D, cols], gl.float8e4nv)
-    return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, cols], lay)
+    return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, cols],
+                                 _smem_layout(D, cols, gl.float8e4nv))
 
 
 def vec_desc(x, cols: int, rows: int = 1):
     """TMA descriptor over padded per-token fp32 vectors (H, Tp), (rows, cols) boxes, like
-    forward_gluon's sk / sv boxes; unswizzled, so each row reads as a plain 1-D buffer."""
-    lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [rows, cols], lay)
+    forward_gluon's sk / sv boxes."""
+    return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [rows, cols],
+                                 _smem_layout(rows, cols, gl.float32))
 
 
 def pack_vectors(vecs):

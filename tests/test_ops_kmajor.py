@@ -76,3 +76,26 @@ def test_padded_rows_bitwise_equal_torch_gathers(lengths):
             assert b.shape == a.shape and b.dtype == torch.float32 and b.is_contiguous()
             assert (b.data_ptr() % 16) == 0 and (b.stride(0) * 4) % 16 == 0
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("lengths", [(300, 0, 1, 777, 1024, 45), (5,), (0, 3)])
+def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
+    """The dK/dV kernel's packed (Hq * 4, Tp) query vectors (GluonDkdvConfig.pack_vecs, lse
+    folded with fold_sdo) by one Triton launch == the torch ops (padded_vectors, fold_sdo,
+    pack_vectors), bitwise: pads (+inf), zero sdo (-> +inf), NaN sdo, -inf lse included."""
+    from flamia.ops import backward_gluon as G
+    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    g = torch.Generator().manual_seed(1)
+    for x in (st.lse, st.delta, st.sq):
+        x.copy_(torch.randn(x.shape, generator=g) * 30)
+    st.sdo.copy_(torch.exp2(torch.randint(-30, 10, st.sdo.shape, generator=g).float()))
+    if st.T:
+        st.sdo[1, st.T // 2] = float("nan")
+        st.sdo[2, 0] = 0.0
+        st.lse[0, 0] = float("-inf")
+    cfg = G.GluonDkdvConfig(fold_sdo=fold, pack_vecs=True)
+    ref = G._packed_query_vectors(st, cfg, "torch")
+    got = G._packed_query_vectors(st, cfg)
+    assert got.shape == ref.shape == (4 * 4, st.Tp) and got.is_contiguous()
+    assert torch.equal(ref.view(torch.int32), got.view(torch.int32))

@@ -1206,17 +1206,29 @@ def _no_tokens(st, *outs) -> bool:
 def _descs(st, cfg: GluonDkdvConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-    if cfg.fold_sdo or cfg.pack_vecs:
-        vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
-    if cfg.fold_sdo:
-        vecs = fold_sdo(vecs)
     if cfg.pack_vecs:   # one descriptor, passed for all four vectors (the kernel reads rows)
-        vec_descs = (vec_desc(pack_vectors(vecs), BM, rows=4),) * 4
+        vec_descs = (vec_desc(_packed_query_vectors(st, cfg, vecs), BM, rows=4),) * 4
     else:
+        if cfg.fold_sdo:
+            vecs = fold_sdo(_resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton))
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
             kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs)
+
+
+def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
+    """The (Hq * 4, Tp) buffer of pack_vecs (lse folded with fold_sdo). vecs None or "triton":
+    gathered, folded and interleaved by one Triton launch (kmajor.padded_rows; the call's
+    default: one launch instead of ~12 small torch ops, which cost host time on short
+    documents); "torch" or the four padded vectors: by torch ops (fold_sdo, pack_vectors),
+    bitwise the same (tests/test_ops_kmajor.py)."""
+    if vecs is None or (isinstance(vecs, str) and vecs == "triton"):
+        from .kmajor import padded_rows
+        return padded_rows((st.lse, st.delta, st.sq, st.sdo), st.tok_of_col, st.Tp,
+                           fill0_inf=True, interleave=True, fold0=cfg.fold_sdo)
+    vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
+    return pack_vectors(fold_sdo(vecs) if cfg.fold_sdo else vecs)
 
 
 def fold_sdo(vecs):

@@ -94,21 +94,40 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
 
 
 @triton.jit
+def _log2_pow2(s):
+    """log2 of a power of two (or 0, NaN) from its exponent bits: exact, like torch.log2 of
+    one; 0 -> -inf, NaN stays NaN (the pow2 scales are normal floats, 0 or NaN)."""
+    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    lg = tl.where(s > 0, e.to(tl.float32), float("-inf"))
+    return tl.where(s == s, lg, s)
+
+
+@triton.jit
 def _padded_rows_kernel(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H,
-                        NV: tl.constexpr, FILL0_INF: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst[v, h, c] = src_v[h, tok_of_col[c]] (fp32), pads (tok < 0) 0, or +inf for v = 0 with
-    FILL0_INF. One program per (block of output columns, head): every column written."""
+                        NV: tl.constexpr, FILL0_INF: tl.constexpr, INTERLEAVE: tl.constexpr,
+                        FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst[v, h, c] (INTERLEAVE: dst[h, v, c]) = src_v[h, tok_of_col[c]] (fp32), pads
+    (tok < 0) 0, or +inf for v = 0 with FILL0_INF. FOLD0 (NV = 4): row 0 is src0 * log2(e) -
+    log2(src3) (backward_gluon.fold_sdo). One program per (block of output columns, head):
+    every column written."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     h = tl.program_id(1)
     c_ok = c < Tp
     tok = tl.load(tok_of_col + c, mask=c_ok, other=-1)
     ok = tok >= 0
     src_off = h * T + tok            # H * Tp < 2^31 (backward.make_state's int32 rule)
-    out = dst + h * Tp + c
-    plane = H * Tp
+    if INTERLEAVE:
+        out = dst + h * NV * Tp + c
+        plane = Tp
+    else:
+        out = dst + h * Tp + c
+        plane = H * Tp
     x = tl.load(src0 + src_off, mask=ok, other=0.0).to(tl.float32)
     if FILL0_INF:
         x = tl.where(ok, x, float("inf"))
+    if FOLD0:
+        x = x * 1.4426950408889634 - _log2_pow2(tl.load(src3 + src_off, mask=ok,
+                                                         other=0.0).to(tl.float32))
     tl.store(out, x, mask=c_ok)
     if NV > 1:
         x = tl.load(src1 + src_off, mask=ok, other=0.0).to(tl.float32)
@@ -122,25 +141,36 @@ def _padded_rows_kernel(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H,
 
 
 def padded_rows(srcs, tok_of_col: torch.Tensor, Tp: int, fill0_inf: bool = False,
-                block_c: int = 256) -> tuple:
+                block_c: int = 256, interleave: bool = False, fold0: bool = False):
     """Per-token row vectors (H, T) -> (H, Tp) fp32 copies in the padded column layout, all in
     one launch in the destination's frame (like kmajor_copy): column c holds src[:, tok_of_col[c]],
     pad columns 0 (the first source's +inf with fill0_inf, for lse). 1-4 sources of one shape.
     Returns views of one (len(srcs), H, Tp) buffer: each contiguous, row stride Tp * 4 bytes and
     base offset H * Tp * 4 bytes (16-byte multiples when 4 | Tp), so TMA-legal like the separate
-    tensors of backward_gluon.padded_vectors, and bitwise equal to them (pure copies)."""
+    tensors of backward_gluon.padded_vectors, and bitwise equal to them (pure copies).
+
+    interleave=True returns instead the one (H * len(srcs), Tp) buffer with head h's vectors in
+    rows h * len(srcs) + v (backward_gluon.pack_vectors); fold0=True (4 sources: lse, Delta,
+    sq, sdo) puts lse * log2(e) - log2(sdo) in the first row (backward_gluon.fold_sdo), bitwise
+    as the torch ops compute it (sdo is a power of two)."""
     nv = len(srcs)
     if not 1 <= nv <= 4:
         raise ValueError(f"padded_rows: 1-4 sources, not {nv}")
+    if fold0 and nv != 4:
+        raise ValueError("padded_rows: fold0 needs the four sources lse, Delta, sq, sdo")
     H, T = srcs[0].shape
     srcs = [s.contiguous() for s in srcs]
     for s in srcs:
         if tuple(s.shape) != (H, T):
             raise ValueError(f"padded_rows: sources of shape {(H, T)}, got {tuple(s.shape)}")
-    dst = torch.empty((nv, H, Tp), dtype=torch.float32, device=srcs[0].device)
+    shape = (H, nv, Tp) if interleave else (nv, H, Tp)
+    dst = torch.empty(shape, dtype=torch.float32, device=srcs[0].device)
     if Tp > 0 and H > 0:
         s = srcs + [srcs[0]] * (4 - nv)
         _padded_rows_kernel[(triton.cdiv(Tp, block_c), H)](
             s[0], s[1], s[2], s[3], dst, tok_of_col, T, Tp, H, NV=nv, FILL0_INF=fill0_inf,
-            BLOCK_C=block_c, num_warps=4)
+            INTERLEAVE=interleave, FOLD0=fold0, BLOCK_C=block_c, num_warps=4,
+            enable_fp_fusion=False)   # fold0: two roundings, as torch's mul then sub
+    if interleave:
+        return dst.view(H * nv, Tp)
     return tuple(dst[i] for i in range(nv))

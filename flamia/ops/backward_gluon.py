@@ -26,7 +26,8 @@ CTAs' element-wise phases and tensor-core phases interleave):
     blocks i >= the kv block for causal), an NS-stage TMA + mbarrier ring brings q8_i, do8_i
     (token-major, B operands of S^T / dP^T, K-major as fp8 wgmma needs), qT8_i, doT8_i (the
     K-major copies in the padded per-document layout, B operands of dK / dV) and the per-query
-    vectors lse, Delta, sq, sdo ((1, BM) fp32 TMA boxes, so they cost no registers until used).
+    vectors lse, Delta, sq, sdo ((1, BM) fp32 TMA boxes, or one (4, BM) box with pack_vecs, so
+    they cost no registers until used).
     The vectors come from (Hq, Tp) copies in the same padded layout as the K-major tiles
     (`padded_vectors`), read at column pstart + i0: TMA needs the innermost box coordinate
     16-byte aligned (an unaligned one is an *illegal instruction* on Hopper, not a masked read;
@@ -48,10 +49,18 @@ CTAs' element-wise phases and tensor-core phases interleave):
 Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
 document-relative); the result equals masking P^T.
 
-Opt-in (GluonDkdvConfig.ws, constexpr WS): FA3's layout, BN = 128 keys and two consumer
-warpgroups (64 keys each) in one CTA per SM, fed by a 1-warp TMA producer partition (the ws
-comment above `_release_slot`). The one-warpgroup overlap / ws variants lost to the default on
-the H200 and were removed (benchmarks/NOTES.md, session 4).
+Options (GluonDkdvConfig; the defaults per head dim, `default_gluon_config`, are the fastest
+combination measured on the H200, benchmarks/NOTES.md session 5):
+  - ws (constexpr WS; default at D=64): FA3's layout, BN = 128 keys and two consumer warpgroups
+    (64 keys each) in one CTA per SM, fed by a 1-warp TMA producer partition (the ws comment
+    above `_release_slot`). The one-warpgroup overlap / ws variants lost and were removed
+    (session 4).
+  - fold_sdo (constexpr FOLD; default): sdo_i is a power of two, so the lse vector arrives as
+    lse2_i - log2(sdo_i) and a = exp2(S^T - that) directly (one multiply per element less).
+  - pack_vecs (default): lse, Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer
+    and one (4, BM) TMA box per tile (`_packed_query_vectors`, one Triton launch).
+  - shared_mask (constexpr SHARED_MASK; default at D=128): the two masks as one expression,
+    which the compiler evaluates on every tile but with fewer spills.
 
 dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in ws schedule
 (constexpr WS): above `_dq_producer`. CPU builds: compile_sm90 / compile_dq_sm90.

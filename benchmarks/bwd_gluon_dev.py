@@ -37,7 +37,8 @@ Checks:
    (forward re-run): dK/dV at <= t bitwise equal, after t exactly zero; deterministic.
 3. Per workload (kernel quantize + forward make the operands once): Triton and Gluon dK/dV on
    the same state, max |diff| / max |ref| and relative Frobenius per tensor, then CUDA-event
-   timing (warm-up, median of --reps). dK/dV FLOPs: 4 of the backward's 5 GEMMs, each
+   timing (warm-up, median of --reps, in --rounds interleaved rounds of Triton and every
+   config: the median of the rounds is reported, each round kept in the JSON). dK/dV FLOPs: 4 of the backward's 5 GEMMs, each
    2 * Hq * D * L^2 / 2 causal, i.e. 4 * Hq * D * sum(L^2) (the convention of NOTES.md's
    "77 ms, ~230 TFLOP/s" at doc32k).
 Every config / workload runs under try/except (tracebacks printed) so the table always prints.
@@ -79,6 +80,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,6 +103,7 @@ T0 = time.time()
 RESULTS: dict = {"checks": [], "p1": [], "timing": [], "compile": [], "errors": [], "steps": []}
 JSON_PATH: str | None = None        # --json: progress file the --isolate parent reads
 KERNEL = "dkdv"                     # --kernel: dkdv or dq (set in main before anything runs)
+ROUNDS = 3                          # --rounds: interleaved timing rounds per workload
 
 CONFIGS = {
     "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, no vector TMA, sync MMA
@@ -601,8 +604,9 @@ def workloads(names, cfg_names, reps):
             tcfg = (f"q{c.q_bm}x{c.q_bn}w{c.q_warps}" if KERNEL == "dq"
                     else f"kv{c.kv_bn}x{c.kv_bm}split{c.kv_bm_dv}" if c.split_dkdv
                     else f"kv{c.kv_bn}x{c.kv_bm}")
-            rows.append(dict(workload=wname, D=D, impl="triton", config=tcfg, ms=t_tr,
-                             tflops=flops / t_tr / 1e9))
+            trow = dict(workload=wname, D=D, impl="triton", config=tcfg, ms=t_tr,
+                        tflops=flops / t_tr / 1e9)
+            rows.append(trow)
             log(f"{wname}: triton {KERNEL} {t_tr:.3f} ms ({flops / t_tr / 1e9:.0f} TFLOP/s)")
             vecs = gluon_vecs(st)
             t_vec = time_ms(lambda: gluon_vecs(st), reps=reps)
@@ -632,20 +636,16 @@ def workloads(names, cfg_names, reps):
             if "CUDA error" in repr(e) or "illegal" in repr(e):
                 raise
             continue
+        timed = []   # (name, config, comparison vs Triton) of the configs that ran
         for cname in cfg_names:
             try:
                 cfg = make_cfg(cname, D)
                 step(f"{wname} gluon", config=cname)
                 gk = run_gluon(st, cfg, vecs)
                 cs = {n: cmp(x, y) for (n, _), x, y in zip(out_names(), gk, ref)}
-                t_g = time_ms(lambda: gluon_launch(st, cfg, vecs), reps=reps)
-                row = dict(workload=wname, D=D, impl="gluon", config=cname, ms=t_g,
-                           tflops=flops / t_g / 1e9, speedup=t_tr / t_g, **cs,
-                           gather_ms=t_vec if cfg.vec_tma else 0.0)
-                rows.append(row)
+                timed.append((cname, cfg, cs))
                 step_done()
-                log(f"{wname}: gluon {cname} {t_g:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
-                    f"{t_tr / t_g:.2f}x)  "
+                log(f"{wname}: gluon {cname} "
                     + "  ".join(f"{n} max {c['max_rel']:.2e} fro {c['fro_rel']:.2e}"
                                 for n, c in cs.items())
                     + f"  finite {all(c['finite'] for c in cs.values())}")
@@ -655,6 +655,36 @@ def workloads(names, cfg_names, reps):
                 dump_progress()
                 if "CUDA error" in repr(e) or "illegal" in repr(e):
                     raise
+        # Timing in ROUNDS interleaved rounds (Triton, then every config; again): the median
+        # of each, so drift of the GPU during the run (clocks, temperature) hits all alike.
+        # Timed once each, one after the other, two configs launching the same kernel came
+        # out up to 8 % apart (benchmarks/NOTES.md, session 5, item 5).
+        try:
+            step(f"{wname} timing rounds")
+            t_trs, t_gs = [t_tr], {cname: [] for cname, _, _ in timed}
+            for r in range(ROUNDS):
+                if r:
+                    t_trs.append(time_ms(lambda: triton_launch(st), reps=reps))
+                for cname, cfg, _ in timed:
+                    t_gs[cname].append(time_ms(lambda: gluon_launch(st, cfg, vecs), reps=reps))
+            step_done()
+            t_tr = statistics.median(t_trs)
+            trow.update(ms=t_tr, tflops=flops / t_tr / 1e9, rounds_ms=t_trs)
+            for cname, cfg, cs in timed:
+                t_g = statistics.median(t_gs[cname])
+                row = dict(workload=wname, D=D, impl="gluon", config=cname, ms=t_g,
+                           tflops=flops / t_g / 1e9, speedup=t_tr / t_g, **cs,
+                           gather_ms=t_vec if cfg.vec_tma else 0.0, rounds_ms=t_gs[cname])
+                rows.append(row)
+                log(f"{wname}: gluon {cname} {t_g:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
+                    f"{t_tr / t_g:.2f}x; rounds " + " ".join(f"{x:.3f}" for x in t_gs[cname])
+                    + ")")
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            RESULTS["errors"].append(dict(what=f"{wname} timing", error=repr(e)[:400]))
+            dump_progress()
+            if "CUDA error" in repr(e) or "illegal" in repr(e):
+                raise
         st = dout = qkv = out = lse = ref = vecs = None     # free before the next workload
         torch.cuda.empty_cache()
     print_table(rows)
@@ -870,7 +900,8 @@ def isolate(args, cfg_names):
         attempt += 1
         jp = os.path.join(tmp, f"perf_{attempt}.json")
         pargs = ["--phase", "perf", "--configs", ",".join(x.replace(",", ";") for x in todo),
-                 "--workloads", args.workloads, "--reps", str(args.reps)]
+                 "--workloads", args.workloads, "--reps", str(args.reps),
+                 "--rounds", str(args.rounds)]
         if args.skip_p1:
             pargs.append("--skip-p1")
         rc, out, timed_out, res, dt = _child(pargs, {}, left - 5, jp)
@@ -933,7 +964,7 @@ def json_name():
 
 
 def main():
-    global JSON_PATH, KERNEL, RECIPE
+    global JSON_PATH, KERNEL, RECIPE, ROUNDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", choices=("fp8", "fp8_mixed"), default="fp8",
                     help="fp8: flamia/ops/backward_gluon.py; fp8_mixed: backward_gluon_mixed.py "
@@ -949,6 +980,8 @@ def main():
                     help=f"default: all ({','.join(WORKLOADS)}); with --isolate "
                          f"{ISOLATE_WORKLOADS}")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per workload (median of the rounds)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-p1", action="store_true")
     ap.add_argument("--skip-perf", action="store_true", help="--isolate: smoke phase only")
@@ -967,6 +1000,7 @@ def main():
     args = ap.parse_args()
     KERNEL = args.kernel
     RECIPE = args.recipe
+    ROUNDS = max(1, args.rounds)
     if args.precompile_worker:
         for job in args.precompile_worker.split(","):
             try:

@@ -59,7 +59,8 @@ plain_gluon_config (no opt-ins): fold (sdo folded into the exponent), smaskfold 
 mask predicate), w8wsfold (FA3's layout: two consumer warpgroups of 64 keys each fed by a 1-warp
 TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; + fold), gather (padded vectors by
 one Triton launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload
-bitwise against the torch gathers and timed apart). dQ: gather, ws (constexpr WS of
+bitwise against the torch gathers and timed apart). dQ (default: sk / sv by the Triton gather):
+torchvec (by torch gathers), ws (constexpr WS of
 _dq_fp8_kernel: 1-warp TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232;
 the default's per-tile numerics op for op, expected bitwise equal to it). The overlap variants
 (xo1 / xo2 / wsxo1 / wsxo2) lost and were removed (benchmarks/NOTES.md, session 5).
@@ -140,11 +141,11 @@ DQ_CONFIGS = {
     "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
     # opt-in variants (GluonDqConfig.ws / vec_gather; WS of _dq_fp8_kernel)
-    "gather": "vec_gather=True",                         # sk / sv by one Triton launch
+    "torchvec": "vec_gather=False",                      # sk / sv by torch gathers (host side)
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
-DQ_NEXT = ["default", "gather", "ws"]
+DQ_NEXT = ["default", "torchvec", "ws"]
 
 # --recipe fp8_mixed: flamia/ops/backward_gluon_mixed.py against the Triton fp8_mixed kernels
 # (default fp8_mixed BwdConfig: fused BM=32 below 4096 tokens, split dK / dV launches above)

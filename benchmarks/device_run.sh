@@ -5,7 +5,8 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-next, profile, profile-fwd,
+# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton
+# forward configs, fwd_dev.py --quick), fwd-next (Gluon forward variants), profile, profile-fwd,
 # host (cProfile of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
@@ -61,6 +62,7 @@ for spec in "$@"; do
     mixed-dq) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --recipe fp8_mixed --kernel dq --configs ladder --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+    fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;

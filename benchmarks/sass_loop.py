@@ -2,6 +2,7 @@
 
     python benchmarks/sass_loop.py                          # dK/dV fp8, D=128, causal, default
     python benchmarks/sass_loop.py --kernel dq --D 64
+    python benchmarks/sass_loop.py --kernel fwd             # the Triton forward (FwdConfig --set)
     python benchmarks/sass_loop.py --set fold_sdo=True      # a GluonDkdvConfig field changed
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
 
@@ -30,6 +31,7 @@ import triton  # noqa: E402
 
 from flamia.ops import backward_gluon as G  # noqa: E402
 from flamia.ops import backward_gluon_mixed as M  # noqa: E402
+from flamia.ops._interp import resource_usage  # noqa: E402
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
@@ -64,7 +66,27 @@ def main_loop(instrs):
     return best or []
 
 
+def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
+    """The Triton forward (_attn_fwd_kernel) as attention_forward launches it on the H200."""
+    import torch
+    from flamia.inputs import make_qkv
+    from flamia.ops._interp import compile_only
+    from flamia.ops.forward import attention_forward, default_config
+    from flamia.ops.quantize import quantize_qkv
+    q, k, v, cu = make_qkv((1024, 1024), 8, 2, D)
+    cfg = default_config(D, recipe != "bf16", torch.device("cuda"))
+    for s in sets:
+        key, val = s.split("=")
+        cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(eval(val))})
+    with compile_only() as built:
+        qkv = quantize_qkv(q, k, v, cu, recipe, causal)     # outputs unwritten: compile only
+        attention_forward(qkv, cu, 1024, causal, None, torch.bfloat16, config=cfg)
+    return dict(built)["_attn_fwd_kernel"], cfg
+
+
 def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
+    if kernel == "fwd":
+        return build_forward(recipe, D, causal, sets)
     mod = M if recipe == "fp8_mixed" else G
     if recipe == "fp8_mixed":
         cfg = M.default_mixed_dq_config(D) if kernel == "dq" else M.default_mixed_dkdv_config(D)
@@ -81,8 +103,9 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv")
-    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed"), default="fp8")
+    ap.add_argument("--kernel", choices=("dkdv", "dq", "fwd"), default="dkdv")
+    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed", "bf16"), default="fp8",
+                    help="bf16: --kernel fwd only")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")
@@ -94,14 +117,14 @@ def main():
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(sass)
+    usage = resource_usage(kern)
     instrs = parse(sass)
     loop = main_loop(instrs)
     hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
     local = sum(1 for _, op, _ in loop if op.startswith(("LDL", "STL")))
     print(f"{args.kernel} {args.recipe} D={args.D} causal={not args.no_causal} {cfg}")
     print(f"kernel {len(instrs)} SASS instructions; main loop {len(loop)} "
-          f"(local memory ops {local}); regs/spills {G.resource_report(kern)['regs']}/"
-          f"{G.resource_report(kern)['spill_stores']} B")
+          f"(local memory ops {local}); regs/spills {usage['regs']}/{usage['spill_stores']} B")
     for op, n in hist.most_common(args.top):
         print(f"  {op:10s} {n:5d}")
 

@@ -52,6 +52,11 @@ class FwdConfig:
     use_tma: bool = True        # TMA descriptors for Q/K/V tiles (pointer loads otherwise)
     v_kmajor: bool = True       # FP8 PV GEMM reads V from the K-major copy vt8
     maxnreg: int | None = None  # register cap per thread (e.g. 168: three 4-warp CTAs per SM)
+    # fold_lr: exp2(s * row_f - (m - lr)) instead of exp2((s * row_f - m) + lr): the per-row
+    # offset joins the per-row max once per tile, not once per score (-64 FADD per 64 x 128
+    # tile per thread, 775 -> 713 SASS in the loop; benchmarks/sass_loop.py --kernel fwd).
+    # Rounding differs by one fp32 add on the exponent (|m| 2^-24). Opt-in until timed.
+    fold_lr: bool = False
 
     def with_(self, **kw) -> "FwdConfig":
         return replace(self, **kw)
@@ -78,7 +83,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 K, V, SK, SV, stride_kt, stride_vn, stride_vd,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                V_KMAJOR: tl.constexpr):
+                V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -109,10 +114,16 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 valid = valid & (offs_m[:, None] >= offs_n[None, :])
             x = tl.where(valid, s * row_f[:, None], float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1))
-            p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
+            if FOLD_LR:
+                p = tl.math.exp2(x - (m_new - lr)[:, None])
+            else:
+                p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * row_f)     # row_f >= 0
-            p = tl.math.exp2((s * row_f[:, None] - m_new[:, None]) + lr[:, None])
+            if FOLD_LR:
+                p = tl.math.exp2(s * row_f[:, None] - (m_new - lr)[:, None])
+            else:
+                p = tl.math.exp2((s * row_f[:, None] - m_new[:, None]) + lr[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -149,7 +160,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      T, N_ITEMS, HQ, GROUP, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                     V_KMAJOR: tl.constexpr):
+                     V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -208,15 +219,15 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, -shift, head_hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR)
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
     n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
     n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR)
+                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR)
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
     # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
@@ -295,6 +306,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
-        V_KMAJOR=v_kmajor, num_warps=config.num_warps, num_stages=config.num_stages,
+        V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

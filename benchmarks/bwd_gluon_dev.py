@@ -55,15 +55,14 @@ perturbed: dQ at <= t bitwise, after t exactly zero, reruns bitwise. FLOPs: 3 ca
 
 --configs next (both kernels): the production default and the opt-in variants (NEXT / DQ_NEXT).
 dK/dV: "default" is default_gluon_config (tuned per head dim), the others start from
-plain_gluon_config (no opt-ins): fold (sdo folded into the exponent), smaskfold (+ the shared
-mask predicate), w8wsfold (FA3's layout: two consumer warpgroups of 64 keys each fed by a 1-warp
-TMA producer partition, 1 CTA / SM, consumer setmaxnreg 240; + fold), gather (padded vectors by
-one Triton launch, kmajor.padded_rows; checked end to end in the smoke phase, and per workload
-bitwise against the torch gathers and timed apart). dQ (default: sk / sv by the Triton gather):
-torchvec (by torch gathers), ws (constexpr WS of
-_dq_fp8_kernel: 1-warp TMA producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232;
-the default's per-tile numerics op for op, expected bitwise equal to it). The overlap variants
-(xo1 / xo2 / wsxo1 / wsxo2) lost and were removed (benchmarks/NOTES.md, session 5).
+plain_gluon_config (no opt-ins): late (the D=128 default with the dV GEMM issued after the dS^T
+operand: fewer live registers), lateth (+ the threshold masks), w8wsth (the D=64 default, FA3's
+layout, + the threshold masks), plain; more in CONFIGS (fold, smaskfold, w8wsfold,
+smaskfoldpack, gather: the padded vectors by one Triton launch). dQ (default: sk / sv by the
+Triton gather): torchvec (by torch gathers), ws (constexpr WS of _dq_fp8_kernel: 1-warp TMA
+producer partition, maxnreg 128: 2 CTAs / SM, consumer setmaxnreg 232; the default's per-tile
+numerics op for op, expected bitwise equal to it). The overlap variants (xo1 / xo2 / wsxo1 /
+wsxo2) lost and were removed (benchmarks/NOTES.md, session 5).
 
     python benchmarks/bwd_gluon_dev.py --isolate --configs next
     python benchmarks/bwd_gluon_dev.py --kernel dq --isolate --configs next
@@ -126,10 +125,15 @@ CONFIGS = {
     "smaskfoldpack": "shared_mask=True,fold_sdo=True,pack_vecs=True",   # + one vector box
     "w8wsfoldpack": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True",
     "w8wssmaskfold": "bn=128,num_warps=8,ws=True,shared_mask=True,fold_sdo=True",
+    # prepared in session 5 (item 12), not yet run: the D=128 default + late dV (+ threshold
+    # masks), the D=64 default + threshold masks
+    "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
+    "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
+    "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
-NEXT = ["default", "plain", "fold", "smaskfold", "w8wsfold", "gather"]
+NEXT = ["default", "late", "lateth", "w8wsth", "plain"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {

@@ -117,6 +117,13 @@ class GluonDkdvConfig:
     # TMA box per tile instead of four (1, BM) ones (each TMA issue costs the consumer a CTA
     # barrier and ~20 instructions of descriptor / coordinate set-up; needs vec_tma)
     pack_vecs: bool = False
+    # threshold_mask: both masks as one compare per element against a per-column threshold
+    # (constexpr THR_MASK; the same predicate). late_dv: the dV GEMM issued after the dS^T
+    # operand, not overlapping its math (constexpr LATE_DV): 32 fewer live registers. Together
+    # at D=128 with shared_mask: 1132 -> 1010 SASS on the unconditional path per tile, spills
+    # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); prepared, not yet run on the H200.
+    threshold_mask: bool = False
+    late_dv: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -534,7 +541,7 @@ if HAVE_GLUON:
     def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
                     lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr):
+                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
         dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
@@ -552,21 +559,31 @@ if HAVE_GLUON:
             sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 3)
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
-            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                  & gl.expand_dims(m_idx < L_doc, 0))
-            a = gl.where(ok, a, 0.0)
+            a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
         c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
         a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
 
     @gluon.jit
-    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask, SHARED: gl.constexpr):
+    def _visible(n_idx, m_idx, shift, L_doc, THR: gl.constexpr):
+        """(key, query) pairs of a dK/dV tile that count: key <= query + shift and the query in
+        the document. THR: as one compare per element against a per-column threshold (the
+        last visible key, -1 past the document end; keys are >= 0), the same predicate."""
+        if THR:
+            thr = gl.where(m_idx < L_doc, m_idx + shift, -1)
+            ok = gl.expand_dims(n_idx, 1) <= gl.expand_dims(thr, 0)
+        else:
+            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
+                  & gl.expand_dims(m_idx < L_doc, 0))
+        return ok
+
+    @gluon.jit
+    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask, SHARED: gl.constexpr,
+                   THR: gl.constexpr):
         """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
         dP^T, Delta, sq of out-of-document columns may be anything (another document)."""
         if SHARED and need_mask:
-            ok = ((gl.expand_dims(m_idx, 0) + shift >= gl.expand_dims(n_idx, 1))
-                  & gl.expand_dims(m_idx < L_doc, 0))
-            b = gl.where(ok, b, 0.0)
+            b = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), b, 0.0)
         elif need_mask:
             # the predicate of _dv_operand's `ok`, written differently: as the same expression
             # the compiler computed it once, before the first `if`, on every tile (~120 of
@@ -656,7 +673,7 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -704,18 +721,24 @@ if HAVE_GLUON:
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD)
-            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                                      VEC_TMA, SYNC, FOLD, THR_MASK)
+            if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
-            dp = _mma_wait(dp_tok, 1, SYNC)
+            if LATE_DV:   # nothing issued after dP^T yet
+                dp = _mma_wait(dp_tok, 0, SYNC)
+            else:
+                dp = _mma_wait(dp_tok, 1, SYNC)
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                           need_mask, SHARED_MASK)
+                           need_mask, SHARED_MASK, THR_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+            if LATE_DV:
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             if NCH == 2:
                 dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
@@ -752,7 +775,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -798,7 +821,8 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, num_warps)),
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -814,7 +838,8 @@ if HAVE_GLUON:
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, num_warps)
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1266,7 +1291,8 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
-                        SHARED_MASK=cfg.shared_mask)
+                        SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

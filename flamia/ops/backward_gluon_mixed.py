@@ -313,7 +313,7 @@ if HAVE_GLUON:
             # (S^T waited for past the dP^T wgmmas: NCH of them)
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, NCH, COL, AOP8,
-                                      VEC_TMA, SYNC, False)
+                                      VEC_TMA, SYNC, False, False)
             if EARLY_DV:   # dV's first half overlaps dS^T (its 32 result registers in flight)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -326,7 +326,7 @@ if HAVE_GLUON:
             # _dkdv_tile: ds_t = p_t (dP^T sv_j - Delta_i); dK operand bf16(ds_t sq_i)
             b = _mask_ds_t(p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0))
                            * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc, need_mask,
-                           False)
+                           False, False)
             b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
             if not EARLY_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)

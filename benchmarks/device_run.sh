@@ -50,12 +50,14 @@ for spec in "$@"; do
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn \
              --no-accuracy --out "$OUT" ;;
     bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \
+             --reps 10 ;;
     bwd-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --configs "${BWD_CONFIGS:-default}" --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 --reps 10 ;;
     dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
-             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \
+             --reps 10 ;;
     mixed-dkdv) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --recipe fp8_mixed --configs ladder --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;

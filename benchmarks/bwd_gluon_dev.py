@@ -259,6 +259,16 @@ def step_done(**kw):
     dump_progress()
 
 
+def record_error(what: str, e: Exception) -> None:
+    """Print and record a failed step and go on, unless the CUDA context is dead: then re-raise
+    and let the process end (the --isolate parent reports it)."""
+    traceback.print_exc()
+    RESULTS["errors"].append(dict(what=what, error=repr(e)[:400]))
+    dump_progress()
+    if "CUDA error" in repr(e) or "illegal" in repr(e):
+        raise e
+
+
 def expand_configs(spec: str) -> list[str]:
     names = []
     for c in spec.split(","):
@@ -458,12 +468,7 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
             log(f"check {tag} D={D} causal={causal} {cname}: " + " | ".join(line))
         except Exception as e:   # noqa: BLE001
             ok_all = False
-            traceback.print_exc()
-            RESULTS["errors"].append(dict(what=f"check {tag} D={D} causal={causal} {cname}",
-                                          error=repr(e)[:400]))
-            dump_progress()
-            if "CUDA error" in repr(e) or "illegal" in repr(e):
-                raise           # the context is dead: let the process end (the parent reports)
+            record_error(f"check {tag} D={D} causal={causal} {cname}", e)
     if nan_doc is None:
         return ok_all
     # NaN isolation: document nan_doc gets NaN q and dO
@@ -494,11 +499,7 @@ def check_case(tag, lengths, Hq, Hkv, D, causal, cfg_names, nan_doc=None):
                 f"bitwise={iso}")
     except Exception as e:   # noqa: BLE001
         ok_all = False
-        traceback.print_exc()
-        RESULTS["errors"].append(dict(what=f"nan isolation {tag} D={D}", error=repr(e)[:400]))
-        dump_progress()
-        if "CUDA error" in repr(e) or "illegal" in repr(e):
-            raise
+        record_error(f"nan isolation {tag} D={D}", e)
     return ok_all
 
 
@@ -562,11 +563,7 @@ def p1_check(cfg_names):
             log(f"P1 {cname}: deterministic={det} prefix bitwise={pre} suffix zero={zero}")
         except Exception as e:   # noqa: BLE001
             ok_all = False
-            traceback.print_exc()
-            RESULTS["errors"].append(dict(what=f"P1 {cname}", error=repr(e)[:400]))
-            dump_progress()
-            if "CUDA error" in repr(e) or "illegal" in repr(e):
-                raise
+            record_error(f"P1 {cname}", e)
     return ok_all
 
 
@@ -635,11 +632,7 @@ def workloads(names, cfg_names, reps):
                 traceback.print_exc()
                 RESULTS["errors"].append(dict(what=f"{wname} triton gather", error=repr(e)[:400]))
         except Exception as e:   # noqa: BLE001
-            traceback.print_exc()
-            RESULTS["errors"].append(dict(what=f"{wname} setup/triton", error=repr(e)[:400]))
-            dump_progress()
-            if "CUDA error" in repr(e) or "illegal" in repr(e):
-                raise
+            record_error(f"{wname} setup/triton", e)
             continue
         timed = []   # (name, config, comparison vs Triton) of the configs that ran
         for cname in cfg_names:
@@ -655,11 +648,7 @@ def workloads(names, cfg_names, reps):
                                 for n, c in cs.items())
                     + f"  finite {all(c['finite'] for c in cs.values())}")
             except Exception as e:   # noqa: BLE001
-                traceback.print_exc()
-                RESULTS["errors"].append(dict(what=f"{wname} gluon {cname}", error=repr(e)[:400]))
-                dump_progress()
-                if "CUDA error" in repr(e) or "illegal" in repr(e):
-                    raise
+                record_error(f"{wname} gluon {cname}", e)
         # Timing in ROUNDS interleaved rounds (Triton, then every config; again): the median
         # of each, so drift of the GPU during the run (clocks, temperature) hits all alike.
         # Timed once each, one after the other, two configs launching the same kernel came
@@ -685,11 +674,7 @@ def workloads(names, cfg_names, reps):
                     f"{t_tr / t_g:.2f}x; rounds " + " ".join(f"{x:.3f}" for x in t_gs[cname])
                     + ")")
         except Exception as e:   # noqa: BLE001
-            traceback.print_exc()
-            RESULTS["errors"].append(dict(what=f"{wname} timing", error=repr(e)[:400]))
-            dump_progress()
-            if "CUDA error" in repr(e) or "illegal" in repr(e):
-                raise
+            record_error(f"{wname} timing", e)
         st = dout = qkv = out = lse = ref = vecs = None     # free before the next workload
         torch.cuda.empty_cache()
     print_table(rows)

@@ -111,7 +111,7 @@ CONFIGS = {
     "vecload": "vec_tma=False",                          # + async wgmma
     "synctma": "stages=2,sync_mma=True",                 # vector TMA without async wgmma
     "default": None,                                     # default_gluon_config (tuned per D)
-    "plain": "vec_tma=True",                             # plain_gluon_config: no opt-ins
+    "plain": None,                                       # plain_gluon_config: no opt-ins
     "ns3": "stages=3",                                   # 1 CTA/SM at D=128
     "w8safe": "bn=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8ns3": "bn=128,num_warps=8,stages=3",              # 2 warpgroups / CTA

@@ -1273,7 +1273,7 @@ def fold_sdo(vecs):
     exponent is P * sdo up to the rounding of one fp32 add). Pad columns stay +inf (lse +inf,
     sdo 0); an out-of-document sdo of 0 gives +inf too (a = 0, as P * 0)."""
     lse, delta, sq, sdo = vecs
-    return (torch.sub(lse * LOG2E, torch.log2(sdo)), delta, sq, sdo)
+    return (lse * LOG2E - torch.log2(sdo), delta, sq, sdo)
 
 
 def _args(st, cfg: GluonDkdvConfig, vecs=None):

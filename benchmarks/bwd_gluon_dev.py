@@ -125,8 +125,8 @@ CONFIGS = {
     "smaskfoldpack": "shared_mask=True,fold_sdo=True,pack_vecs=True",   # + one vector box
     "w8wsfoldpack": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True",
     "w8wssmaskfold": "bn=128,num_warps=8,ws=True,shared_mask=True,fold_sdo=True",
-    # prepared in session 5 (item 12), not yet run: the D=128 default + late dV (+ threshold
-    # masks), the D=64 default + threshold masks
+    # session 5 item 12, timed in session 6 item 1: lateth is the D=128 default since; w8wsth
+    # (the D=64 default + threshold masks) lost to it by 2 %
     "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
     "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
     "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",

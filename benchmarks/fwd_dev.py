@@ -135,7 +135,10 @@ def check_slice(dev, D, recipe, configs, smoke):
     ref_out, ref_lse, _ = R.forward(q, k, v, cu, recipe, True)
     emul = ref_out.to(q.dtype).double()
     exact = R.attention_exact(q, k, v, cu, True)
+    exact_lse = R.lse_exact(q, k, cu, True)
     err_ref = (emul - exact).abs()
+    finite = torch.isfinite(ref_lse)
+    lse_err_ref = (ref_lse.double() - exact_lse)[finite].abs()
     qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True)
     good = []
     for cfg in configs:
@@ -148,9 +151,16 @@ def check_slice(dev, D, recipe, configs, smoke):
             atol = 4 * err_ref.pow(2).mean().sqrt().item() + 1e-5
             ok_max = err.max().item() <= 2 * err_ref.max().item() + 1e-5
             frac = (err > 2 * err_ref + atol).double().mean().item()
-            lse_err = (lse - ref_lse.float()).abs().max().item()
+            # LSE by the same rule, against the float64 LSE (as tests/gpu/test_forward_gpu.py):
+            # on outliers the fp8 emulation's own LSE is off by ~0.1, so an absolute 1e-3 against
+            # it rejected every fp8 config.
+            lse_e = (lse.double() - exact_lse)[finite].abs()
+            lse_err = lse_e.max().item()
+            lse_ok = (lse_err <= 2 * lse_err_ref.max().item() + 1e-5 and
+                      (lse_e > 2 * lse_err_ref + 4 * lse_err_ref.pow(2).mean().sqrt().item() + 1e-5
+                       + 4 * 2.0 ** -23 * exact_lse[finite].abs()).double().mean().item() <= 1e-4)
             r, r_ref = rel_err(out, exact), rel_err(emul, exact)
-            passed = unwritten == 0 and ok_max and frac <= 1e-4 and lse_err < 1e-3 and r <= 1.1 * r_ref + 1e-4
+            passed = unwritten == 0 and ok_max and frac <= 1e-4 and lse_ok and r <= 1.1 * r_ref + 1e-4
             rec.update(passed=passed, rel_err=r, rel_err_ref=r_ref, max_err=err.max().item(),
                        max_err_ref=err_ref.max().item(), frac_elem_fail=frac, lse_err=lse_err,
                        unwritten=unwritten)

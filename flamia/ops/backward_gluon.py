@@ -121,7 +121,7 @@ class GluonDkdvConfig:
     # (constexpr THR_MASK; the same predicate). late_dv: the dV GEMM issued after the dS^T
     # operand, not overlapping its math (constexpr LATE_DV): 32 fewer live registers. Together
     # at D=128 with shared_mask: 1132 -> 1010 SASS on the unconditional path per tile, spills
-    # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); prepared, not yet run on the H200.
+    # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
 
@@ -132,15 +132,16 @@ def plain_gluon_config(D: int) -> GluonDkdvConfig:
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
-    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 5, items 1 and 5;
+    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 6, item 1;
     bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at D=128, doc8k_x4 at
-    D=64): D=128 shared_mask + fold_sdo + pack_vecs 9.68 / 9.35 / 39.69 (plain 10.54 / 10.08 /
-    43.81); D=64 FA3's layout (w8ws) + fold_sdo + pack_vecs 6.51 (plain 7.25, shared_mask 8.37)."""
+    D=64): D=128 shared_mask + fold_sdo + pack_vecs + late_dv + threshold_mask 8.47 / 8.31 /
+    32.97 (without the last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94); D=64 FA3's
+    layout (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35)."""
     if D <= 64:
         return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
                                    fold_sdo=True, pack_vecs=True)
     return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, shared_mask=True,
-                               pack_vecs=True)
+                               pack_vecs=True, late_dv=True, threshold_mask=True)
 
 
 @dataclass(frozen=True)

@@ -130,20 +130,10 @@ CONFIGS = {
     "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
     "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
     "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",
-    # session 6 item 3, prepared: the defaults + running_scale (in-place wgmma accumulation,
-    # a per-key scale kept across tiles), running_k 8 instead of 4, and the D=64 default with
-    # late_dv (one vote per tile instead of two)
-    "run": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,"
-           "running_scale=True",
-    "run8": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,"
-            "running_scale=True,running_k=8",
-    "w8wsrun": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,running_scale=True",
-    "w8wslaterun": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,late_dv=True,"
-                   "running_scale=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
-NEXT = ["default", "run", "run8", "w8wsrun", "w8wslaterun"]
+NEXT = ["default", "late", "lateth", "w8wsth", "plain"]
 
 # --kernel dq: the Gluon dQ kernel (GluonDqConfig) against backward.launch_dq (Triton _bwd_dq)
 DQ_CONFIGS = {
@@ -157,13 +147,9 @@ DQ_CONFIGS = {
     # opt-in variants (GluonDqConfig.ws / vec_gather; WS of _dq_fp8_kernel)
     "torchvec": "vec_gather=False",                      # sk / sv by torch gathers (host side)
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
-    # session 6 item 3, prepared: in-place accumulation with a running per-query scale
-    "run": "running_scale=True",
-    "run8": "running_scale=True,running_k=8",
-    "w8run": "bm=128,num_warps=8,running_scale=True",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
-DQ_NEXT = ["default", "run", "run8", "w8", "w8run"]
+DQ_NEXT = ["default", "torchvec", "ws"]
 
 # --recipe fp8_mixed: flamia/ops/backward_gluon_mixed.py against the Triton fp8_mixed kernels
 # (default fp8_mixed BwdConfig: fused BM=32 below 4096 tokens, split dK / dV launches above)

@@ -240,18 +240,8 @@ VARIANTS = {
                                                  pack_vecs=True, threshold_mask=True), 64),
     "dkdv_w8ws_pack_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
                                             pack_vecs=True), 64),
-    "dkdv_running": ("dkdv", 128, dict(fold_sdo=True, shared_mask=True, pack_vecs=True,
-                                       late_dv=True, threshold_mask=True, running_scale=True), 64),
-    "dkdv_w8ws_running_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
-                                               pack_vecs=True, running_scale=True), 64),
-    "dkdv_w8ws_late_running_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
-                                                    pack_vecs=True, late_dv=True,
-                                                    running_scale=True), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
-    "dq_running": ("dq", 128, dict(running_scale=True), 64),
-    "dq_running_d64": ("dq", 64, dict(running_scale=True), 64),
-    "dq_w8_running": ("dq", 128, dict(bm=128, num_warps=8, running_scale=True), 64),
 }
 
 _VAR_SCRIPT = r"""

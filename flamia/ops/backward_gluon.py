@@ -124,17 +124,6 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # running_scale: the dV / dK GEMMs accumulate in place (no per-tile fp32 promotion: 128
-    # FFMA per tile and thread at D=128, and the registers of two 64 x 64 results in flight).
-    # Each key row keeps one power-of-two scale for its A operand across tiles and rescales its
-    # accumulators (exactly) only when a tile needs another: larger (no overflow) or more than
-    # running_k binades smaller (keeps e4m3's normal range); one CTA-wide vote per tile skips
-    # the rescale when no row moves (constexpr RUNNING, _running_exp). A tile's scale is then
-    # between its own (the default's) and 2^running_k times it: same e4m3 precision for
-    # entries within 2^(14 - running_k) of the tile's largest. Leak-free like the default (an
-    # exact zero never sets a scale). Opt-in until timed.
-    running_scale: bool = False
-    running_k: int = 4
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -173,10 +162,6 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # running_scale / running_k: as GluonDkdvConfig's, for the dS K GEMM (a per-query scale
-    # kept across kv tiles; the dQ accumulators filled by the wgmma in place). Opt-in until timed.
-    running_scale: bool = False
-    running_k: int = 4
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -265,15 +250,6 @@ if HAVE_GLUON:
             r = warpgroup_mma(a, b, zero, use_acc=False)
         else:
             r = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-        return r
-
-    @gluon.jit
-    def _mma_acc(a, b, acc, SYNC: gl.constexpr):
-        """acc + a @ b, accumulated by the wgmma itself (GluonDkdvConfig.running_scale)."""
-        if SYNC:
-            r = warpgroup_mma(a, b, acc)
-        else:
-            r = warpgroup_mma(a, b, acc, is_async=True)
         return r
 
     @gluon.jit
@@ -563,12 +539,12 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(sv_desc, [hk, c0], bar, sv_s.index(s), pred=pred)
 
     @gluon.jit
-    def _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                   lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
-                   COL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   FOLD: gl.constexpr, THR: gl.constexpr):
+    def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
+                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
+                    COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
+                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
-        dV GEMM's A operand before quantization: a = P^T sdo_i (masked).
+        dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
         (p is then a as well: only for callers that do not need P itself)."""
         lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL, VEC_TMA)
@@ -585,48 +561,9 @@ if HAVE_GLUON:
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
-        return p, a
-
-    @gluon.jit
-    def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
-                    COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
-        """_dv_values and a's per-key scale c_j (this tile's), e4m3(a / c_j) as the dV GEMM's
-        A operand."""
-        p, a = _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                          lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING, COL, VEC_TMA, SYNC, FOLD,
-                          THR)
         c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
         a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
-
-    @gluon.jit
-    def _running_exp(amax, run_e, K: gl.constexpr):
-        """GluonDkdvConfig.running_scale: the per-row scale as a biased fp32 exponent run_e
-        (scale 2^(run_e - 127); 0: no nonzero entry yet). This tile's exponent e_t is
-        _pow2_scale_g's (amax / 2^(e_t - 127) <= 448). The row moves to e_t when e_t is larger
-        (else the tile would overflow e4m3) or more than K binades smaller (else its entries
-        would sink into e4m3's subnormals); between, the tile is quantized with the running
-        scale: between its own and 2^K times its own. Returns the new exponent, the accumulator factor 2^(old - new) (exact; 0 for an
-        accumulator that is still empty), 1 / scale for the operand and which rows moved.
-        NaN / Inf amax: e_t stays 0 / goes to 254, the NaN reaches the row through a itself."""
-        bits = amax.to(gl.int32, bitcast=True)
-        e = (bits >> 23) & 0xFF
-        e_t = gl.minimum(gl.maximum(e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32), 1), 254)
-        e_t = gl.where(amax > 0, e_t, 0)
-        # downward moves only within 96 binades: the accumulator (<= 2^24 in scale units)
-        # times 2^96 stays finite
-        need = (e_t > run_e) | ((e_t > 0) & (e_t + K < run_e) & (run_e - e_t < 96))
-        new_e = gl.where(need, e_t, run_e)
-        f = (gl.maximum(127 + run_e - new_e, 0) << 23).to(gl.float32, bitcast=True)
-        inv = ((254 - new_e) << 23).to(gl.float32, bitcast=True)
-        return new_e, f, inv, need
-
-    @gluon.jit
-    def _exp_scale(e):
-        """2^(e - 127) for a biased exponent e in [0, 254] (0 -> 0.0)."""
-        return (e << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
     def _visible(n_idx, m_idx, shift, L_doc, THR: gl.constexpr):
@@ -737,8 +674,7 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, RUNNING: gl.constexpr,
-                   RUN_K: gl.constexpr, num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -758,8 +694,6 @@ if HAVE_GLUON:
         acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
         acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
         shift = _causal_shift(L_doc, CAUSAL)
-        run_a = gl.zeros([BN], gl.int32, ROW)    # RUNNING: per-key scale exponents (dV, dK)
-        run_b = gl.zeros([BN], gl.int32, ROW)
         mbarrier.wait(kv_bar, 0)
 
         for it in range(total):
@@ -786,107 +720,48 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            if RUNNING:   # wgmmas accumulate in place; rows rescaled only when a scale moves
-                p, a = _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
-                                  need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, VEC_TMA,
-                                  SYNC, FOLD, THR_MASK)
-                amax_a = gl.max(gl.abs(a), axis=1)
-                if not LATE_DV:
-                    run_a, f_a, inv_a, need_a = _running_exp(amax_a, run_a, RUN_K)
-                    if gl.max(need_a.to(gl.int32), axis=0) > 0:
-                        acc_dv0 = acc_dv0 * gl.expand_dims(f_a, 1)
-                        acc_dv1 = acc_dv1 * gl.expand_dims(f_a, 1)
-                    a8 = gl.convert_layout((a * gl.expand_dims(inv_a, 1)).to(gl.float8e4nv), AOP)
-                    dv0_tok = _mma_acc(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), acc_dv0,
-                                       SYNC)
-                dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
-                if LATE_DV:
-                    dp = _mma_wait(dp_tok, 0, SYNC)
-                else:
-                    dp = _mma_wait(dp_tok, 1, SYNC)
-                t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-                sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK)
-                run_b, f_b, inv_b, need_b = _running_exp(gl.max(gl.abs(b), axis=1), run_b, RUN_K)
-                if LATE_DV:   # one CTA-wide vote for both scales
-                    run_a, f_a, inv_a, need_a = _running_exp(amax_a, run_a, RUN_K)
-                    if gl.max((need_a | need_b).to(gl.int32), axis=0) > 0:
-                        acc_dv0 = acc_dv0 * gl.expand_dims(f_a, 1)
-                        acc_dv1 = acc_dv1 * gl.expand_dims(f_a, 1)
-                        acc_dk0 = acc_dk0 * gl.expand_dims(f_b, 1)
-                        acc_dk1 = acc_dk1 * gl.expand_dims(f_b, 1)
-                    a8 = gl.convert_layout((a * gl.expand_dims(inv_a, 1)).to(gl.float8e4nv), AOP)
-                    dv0_tok = _mma_acc(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), acc_dv0,
-                                       SYNC)
-                else:
-                    if gl.max(need_b.to(gl.int32), axis=0) > 0:
-                        acc_dk0 = acc_dk0 * gl.expand_dims(f_b, 1)
-                        acc_dk1 = acc_dk1 * gl.expand_dims(f_b, 1)
-                b8 = gl.convert_layout((b * gl.expand_dims(inv_b, 1)).to(gl.float8e4nv), AOP)
-                if NCH == 2:
-                    dv1_tok = _mma_acc(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), acc_dv1,
-                                       SYNC)
-                    dk0_tok = _mma_acc(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), acc_dk0,
-                                       SYNC)
-                    dk1_tok = _mma_acc(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), acc_dk1,
-                                       SYNC)
-                    acc_dv0 = _mma_wait(dv0_tok, 3, SYNC)
-                    acc_dv1 = _mma_wait(dv1_tok, 2, SYNC)
-                    acc_dk0 = _mma_wait(dk0_tok, 1, SYNC)
-                    acc_dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                else:
-                    dk0_tok = _mma_acc(b8, qTs.permute((1, 0)), acc_dk0, SYNC)
-                    acc_dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                    acc_dk0 = _mma_wait(dk0_tok, 0, SYNC)
+            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
+                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
+                                      VEC_TMA, SYNC, FOLD, THR_MASK)
+            if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+
+            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
+            if LATE_DV:   # nothing issued after dP^T yet
+                dp = _mma_wait(dp_tok, 0, SYNC)
             else:
-                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
-                                          need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                          VEC_TMA, SYNC, FOLD, THR_MASK)
-                if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
-                    dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dp = _mma_wait(dp_tok, 1, SYNC)
+            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+            # sq_i again from shared memory: not kept live in registers across the wgmma waits
+            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
+            b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                           need_mask, SHARED_MASK, THR_MASK)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+            if LATE_DV:
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
-                dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
-                if LATE_DV:   # nothing issued after dP^T yet
-                    dp = _mma_wait(dp_tok, 0, SYNC)
-                else:
-                    dp = _mma_wait(dp_tok, 1, SYNC)
-                t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-                # sq_i again from shared memory: not kept live in registers across the wgmma waits
-                sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK)
-                c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
-                if LATE_DV:
-                    dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-
-                if NCH == 2:
-                    dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                    acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                    dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dv1 = _mma_wait(dv1_tok, 1, SYNC)
-                    acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
-                    dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                    dk0 = _mma_wait(dk0_tok, 1, SYNC)
-                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                    dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                    acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
-                else:
-                    dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-                    dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                    acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                    dk0 = _mma_wait(dk0_tok, 0, SYNC)
-                    acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv1 = _mma_wait(dv1_tok, 1, SYNC)
+                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dk0 = _mma_wait(dk0_tok, 1, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                dk1 = _mma_wait(dk1_tok, 0, SYNC)
+                acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+            else:
+                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
+                dv0 = _mma_wait(dv0_tok, 1, SYNC)
+                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                dk0 = _mma_wait(dk0_tok, 0, SYNC)
+                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
-        if RUNNING:   # from scale units to values
-            acc_dv0 = acc_dv0 * gl.expand_dims(_exp_scale(run_a), 1)
-            acc_dv1 = acc_dv1 * gl.expand_dims(_exp_scale(run_a), 1)
-            acc_dk0 = acc_dk0 * gl.expand_dims(_exp_scale(run_b), 1)
-            acc_dk1 = acc_dk1 * gl.expand_dims(_exp_scale(run_b), 1)
         return acc_dv0, acc_dv1, acc_dk0, acc_dk1
 
     # T, HQ, HKV runtime and unspecialized: one binary per (config, D, causal, dtypes), not one
@@ -901,8 +776,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, RUNNING: gl.constexpr,
-        RUN_K: gl.constexpr, num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -949,7 +823,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, RUNNING, RUN_K, num_warps)),
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -966,7 +840,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, RUNNING, RUN_K, num_warps)
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1042,7 +916,7 @@ if HAVE_GLUON:
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                  VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 RUNNING: gl.constexpr, RUN_K: gl.constexpr, num_warps: gl.constexpr):
+                 num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -1060,7 +934,6 @@ if HAVE_GLUON:
         zero = gl.zeros([BM, CH], gl.float32, L)
         acc0 = gl.zeros([BM, CH], gl.float32, L)
         acc1 = gl.zeros([BM, CH], gl.float32, L)
-        run = gl.zeros([BM], gl.int32, ROW)    # RUNNING: per-query scale exponents
         mbarrier.wait(q_bar, 0)
 
         for jt in range(total):
@@ -1103,28 +976,11 @@ if HAVE_GLUON:
             # sk_j again from shared memory / L1: not kept live across the wgmma waits
             sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
-            if RUNNING:   # GluonDkdvConfig.running_scale: in-place accumulation, per-row scale
-                run, f, inv, need = _running_exp(gl.max(gl.abs(b), axis=1), run, RUN_K)
-                if gl.max(need.to(gl.int32), axis=0) > 0:
-                    acc0 = acc0 * gl.expand_dims(f, 1)
-                    acc1 = acc1 * gl.expand_dims(f, 1)
-                b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-                if NCH == 2:
-                    d0_tok = _mma_acc(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), acc0, SYNC)
-                    d1_tok = _mma_acc(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), acc1, SYNC)
-                    acc0 = _mma_wait(d0_tok, 1, SYNC)
-                    acc1 = _mma_wait(d1_tok, 0, SYNC)
-                else:
-                    d0_tok = _mma_acc(b8, kTs.permute((1, 0)), acc0, SYNC)
-                    acc0 = _mma_wait(d0_tok, 0, SYNC)
-            else:
-                c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
 
             # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
-            if RUNNING:
-                pass
-            elif NCH == 2:
+            if NCH == 2:
                 d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
                 d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 d0 = _mma_wait(d0_tok, 1, SYNC)
@@ -1138,9 +994,6 @@ if HAVE_GLUON:
             if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
                 _release_slot(rel, s)
 
-        if RUNNING:   # from scale units to values
-            acc0 = acc0 * gl.expand_dims(_exp_scale(run), 1)
-            acc1 = acc1 * gl.expand_dims(_exp_scale(run), 1)
         return acc0, acc1
 
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
@@ -1151,8 +1004,7 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, RUNNING: gl.constexpr, RUN_K: gl.constexpr,
-        num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
                          "ws needs VEC_TMA, async wgmma and one warpgroup")
@@ -1189,7 +1041,7 @@ if HAVE_GLUON:
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, RUNNING, RUN_K, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
@@ -1201,7 +1053,7 @@ if HAVE_GLUON:
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, RUNNING, RUN_K, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
 
@@ -1441,7 +1293,7 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, RUNNING=cfg.running_scale, RUN_K=cfg.running_k)
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:
@@ -1555,8 +1407,7 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                                      RUNNING=cfg.running_scale, RUN_K=cfg.running_k)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_dq_ws(cfg)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg

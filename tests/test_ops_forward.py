@@ -256,16 +256,19 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     from flamia.inputs import make_qkv
     for D in (64, 128):
         q, k, v, cu = make_qkv((200, 56), 4, 2, D)
-        with compile_only() as built:
-            qkv = quantize_qkv(q, k, v, cu, "fp8", True)     # outputs unwritten: compile only
-            for recipe in ("fp8", "bf16"):
-                x = qkv if recipe == "fp8" else quantize_qkv(q, k, v, cu, "bf16", True)
+        for recipe in ("fp8", "bf16"):
+            with compile_only() as built:   # outputs unwritten: compile only
+                x = quantize_qkv(q, k, v, cu, recipe, True)
                 cfg = default_config(D, recipe == "fp8", torch.device("cuda"))
                 attention_forward(x, cu, 200, True, None, torch.bfloat16, config=cfg)
-        for name, kern in built:
-            u = resource_usage(kern)
-            print(D, name, u)
-            assert u["spill_stores"] == 0 and not u["wgmma_serialized"], (D, name, u)
+            for name, kern in built:
+                u = resource_usage(kern)
+                print(D, recipe, name, u)
+                assert u["spill_stores"] == 0, (D, name, u)
+                # serialized wgmmas are a silent slowdown, except where measured faster: the
+                # D=64 FP8 forward's three stages (forward.default_config)
+                deliberate = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
+                assert u["wgmma_serialized"] == (deliberate and cfg.num_stages == 3), (D, name, u)
 """)
 
 

@@ -75,7 +75,11 @@ def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, use_tma=False)
     if fp8:
-        return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, fold_lr=True)
+        # D=64: three stages although ptxas then serializes the wgmmas (C7515): the kernel is
+        # latency-bound there and the deeper TMA prefetch wins (H200, d64_doc8k_x4: 3.59 ->
+        # 3.20 ms; benchmarks/NOTES.md session 6 item 4). D=128: two (three serialize and lose).
+        return FwdConfig(block_m=64, block_n=128, num_warps=4,
+                         num_stages=3 if head_dim <= 64 else 2, fold_lr=True)
     return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 

@@ -130,6 +130,11 @@ CONFIGS = {
     "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
     "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
     "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",
+    # session 6: FA3's layout with every D=128 default knob (late dV made the running-scale
+    # w8ws variant 1.5x faster at doc32k; consumer loop 935 SASS per tile vs the default's
+    # 1010, but 252 B of spills at 240 registers)
+    "w8wslateth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,late_dv=True,"
+                  "shared_mask=True,threshold_mask=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

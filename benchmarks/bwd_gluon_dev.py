@@ -130,11 +130,10 @@ CONFIGS = {
     "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
     "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
     "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",
-    # session 6: FA3's layout with every D=128 default knob (late dV made the running-scale
-    # w8ws variant 1.5x faster at doc32k; consumer loop 935 SASS per tile vs the default's
-    # 1010, but 252 B of spills at 240 registers)
-    "w8wslateth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,late_dv=True,"
-                  "shared_mask=True,threshold_mask=True",
+    # session 6 item 5: the D=64 default (one 12-warp CTA per SM by registers, 69 KB of shared
+    # memory at 3 stages) with a deeper TMA ring
+    "w8ws4": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,stages=4",
+    "w8ws6": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,stages=6",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
@@ -152,6 +151,7 @@ DQ_CONFIGS = {
     # opt-in variants (GluonDqConfig.ws / vec_gather; WS of _dq_fp8_kernel)
     "torchvec": "vec_gather=False",                      # sk / sv by torch gathers (host side)
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
+    "s5": "stages=5",     # D=64: 3 CTAs / SM by registers (163), 5 stages still fit 3 x 75 KB
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

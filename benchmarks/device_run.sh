@@ -5,9 +5,10 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
-# bwd-next, bwd-ab (BWD_CONFIGS, default "default"), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton
-# forward configs, fwd_dev.py --quick), fwd-next (Gluon forward variants), profile, profile-fwd,
-# host (cProfile of the host side, benchmarks/host_profile.py), ncu.
+# bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
+# both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
+# fwd_dev.py --quick), fwd-next (Gluon forward variants), profile, profile-fwd, host (cProfile
+# of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -54,7 +55,10 @@ for spec in "$@"; do
              --reps 10 ;;
     bwd-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --configs "${BWD_CONFIGS:-default}" --deadline $((secs - 30)) \
-             --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 --reps 10 ;;
+             --workloads "${BWD_WORKLOADS:-doc8k_x4,longtail,doc32k,d64_doc8k_x4}" --reps 10 ;;
+    dq-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
+             --configs "${DQ_CONFIGS:-default}" --deadline $((secs - 30)) \
+             --workloads "${BWD_WORKLOADS:-doc8k_x4,longtail,doc32k,d64_doc8k_x4}" --reps 10 ;;
     dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \
              --reps 10 ;;

@@ -203,7 +203,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     vt8 = None
     if write_vt:
         vt8 = fill((Hkv, D, t_pad), f8)    # kmajor_copy writes every column (zeros past T)
-    q_src = None if quantize_q else q
+    # the forward reads q_src as a (T, Hq * D) matrix (TMA): heads contiguous
+    q_src = None if quantize_q else (q if q.stride(1) == D else q.contiguous())
     if T == 0:
         return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8,
                             q_src=q_src)

@@ -7,8 +7,7 @@
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
-# fwd_dev.py --quick), fwd-next (Gluon forward variants), dq-atomic (benchmarks/dq_atomic_ab.py),
-# tests-atomic (the GPU accuracy tests of dq_atomic), profile, profile-fwd, host (cProfile
+# fwd_dev.py --quick), fwd-next (Gluon forward variants), profile, profile-fwd, host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
@@ -72,9 +71,6 @@ for spec in "$@"; do
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
-    dq-atomic) run_stage "$name" "$secs" python benchmarks/dq_atomic_ab.py ;;
-    tests-atomic) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_backward_gpu.py \
-             -k dq_atomic ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;

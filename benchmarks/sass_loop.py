@@ -85,8 +85,7 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     return dict(built)["_attn_fwd_kernel"], cfg
 
 
-def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str],
-          dq_atomic: bool = False):
+def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
     if kernel == "fwd":
         return build_forward(recipe, D, causal, sets)
     mod = M if recipe == "fp8_mixed" else G
@@ -100,10 +99,6 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str],
         k, v = s.split("=")
         cfg = dataclasses.replace(cfg, **{k: type(getattr(cfg, k))(eval(v))})
     st = mod.fake_state(D, causal=causal)
-    if dq_atomic:   # the fp8 dK/dV kernel with dQ by atomics (BwdConfig.dq_atomic)
-        import torch
-        st.dq_atomic = True
-        st.dq_acc = torch.zeros(st.T, st.Hq, D)
     return comp(st, cfg), cfg
 
 
@@ -115,13 +110,10 @@ def main():
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")
-    ap.add_argument("--dq-atomic", action="store_true",
-                    help="fp8 dK/dV with dQ accumulated by atomics (BwdConfig.dq_atomic)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
-    kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set,
-                      args.dq_atomic)
+    kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
     sass = sass_of(kern)
     if args.dump:
         with open(args.dump, "w") as f:

@@ -768,9 +768,7 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     benchmarks/NOTES.md) run GLUON_RECIPES on sm_90 GPUs. enabled: BwdConfig.gluon_dkdv / gluon_dq;
     False or FLAMIA_GLUON=0 keep the Triton kernels (the ones CPU CI tests under the interpreter;
     the GPU tests check both)."""
-    # dq_atomic: the fp8 Gluon dK/dV kernel accumulates dQ itself; fp8_mixed's does not
-    atomic_ok = not st.dq_atomic or st.recipe == RECIPE_IDS["fp8"]
-    if not (enabled and st.recipe in GLUON_RECIPES and atomic_ok and not st.interp
+    if not (enabled and st.recipe in GLUON_RECIPES and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
     if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
@@ -826,12 +824,6 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
 
 def launch_dq(st: BwdState) -> None:
     cfg = st.cfg
-    if st.dq_atomic:     # the dK/dV launch (Triton or Gluon) accumulated dq_acc
-        _dq_finalize[(triton.cdiv(st.T, cfg.pre_bt), st.Hq)](
-            st.dq_acc, st.dq, st.hmat, st.T, st.dq.stride(0), st.D ** -0.5,
-            HQ=st.Hq, D=st.D, BLOCK_T=cfg.pre_bt, ROTATE=st.rotate, INTERP=st.interp,
-            num_warps=cfg.pre_warps)
-        return
     if _gluon_applies(st, cfg.gluon_dq):
         # bitwise the Triton kernels' dQ (same tiles, same scales)
         if st.recipe == RECIPE_IDS["fp8"]:
@@ -840,6 +832,12 @@ def launch_dq(st: BwdState) -> None:
         else:
             from .backward_gluon_mixed import launch_dq_gluon_mixed
             launch_dq_gluon_mixed(st, ops=_mixed_operands(st))
+        return
+    if st.dq_atomic:     # the dK/dV launch accumulated dq_acc
+        _dq_finalize[(triton.cdiv(st.T, cfg.pre_bt), st.Hq)](
+            st.dq_acc, st.dq, st.hmat, st.T, st.dq.stride(0), st.D ** -0.5,
+            HQ=st.Hq, D=st.D, BLOCK_T=cfg.pre_bt, ROTATE=st.rotate, INTERP=st.interp,
+            num_warps=cfg.pre_warps)
         return
     grid = (st.n_docs * st.Hq, triton.cdiv(st.max_seqlen, cfg.q_bm))
     tma = _use_tma(st) and st.recipe == 0

@@ -605,52 +605,6 @@ if HAVE_GLUON:
         return b
 
     @gluon.jit
-    def _dq_operand(x, skq, n_idx, n_ok, m_idx, shift, L_doc, need_mask, ds_s,
-                    SHARED_MASK: gl.constexpr, THR_MASK: gl.constexpr, CAUSAL: gl.constexpr):
-        """DQ_ATOMIC: the dQ GEMM's A operand of a dK/dV tile. From x = dS^T sdo_i (BN x BM,
-        unmasked): bq = dS^T sk_j sdo_i masked like b (and keys past the document end, which
-        only a non-causal mask lets through), a scale per query over the tile's keys
-        (cq_i: axis 0, across warps), e4m3(bq / cq_i) stored transposed into ds_s (BM x BN, keys
-        contiguous: fp8 wgmma wants K-major operands). Returns cq_i (sdo_i folded in: the
-        atomics add dQ itself)."""
-        bq = _mask_ds_t(x * gl.expand_dims(skq, 1), n_idx, m_idx, shift, L_doc, need_mask,
-                        SHARED_MASK, THR_MASK)
-        if not CAUSAL:
-            bq = gl.where(gl.expand_dims(n_ok, 1), bq, 0.0)
-        cq, invq = _pow2_scale_g(gl.max(gl.abs(bq), axis=0), 8)
-        bq8 = (bq * gl.expand_dims(invq, 0)).to(gl.float8e4nv)
-        ds_s.store(gl.permute(bq8, [1, 0]))
-        fence_async_shared()
-        gl.thread_barrier()   # every warp's rows of ds_s stored before the wgmma reads them
-        return cq
-
-    @gluon.jit
-    def _dq_atomic_add(ds_s, kT_s, cq, dq_acc, start, i0, h, L_doc, HQ, sm_scale,
-                       D: gl.constexpr, BM: gl.constexpr, SYNC: gl.constexpr,
-                       num_warps: gl.constexpr):
-        """DQ_ATOMIC: dQ_i += cq_i sm_scale (e4m3(bq) @ K_j) for the tile's BM queries, by
-        64-column chunks of D: fp8 wgmma from zero (per-tile promotion, as the dQ kernel), fp32
-        atomics (relaxed: only the sum matters) into dq_acc (T, HQ, D)."""
-        NCH: gl.constexpr = D // CH
-        WN: gl.constexpr = num_warps // 4
-        # M = BM = 64 rows: one warpgroup's m64; with two warpgroups each takes half the columns
-        LQ: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
-                                                     instr_shape=[16, CH // WN, 32])
-        QROW: gl.constexpr = gl.SliceLayout(1, LQ)
-        QCOL: gl.constexpr = gl.SliceLayout(0, LQ)
-        rows = gl.arange(0, BM, layout=QROW)
-        f = gl.expand_dims(gl.convert_layout(cq * sm_scale, QROW), 1)
-        base = dq_acc + (start + i0).to(gl.int64) * (HQ * D) + h * D
-        cols = gl.arange(0, CH, layout=QCOL)
-        offs = gl.expand_dims(rows * (HQ * D), 1) + gl.expand_dims(cols, 0)
-        ok = gl.expand_dims(i0 + rows < L_doc, 1)
-        zq = gl.zeros([BM, CH], gl.float32, LQ)
-        for c in gl.static_range(NCH):
-            tok = _mma(ds_s, kT_s.slice(c * CH, CH, dim=0).permute((1, 0)), zq, SYNC)
-            r = _mma_wait(tok, 0, SYNC)
-            gl.atomic_add(base + c * CH + offs, r * f, mask=ok, sem="relaxed")
-
-    @gluon.jit
     def _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start,
                        hk, stride_dkt, sm_scale, out_scale, ROTATE: gl.constexpr,
                        D: gl.constexpr, BN: gl.constexpr, NCH: gl.constexpr,
@@ -678,20 +632,6 @@ if HAVE_GLUON:
     # ------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _issue_kv_once(k_desc, v_desc, kT_desc, k_s, v_s, kT_s, kv_bar, start, pstart, n0, hk,
-                       D: gl.constexpr, DQ_ATOMIC: gl.constexpr):
-        """TMA of a dK/dV program's K_j, V_j (and K-major K_j for DQ_ATOMIC) onto kv_bar."""
-        if DQ_ATOMIC:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                            + kT_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-        if DQ_ATOMIC:
-            tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + n0], kv_bar, kT_s)
-
-    @gluon.jit
     def _release_slot(rel, s):
         """The consumer partition is done with ring slot s. The fence orders this thread's
         generic-proxy stores (tail zeroing) before the producer's next TMA write; the
@@ -705,18 +645,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                       lse_desc, dl_desc, sq_desc, sdo_desc, kT_desc,
-                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, kT_s,
+                       lse_desc, dl_desc, sq_desc, sdo_desc,
+                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
                        ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
         """The 1-warp TMA partition of _dkdv_fp8_kernel with WS. Sizes from the buffers' types
-        (constexpr arguments of a worker partition arrive as tensors in Triton 3.6), DQ_ATOMIC
-        from kT_s's rank (a rank-3 placeholder without it)."""
+        (constexpr arguments of a worker partition arrive as tensors in Triton 3.6)."""
         NS: gl.constexpr = q_s.type.shape[0]
         BM: gl.constexpr = q_s.type.shape[1]
         D: gl.constexpr = q_s.type.shape[2]
-        DQA: gl.constexpr = len(kT_s.type.shape) == 2
-        _issue_kv_once(k_desc, v_desc, kT_desc, k_s, v_s, kT_s, kv_bar, start, pstart, n0, hk,
-                       D, DQA)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
         for pi in gl.static_range(NS):
             _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
                         lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
@@ -731,14 +670,13 @@ if HAVE_GLUON:
     def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
                    k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
-                   total, GROUP, T, qk_scale2, kT_s, ds_s, dq_acc, HQ, sm_scale,
+                   total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
-        fp32 accumulators (dV half 0, 1, dK half 0, 1). DQ_ATOMIC: also dQ, by atomics."""
+        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
         # accumulators: per-key scale vectors broadcast without layout conversions.
@@ -757,12 +695,6 @@ if HAVE_GLUON:
         acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
         shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
-        if DQ_ATOMIC:
-            skq = gl.load(sk + hk * T + start + n_idx, mask=n_ok, other=0.0)
-            if n0 + BN > L_doc:   # kT8 columns past the document end (0 * NaN is NaN)
-                _zero_tail_cols(kT_s, n0, L_doc, D, BN, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
 
         for it in range(total):
             if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
@@ -802,15 +734,8 @@ if HAVE_GLUON:
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-            if DQ_ATOMIC:
-                x = a * t
-                b = _mask_ds_t(x * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK)
-                cq = _dq_operand(x, skq, n_idx, n_ok, m_idx, shift, L_doc, need_mask, ds_s,
-                                 SHARED_MASK, THR_MASK, CAUSAL)
-            else:
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK)
+            b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                           need_mask, SHARED_MASK, THR_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
@@ -834,9 +759,6 @@ if HAVE_GLUON:
                 acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
                 dk0 = _mma_wait(dk0_tok, 0, SYNC)
                 acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-            if DQ_ATOMIC:
-                _dq_atomic_add(ds_s, kT_s, cq, dq_acc, start, i0, h, L_doc, HQ, sm_scale, D, BM,
-                               SYNC, num_warps)
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
@@ -847,15 +769,14 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
     def _dkdv_fp8_kernel(
         k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-        lse_desc, dl_desc, sq_desc, sdo_desc, kT_desc,
-        lse, delta, sq, sdo, sk, sv, dk, dv, dq_acc, hmat, cu, pcu,
+        lse_desc, dl_desc, sq_desc, sdo_desc,
+        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, cu, pcu,
         T, stride_dkt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-        num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -886,20 +807,13 @@ if HAVE_GLUON:
             dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
             sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
             sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
-        if DQ_ATOMIC:   # K_j K-major (B operand of dQ) and the transposed e4m3 dS tile
-            kT_s = gl.allocate_shared_memory(kT_desc.dtype, [D, BN], kT_desc.layout)
-            ds_s = gl.allocate_shared_memory(
-                gl.float8e4nv, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
-                                                                              gl.float8e4nv))
-        else:           # placeholders, never touched (rank 3: how the producer tells)
-            kT_s = q_s
-            ds_s = q_s
         ready, kv_bar, rel = _init_barriers(NS, WS)
 
         # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
         if not WS:
-            _issue_kv_once(k_desc, v_desc, kT_desc, k_s, v_s, kT_s, kv_bar, start, pstart, n0,
-                           hk, D, DQ_ATOMIC)
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
+            tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
 
         lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
         if WS:   # (the arguments twice: a shared tuple would not keep D, BM, .. constexpr)
@@ -907,13 +821,13 @@ if HAVE_GLUON:
                 (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
-                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, kT_s,
-                              ds_s, dq_acc, HQ, sm_scale, D, BM, BN, NS, CAUSAL, VEC_TMA, SYNC,
-                              WS, FOLD, SHARED_MASK, THR_MASK, LATE_DV, DQ_ATOMIC, num_warps)),
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                                  lse_desc, dl_desc, sq_desc, sdo_desc, kT_desc, k_s, v_s, q_s,
-                                  do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, kT_s, ready, rel,
-                                  kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T)),
+                                  lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
+                                  qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
+                                  start, pstart, n0, hk, lo, nb, total, GROUP, T)),
             ], [1], [PRODUCER_REGS])
         else:
             for pi in gl.static_range(NS - 1):
@@ -924,9 +838,9 @@ if HAVE_GLUON:
             accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
-                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, kT_s,
-                              ds_s, dq_acc, HQ, sm_scale, D, BM, BN, NS, CAUSAL, VEC_TMA, SYNC,
-                              WS, FOLD, SHARED_MASK, THR_MASK, LATE_DV, DQ_ATOMIC, num_warps)
+                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
+                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1270,14 +1184,13 @@ def pack_vectors(vecs):
 
 # --- launch pieces shared with backward_gluon_mixed -----------------------------------------------
 
-def _check_state(st, recipe: int, what: str, dq_atomic_ok: bool = False) -> None:
-    """What every Gluon backward kernel needs of `st`; `what` names the kernel in messages.
-    dq_atomic_ok: the kernel accumulates dQ itself when st.dq_atomic (fp8 dK/dV only)."""
+def _check_state(st, recipe: int, what: str) -> None:
+    """What every Gluon backward kernel needs of `st`; `what` names the kernel in messages."""
     if not HAVE_GLUON:
         raise RuntimeError("triton.experimental.gluon is not available")
-    if st.recipe != recipe or (st.dq_atomic and not dq_atomic_ok):
+    if st.recipe != recipe or st.dq_atomic:
         raise ValueError(f"the Gluon {what} kernel needs st.recipe == {recipe} (not "
-                         f"{st.recipe}){'' if dq_atomic_ok else ' and no dq_atomic'}")
+                         f"{st.recipe}) and no dq_atomic")
     if st.D not in (64, 128):
         raise ValueError(f"the Gluon {what} kernel supports D in (64, 128), not {st.D}")
 
@@ -1338,8 +1251,7 @@ def _descs(st, cfg: GluonDkdvConfig, vecs=None):
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs,
-            kmajor_desc(st.kT8, BN))
+            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs)
 
 
 def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1366,7 +1278,7 @@ def fold_sdo(vecs):
 
 
 def _args(st, cfg: GluonDkdvConfig, vecs=None):
-    _check_state(st, 0, "fp8 dK/dV", dq_atomic_ok=True)
+    _check_state(st, 0, "fp8 dK/dV")
     _check_blocks(cfg, cfg.bn, cfg.bm, "fp8 dK/dV")
     if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not cfg.vec_tma or cfg.sync_mma
                    or not 24 <= cfg.producer_regs <= 256):
@@ -1375,16 +1287,13 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
-    # st.dq_atomic (deterministic=False with BwdConfig.dq_atomic): dQ by atomics into
-    # st.dq_acc (T, Hq, D) fp32, zeroed; backward.launch_dq finalizes it (no dQ kernel)
-    dq_acc = st.dq_acc if st.dq_atomic else st.delta
-    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv, dq_acc)
+    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, DQ_ATOMIC=st.dq_atomic)
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

@@ -25,7 +25,6 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -68,8 +67,6 @@ def cfg_name(c: FwdConfig | None) -> str:
         s += f"-r{c.maxnreg}"
     if c.fold_lr:
         s += "-foldlr"
-    if c.fuse_q:
-        s += "-fuseq"
     return s
 
 
@@ -161,9 +158,7 @@ def check_slice(dev, D, recipe, configs, smoke):
     for cfg in configs:
         rec = {"D": D, "recipe": recipe, "config": cfg_name(cfg)}
         try:
-            qkv_c = qkv if not cfg.fuse_q else quantize_qkv(q, k, v, cu, recipe, True,
-                                                             quantize_q=False, poison=True)
-            out, lse = attention_forward(qkv_c, cu, max(lengths), True, None, q.dtype, config=cfg,
+            out, lse = attention_forward(qkv, cu, max(lengths), True, None, q.dtype, config=cfg,
                                          poison=True)
             unwritten = int(out.isnan().sum() + lse.isnan().sum())
             o_ok, max_err, frac = fa_rule(out, emul, exact)
@@ -255,10 +250,7 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
     best = {}
     for recipe in ("fp8", "bf16"):
         qkv_r = qkv if recipe == "fp8" else quantize_qkv(q, k, v, cu, "bf16", True)
-        checked = configs_by_key.get((D, recipe), [None])
-        fused_ok = [c for c in checked if c is not None and c.fuse_q]
-        swept = [c for c in checked if c is None or not c.fuse_q]
-        cands = swept if sweep else [best_cfg(D, recipe)]
+        cands = configs_by_key.get((D, recipe), [None]) if sweep else [best_cfg(D, recipe)]
         results = []
         for cfg in cands:
             bm = (cfg or default_config(D, recipe != "bf16", q.device)).block_m
@@ -280,12 +272,6 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             safe("quant+fwd", lambda: rec("quant+forward", recipe, cfg_name(cfg_best), bench(
                 lambda: attention_forward(quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths),
                                           True, None, q.dtype, config=cfg_best), smoke)))
-            if fused_ok:   # FwdConfig.fuse_q: Q quantized by the forward kernel itself
-                cf = replace(cfg_best or default_config(D, True, q.device), fuse_q=True)
-                safe("quant+fwd fused", lambda: rec("quant+fwd fused", recipe, cfg_name(cf), bench(
-                    lambda: attention_forward(
-                        quantize_qkv(q, k, v, cu, "fp8", True, quantize_q=False), cu,
-                        max(lengths), True, None, q.dtype, config=cf), smoke)))
             c = cfg_best or default_config(D, True, q.device)
             safe("schedule", lambda: rec("schedule", "-", f"{c.block_m}x{c.block_n}", bench(
                 lambda: build_schedule(cu, T, c.block_m, c.block_n, True), smoke)))
@@ -367,8 +353,6 @@ def main():
     for D in (128, 64):
         for recipe in ("fp8", "bf16"):
             cands = [FwdConfig(32, 16, 4, 1, use_tma=True)] if smoke else sweep_configs(D, recipe, args.quick)
-            if recipe == "fp8":   # the fused-Q default: checked here, timed as "quant+fwd fused"
-                cands = cands + [replace(cands[0], fuse_q=True)]
             configs[(D, recipe)] = check_slice(dev, D, recipe, cands, smoke)
 
     # 2. timing: sweep every passing config on a few workloads, then the best one elsewhere

@@ -79,8 +79,7 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
         key, val = s.split("=")
         cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(eval(val))})
     with compile_only() as built:
-        qkv = quantize_qkv(q, k, v, cu, recipe, causal,      # outputs unwritten: compile only
-                           quantize_q=not cfg.fuse_q)
+        qkv = quantize_qkv(q, k, v, cu, recipe, causal)     # outputs unwritten: compile only
         attention_forward(qkv, cu, 1024, causal, None, torch.bfloat16, config=cfg)
     return dict(built)["_attn_fwd_kernel"], cfg
 

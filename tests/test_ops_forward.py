@@ -181,28 +181,6 @@ def test_forward_fold_lr(recipe, D, family, causal, hkv, seed, scale):
     assert (out.float() - out0.float()).abs().max() <= 0.05 * out0.float().abs().max()
 
 
-@pytest.mark.parametrize("recipe,D,family,causal,hkv,cfg,dtype", [
-    ("fp8", 128, "outliers", True, 2, CFG_TMA, torch.bfloat16),
-    ("fp8", 64, "mild", False, 4, CFG_PTR, torch.bfloat16),
-    ("fp8_mixed", 64, "outliers", True, 1, CFG_TMA.with_(fold_lr=True), torch.float16)])
-def test_forward_fused_q(recipe, D, family, causal, hkv, cfg, dtype):
-    """FwdConfig.fuse_q: the forward quantizes its own Q tiles (quantize_qkv(quantize_q=False))
-    with the quantization kernel's code. q8 / sq as the separate pass writes them, every token's
-    (both start as NaN), and out / lse bitwise those of the unfused forward."""
-    q, k, v, cu = make_qkv(LENGTHS, 4, hkv, D, family, seed=5, dtype=dtype)
-    L = int((cu[1:] - cu[:-1]).max())
-    ref = quantize_qkv(q, k, v, cu, recipe, causal, poison=True)
-    out0, lse0 = attention_forward(ref, cu, L, causal, None, q.dtype, config=cfg, poison=True)
-    fused = quantize_qkv(q, k, v, cu, recipe, causal, quantize_q=False, poison=True)
-    assert fused.q_src is not None and fused.sq.isnan().all()     # Q left to the forward
-    assert torch.equal(fused.k8.view(torch.uint8), ref.k8.view(torch.uint8))
-    out, lse = attention_forward(fused, cu, L, causal, None, q.dtype,
-                                 config=cfg.with_(fuse_q=True), poison=True)
-    assert torch.equal(fused.q8.view(torch.uint8), ref.q8.view(torch.uint8))
-    assert torch.equal(fused.sq, ref.sq)
-    assert torch.equal(out, out0) and torch.equal(lse, lse0)
-
-
 def test_forward_fp16_inputs_and_natural_v():
     q, k, v, cu = make_qkv(LENGTHS, 2, 1, 64, "outliers", seed=3, dtype=torch.float16)
     _check_forward(q, k, v, cu, "fp8", True, CFG_TMA.with_(v_kmajor=False), "outliers")
@@ -291,15 +269,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                 # D=64 FP8 forward's three stages (forward.default_config)
                 deliberate = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
                 assert u["wgmma_serialized"] == (deliberate and cfg.num_stages == 3), (D, name, u)
-        # FwdConfig.fuse_q (opt-in): Q quantized in the forward; its fp8 tile re-read from L2
-        # so that it is not a register operand for the whole loop (that serialized the wgmmas)
-        cfg = default_config(D, True, torch.device("cuda")).with_(fuse_q=True)
-        with compile_only() as built:
-            x = quantize_qkv(q, k, v, cu, "fp8", True, quantize_q=False)
-            attention_forward(x, cu, 200, True, None, torch.bfloat16, config=cfg)
-        u = resource_usage(dict(built)["_attn_fwd_kernel"])
-        print(D, "fused", u)
-        assert u["spill_stores"] == 0 and not u["wgmma_serialized"], (D, "fused", u)
 """)
 
 

@@ -20,7 +20,6 @@ bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +28,6 @@ import triton.language as tl
 
 from . import interpreting
 from .layout import QuantizedQKV
-from .quantize import _hadamard_signs, _quantize_tile
 from .schedule import Schedule, build_schedule, per_cu_seqlens
 
 if interpreting():
@@ -60,15 +58,6 @@ class FwdConfig:
     # Rounding differs by one fp32 add on the exponent (|m| 2^-24). The FP8 default on the H200
     # since session 6 (fwd_dev.py: doc8k_x4 4.10 -> 3.95 ms, doc512_x64 0.596 -> 0.587).
     fold_lr: bool = False
-    # fuse_q: the caller's choice to quantize Q inside this kernel (quantize_qkv(quantize_q=False)
-    # then attention_forward): each program rotates, scales and casts its own Q tile with the
-    # quantization kernel's code (quantize._quantize_tile) and stores q8 / sq for the backward,
-    # saving the separate pass's read of q and a launch's worth of Q rows (2/3 of the quantize
-    # pass's bytes). attention_forward fuses whenever qkv.q_src is set; this flag tells the
-    # caller to ask for that. Opt-in, not used by the public API until timed on the H200
-    # (benchmarks/fwd_dev.py "quant+fwd fused"; tests/gpu/test_forward_gpu.py,
-    # test_fused_q_forward).
-    fuse_q: bool = False
 
     def with_(self, **kw) -> "FwdConfig":
         return replace(self, **kw)
@@ -171,13 +160,12 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, Q8, HAD,
+def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      stride_qt, stride_kt, stride_vn, stride_vd, stride_vh, stride_ot, stride_oh,
-                     stride_q8t, T, N_ITEMS, HQ, GROUP, qk_scale, rot_scale,
+                     T, N_ITEMS, HQ, GROUP, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                     V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, FUSE_Q: tl.constexpr,
-                     ROTATE: tl.constexpr):
+                     V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -197,29 +185,13 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, Q8, HAD,
     tok0 = start.to(tl.int64)
     rows = tok0 + offs_m
 
-    # FUSE_Q: Q and SQ hold the unquantized q and the scales to write (FwdConfig.fuse_q)
     if USE_TMA:
         q = Q.load([(tok0 + q_lo).to(tl.int32), head * D])
     else:
         q = tl.load(Q + rows[:, None] * stride_qt + head * D + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
-    if FUSE_Q:
-        if ROTATE:
-            had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
-        else:
-            had = q
-        q8, sq = _quantize_tile(q, had, rot_scale, ROTATE)
-        q8_ptrs = Q8 + rows[:, None] * stride_q8t + head * D + offs_d[None, :]
-        tl.store(q8_ptrs, q8, mask=row_ok[:, None])
-        tl.store(SQ + head * T + rows, sq, mask=row_ok)
-        # Read back (L2) rather than kept: a register-resident fp8 A operand for the whole loop
-        # makes ptxas serialize the wgmmas at D=128 (C7515); loaded, it is staged in shared
-        # memory like the unfused path's tile. The barrier makes the CTA's stores visible.
-        tl.debug_barrier()
-        q = tl.load(q8_ptrs, mask=row_ok[:, None], other=0.0)
     if FP8:
-        if not FUSE_Q:
-            sq = tl.load(SQ + head * T + rows, mask=row_ok, other=0.0)
+        sq = tl.load(SQ + head * T + rows, mask=row_ok, other=0.0)
         row_f = sq * qk_scale
         cap = tl.load(VCAP + kvh * T + rows, mask=row_ok, other=1.0)
         # lr = log2(256 / cap): exact from the exponent bits (cap is a power of two or 0)
@@ -307,11 +279,9 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
                                   lambda: build_schedule(cu_seqlens, T, BM, BN, causal))
 
     q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
-    fuse_q = qkv.q_src is not None     # this kernel quantizes Q (FwdConfig.fuse_q)
-    q_in = qkv.q_src if fuse_q else q8
-    for name, x in (("q", q_in), ("q8", q8), ("k", k8), ("v", v8)):
+    for name, x in (("q", q8), ("k", k8), ("v", v8)):
         if x.stride(2) != 1 or x.stride(1) != D:
-            raise ValueError(f"{name} must have layout (T, H, D) with unit-stride heads/dims")
+            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
     if v_kmajor:
         vt = qkv.vt8                                  # (Hkv, D, T_pad)
         stride_vn, stride_vd, stride_vh = 1, vt.stride(1), vt.stride(0)
@@ -320,17 +290,15 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         stride_vn, stride_vd, stride_vh = v8.stride(0), 1, D
     if use_tma:
         # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix of row stride stride(0).
-        Qa = _descriptor(q_in, (T, Hq * D), (q_in.stride(0), 1), (BM, D))
+        Qa = _descriptor(q8, (T, Hq * D), (q8.stride(0), 1), (BM, D))
         Ka = _descriptor(k8, (T, Hkv * D), (k8.stride(0), 1), (BN, D))
         if v_kmajor:
             Va = _descriptor(vt, (Hkv * D, vt.shape[2]), (vt.stride(1), 1), (D, BN))
         else:
             Va = _descriptor(v8, (T, Hkv * D), (v8.stride(0), 1), (BN, D))
     else:
-        Qa, Ka, Va = q_in, k8, vt
+        Qa, Ka, Va = q8, k8, vt
     dummy = lse
-    rotate = bool(fuse_q and qkv.rotated)
-    had = _hadamard_signs(D, q_in.dtype, dev) if rotate else dummy
     sq = qkv.sq if fp8 else dummy
     sk = qkv.sk if fp8 else dummy
     sv = qkv.sv if fp8 else dummy
@@ -339,12 +307,11 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     grid = (n_items * Hq,)
     global LAST_KERNEL
     LAST_KERNEL = _attn_fwd_kernel[grid](
-        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens, q8, had,
-        q_in.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0),
-        out.stride(1), q8.stride(0), T, n_items, Hq, Hq // Hkv, scale * LOG2E, 1.0 / math.sqrt(D),
+        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens,
+        q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
+        T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
-        V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), FUSE_Q=fuse_q, ROTATE=rotate,
-        num_warps=config.num_warps,
+        V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

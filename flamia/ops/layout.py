@@ -22,9 +22,6 @@ class QuantizedQKV:
     vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
     vt8: torch.Tensor | None = None   # optional (Hkv, D, T_pad) K-major V copy for the PV GEMM
-    # quantize_qkv(quantize_q=False): the (T, Hq, D) bf16 / fp16 q whose quantization the forward
-    # kernel does on its own Q tiles (FwdConfig.fuse_q); q8 and sq are written by that forward
-    q_src: torch.Tensor | None = None
 
     @property
     def shape(self):

@@ -58,23 +58,6 @@ def _pow2_scale(amax, bad):
 
 
 @triton.jit
-def _quantize_tile(x, had, rot_scale, ROTATE: tl.constexpr):
-    """(e4m3 rows, their fp32 scales) of a (rows, D) tile of q / k / v: (rotated by had), one
-    power-of-two scale per row. Shared by _quantize_rows and the forward's fused Q path."""
-    if ROTATE:
-        xf = tl.dot(x, had) * rot_scale      # ±1 entries: exact products, fp32 sums
-    else:
-        xf = x.to(tl.float32)
-    ax = tl.abs(xf)
-    amax = tl.max(ax, axis=1)
-    # NaN/Inf anywhere in the row (a NaN comparison is false); tl.max may drop NaNs.
-    bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
-    scale, inv = _pow2_scale(amax, bad)
-    y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
-    return y, scale
-
-
-@triton.jit
 def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
                    D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
                    ROTATE: tl.constexpr):
@@ -83,14 +66,21 @@ def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
     if ROTATE:
         # Loaded once per program and reused for SUB token blocks (it is D*D*2 bytes of L2 traffic).
         had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
-    else:
-        had = HAD   # unused
     for i in tl.static_range(SUB):
         offs_t = t_base + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
         rows = offs_t.to(tl.int64)
         x = tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        y, scale = _quantize_tile(x, had, rot_scale, ROTATE)
+        if ROTATE:
+            xf = tl.dot(x, had) * rot_scale      # ±1 entries: exact products, fp32 sums
+        else:
+            xf = x.to(tl.float32)
+        ax = tl.abs(xf)
+        amax = tl.max(ax, axis=1)
+        # NaN/Inf anywhere in the row (a NaN comparison is false); tl.max may drop NaNs.
+        bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
+        scale, inv = _pow2_scale(amax, bad)
+        y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
         tl.store(Y + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
         tl.store(S + offs_t, scale, mask=tmask)
 
@@ -98,12 +88,11 @@ def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
 @triton.jit
 def _quantize_qkv_kernel(Q, K, V, Q8, K8, V8, SQ, SK, SV, HAD,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         T, HQ, HKV, rot_scale, ROW0,
+                         T, HQ, HKV, rot_scale,
                          D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
                          ROTATE: tl.constexpr):
     # Axis 0 walks the heads of one token chunk, so programs in flight read neighbouring memory.
-    # ROW0 = HQ: K and V only (Q is quantized by the forward kernel, FwdConfig.fuse_q).
-    row = tl.program_id(0) + ROW0
+    row = tl.program_id(0)
     t_base = tl.program_id(1) * (BLOCK_T * SUB)
     if row < HQ:
         _quantize_rows(Q + row * stride_qh, stride_qt, Q8 + row * D, HQ * D, SQ + row * T,
@@ -168,16 +157,14 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
-                 quantize_q: bool = True, block_t: int | None = None, sub: int | None = None,
-                 num_warps: int = 4, poison: bool = False) -> QuantizedQKV:
+                 block_t: int | None = None, sub: int | None = None, num_warps: int = 4,
+                 poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 / fp8_mixed: rotated, per-(token, head) e4m3 values and fp32 power-of-two scales, vt8
     (write_vt) and vcap. bf16: the inputs themselves (bf16; fp16 inputs are rounded to bf16 as
-    the reference does), no scales. quantize_q=False (fp8 recipes): q8 and sq are only allocated
-    and q is kept as q_src, for a forward that quantizes its own Q tiles (FwdConfig.fuse_q).
-    block_t / sub / num_warps: tuning knobs (tokens per block, blocks per program).
-    poison=True fills outputs with NaN first (tests: every element written).
+    the reference does), no scales. block_t / sub / num_warps: tuning knobs (tokens per block,
+    blocks per program). poison=True fills outputs with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
     T, Hq, D = q.shape
@@ -203,11 +190,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     vt8 = None
     if write_vt:
         vt8 = fill((Hkv, D, t_pad), f8)    # kmajor_copy writes every column (zeros past T)
-    # the forward reads q_src as a (T, Hq * D) matrix (TMA): heads contiguous
-    q_src = None if quantize_q else (q if q.stride(1) == D else q.contiguous())
     if T == 0:
-        return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8,
-                            q_src=q_src)
+        return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8)
     rotate = bool(rec.rotate_qk)
     had = _hadamard_signs(D, q.dtype, dev) if rotate else q   # placeholder pointer when unused
     if block_t is None:
@@ -215,20 +199,18 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     if sub is None:
         sub = 1 if interpreting() else 4
     tokens_per_prog = block_t * sub
-    row0 = 0 if quantize_q else Hq
-    grid = (Hq + 2 * Hkv - row0, triton.cdiv(T, tokens_per_prog))
+    grid = (Hq + 2 * Hkv, triton.cdiv(T, tokens_per_prog))
     _quantize_qkv_kernel[grid](
         q, k, v, q8, k8, v8, sq, sk, sv, had,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T, Hq, Hkv, 1.0 / math.sqrt(D), row0,
+        T, Hq, Hkv, 1.0 / math.sqrt(D),
         D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
     if vt8 is not None:
         # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
         # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor)
         kmajor_copy(v8, vt8)
     compute_vcap(sv, cu_seqlens, causal, out=vcap)
-    return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8,
-                        q_src=q_src)
+    return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8)
 
 
 def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,

@@ -179,33 +179,6 @@ def test_prefix_invariance_and_document_isolation(recipe):
         assert report.passed, str(report)
 
 
-@pytest.mark.parametrize("D", [128, 64])
-def test_fused_q_forward(D):
-    """FwdConfig.fuse_q (opt-in): the forward quantizes its own Q tiles. q8 / sq as the separate
-    pass writes them (the same code on the same tile shape; rounding ties of the rotation's
-    summation order allowed as in test_quantize_matches_reference), O and LSE by the rule, and
-    P1 / P2 bitwise."""
-    from flamia import audit
-    q, k, v, cu = make_qkv(WORKLOADS["longtail8k"], HQ, HKV, D, "outliers", device=DEV, seed=7)
-    L = max(WORKLOADS["longtail8k"])
-    cfg = default_config(D, True, torch.device(DEV)).with_(fuse_q=True)
-    ref = quantize_qkv(q, k, v, cu, "fp8", True, poison=True)
-    fused = quantize_qkv(q, k, v, cu, "fp8", True, quantize_q=False, poison=True)
-    out, lse = attention_forward(fused, cu, L, True, None, q.dtype, config=cfg, poison=True)
-    assert (fused.q8.view(torch.uint8) != ref.q8.view(torch.uint8)).sum() <= ref.q8.numel() // 10000
-    assert (fused.sq != ref.sq).sum() <= ref.sq.numel() // 10000 and not fused.sq.isnan().any()
-    emul, emul_lse, exact = _references(q, k, v, cu, "fp8")
-    _check(out, lse, emul, emul_lse, exact)
-
-    def fn(q, k, v, cu_seqlens, max_seqlen):
-        x = quantize_qkv(q, k, v, cu_seqlens, "fp8", True, quantize_q=False)
-        return attention_forward(x, cu_seqlens, max_seqlen, True, None, q.dtype, config=cfg)[0]
-    fn.__name__ = "kernels[fp8, fuse_q]"
-    report = audit.audit(fn, doc_lengths=(1500, 1, 0, 900, 17, 700), heads_q=HQ, heads_kv=HKV,
-                         head_dim=D, device=DEV, backward=False, family="outliers")
-    assert report.passed, str(report)
-
-
 def test_default_config_is_what_runs():
     cfg = default_config(128, True, torch.device(DEV))
     assert cfg.block_m % 16 == 0 and cfg.block_n % 16 == 0

@@ -130,10 +130,13 @@ CONFIGS = {
     "late": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True",
     "lateth": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
     "w8wsth": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,threshold_mask=True",
-    # session 6 item 5, prepared, not yet timed: the D=64 default (one 12-warp CTA per SM by
-    # registers, 69 KB of shared memory at 3 stages) with a deeper TMA ring (6 stages do not
-    # fit at D=128, where the harness also builds every config: out of shared memory)
+    # session 6 item 5, timed in session 7 item 1: the D=64 default with a 4-deep TMA ring,
+    # 1 % slower
     "w8ws4": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,stages=4",
+    # session 7 item 3: the defaults with the division per tile instead of tile cursors
+    "lathdiv": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,"
+               "tile_cursor=False",
+    "w8wsdiv": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,tile_cursor=False",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
@@ -151,7 +154,11 @@ DQ_CONFIGS = {
     # opt-in variants (GluonDqConfig.ws / vec_gather; WS of _dq_fp8_kernel)
     "torchvec": "vec_gather=False",                      # sk / sv by torch gathers (host side)
     "ws": "ws=True,maxnreg=128",                         # 1-warp TMA producer, 2 CTAs / SM
-    "s5": "stages=5",     # D=64: 3 CTAs / SM by registers (163), 5 stages fit 3 x 75 KB (untimed)
+    "s5": "stages=5",     # D=64: 3 CTAs / SM by registers (163), 5 stages: 12 % slower (s7)
+    # session 7 item 3: one more CTA per SM, paid in spills (CPU compile report): D=128 3 CTAs
+    # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
+    "r168s2": "stages=2,maxnreg=168",
+    "r128s3": "stages=3,maxnreg=128",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

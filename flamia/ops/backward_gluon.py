@@ -124,10 +124,6 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # tile_cursor: the loop keeps (head, block) cursors of its current and refill tiles instead
-    # of dividing the tile index by the blocks per head twice per tile (constexpr CURSOR):
-    # 1010 -> 969 SASS per tile at D=128, spills 80 -> 72 B. False: the division (A/B knob).
-    tile_cursor: bool = True
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -511,18 +507,10 @@ if HAVE_GLUON:
         return i0, h
 
     @gluon.jit
-    def _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM: gl.constexpr, BN: gl.constexpr,
-                CAUSAL: gl.constexpr, COL: gl.constexpr):
-        """Tile `it` of the dK/dV loop: i0, h, the query indices, whether it reaches past the
-        document end (tail) and whether it needs the mask (tail or causal diagonal)."""
-        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
-        m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
-        return i0, h, m_idx, tail, need_mask
-
-    @gluon.jit
     def _q_tile_at(i0, n0, L_doc, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
                    COL: gl.constexpr):
-        """_q_tile for a tile whose first row i0 the caller has: query indices, tail, need_mask."""
+        """A dK/dV loop tile from its first row i0: the query indices, whether it reaches past
+        the document end (tail) and whether it needs the mask (tail or causal diagonal)."""
         m_idx = i0 + gl.arange(0, BM, layout=COL)
         tail = i0 + BM > L_doc
         if CAUSAL:
@@ -702,8 +690,7 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, CURSOR: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -725,20 +712,15 @@ if HAVE_GLUON:
         shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
         # (head, block) cursors of the current tile and of the tile NS - 1 ahead (the refill):
-        # advanced per tile, so the loop divides by nb only here
+        # advanced per tile, so the loop divides by nb only here (two runtime divisions per
+        # tile before: D=128 1010 -> 969 SASS per tile, doc32k 33.9 -> 32.0 ms; NOTES s7 item 3)
         g_cur = 0
         blk_cur = 0
         g_nxt = (NS - 1) // nb
         blk_nxt = (NS - 1) - g_nxt * nb
 
         for it in range(total):
-            if not WS and not CURSOR:   # (A/B knob: the division per tile, as before)
-                nxt = it + NS - 1
-                _issue_tile(nxt, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM,
-                            NS, VEC_TMA)
-            elif not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
+            if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
                 nxt = it + NS - 1
                 _issue_tile_at(lo + blk_nxt * BM, hk * GROUP + g_nxt, nxt % NS, start, pstart,
                                q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
@@ -746,14 +728,10 @@ if HAVE_GLUON:
                                nxt < total, D, VEC_TMA)
                 g_nxt, blk_nxt = _next_tile(g_nxt, blk_nxt, nb)
             s = it % NS
-            if CURSOR:
-                i0 = lo + blk_cur * BM
-                h = hk * GROUP + g_cur
-                m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
-                g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
-            else:
-                i0, h, m_idx, tail, need_mask = _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM,
-                                                        BN, CAUSAL, COL)
+            i0 = lo + blk_cur * BM
+            h = hk * GROUP + g_cur
+            m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
+            g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             dos = do_s.index(s)
@@ -824,8 +802,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, CURSOR: gl.constexpr,
-        num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -872,7 +849,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, CURSOR, num_warps)),
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -889,7 +866,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, CURSOR, num_warps)
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1342,7 +1319,7 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, CURSOR=cfg.tile_cursor)
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

@@ -77,8 +77,8 @@ if HAVE_GLUON:
     from .backward_gluon import (  # noqa: F401  (gluon.jit resolves them from this module)
         _causal_shift, _dkdv_bounds, _dkdv_epilogue, _dkdv_program, _dq_bounds, _dq_program,
         _dv_operand, _init_barriers, _invalidate_barriers, _issue_key_vecs, _issue_query_vecs,
-        _key_scales, _kv_tile, _mask_ds, _mask_ds_t, _mma, _mma_wait, _q_tile, _q_tile_rows,
-        _query_scales, _row_vec, _store_out, _vec_ring, _zero_tail_cols)
+        _key_scales, _kv_tile, _mask_ds, _mask_ds_t, _mma, _mma_wait, _next_tile, _q_tile_at,
+        _q_tile_rows, _query_scales, _row_vec, _store_out, _vec_ring, _zero_tail_cols)
 
 CH_ = G.CH_     # 64: column chunk of D; also BM (dK/dV) / BN (dQ)
 RECIPE_MIXED = 1
@@ -186,11 +186,20 @@ if HAVE_GLUON:
                       q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
                       GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
                       NCH: gl.constexpr, VEC_TMA: gl.constexpr):
-        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS:
+        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
+        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
+        _issue_q_tile_at(i0, h, it % NS, start, pstart, q_desc, dob_desc, doT_desc, lse_desc,
+                         dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
+                         ready, pred, D, NCH, VEC_TMA)
+
+    @gluon.jit
+    def _issue_q_tile_at(i0, h, s, start, pstart,
+                         q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                         q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
+                         D: gl.constexpr, NCH: gl.constexpr, VEC_TMA: gl.constexpr):
+        """TMA loads of the query tile (head h, first row i0) into ring slot s:
         q8_i (fp8, token-major), dO_i (bf16, NCH (BM, 64) chunks), doT8_i (fp8 K-major, padded
         columns) and with VEC_TMA lse / Delta / sq / sdo ((1, BM) boxes, padded columns)."""
-        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
-        s = it % NS
         bar = ready.index(s)
         if VEC_TMA:
             NBYTES: gl.constexpr = (q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes
@@ -274,20 +283,28 @@ if HAVE_GLUON:
         acc_dk1 = gl.zeros([BN, CH], gl.float32, LB)
         shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
+        # (head, block) cursors of the current and the refill tile (backward_gluon._dkdv_loop)
+        g_cur = 0
+        blk_cur = 0
+        g_nxt = (NS - 1) // nb
+        blk_nxt = (NS - 1) - g_nxt * nb
 
         for it in range(total):
             s = it % NS
-            i0, h, m_idx, tail, need_mask = _q_tile(it, nb, lo, hk, n0, L_doc, GROUP, BM, BN,
-                                                    CAUSAL, COL)
+            i0 = lo + blk_cur * BM
+            h = hk * GROUP + g_cur
+            m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
+            g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
             # every warp is past its reads of slot (it - 1) % NS (vectors, q8 by ld.shared)
             # before the refill; that slot's wgmmas were waited for in tile it - 1 (dK reads
             # only qb_s)
             gl.thread_barrier()
             nxt = it + NS - 1
-            _issue_q_tile(nxt, nb, lo, start, pstart, hk, q_desc, dob_desc, doT_desc,
-                          lse_desc, dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s,
-                          lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, GROUP, D, BM, NS, NCH,
-                          VEC_TMA)
+            _issue_q_tile_at(lo + blk_nxt * BM, hk * GROUP + g_nxt, nxt % NS, start, pstart,
+                             q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                             q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, D,
+                             NCH, VEC_TMA)
+            g_nxt, blk_nxt = _next_tile(g_nxt, blk_nxt, nb)
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             doTs = doT_s.index(s)

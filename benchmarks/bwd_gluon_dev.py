@@ -155,8 +155,6 @@ DQ_CONFIGS = {
     # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
     "r168s2": "stages=2,maxnreg=168",
     "r128s3": "stages=3,maxnreg=128",
-    # session 7 item 4: sk / sv in one (2, BN) TMA box (one TMA issue and CTA barrier less)
-    "pack": "pack_vecs=True",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

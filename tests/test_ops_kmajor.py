@@ -99,25 +99,3 @@ def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
     got = G._packed_query_vectors(st, cfg)
     assert got.shape == ref.shape == (4 * 4, st.Tp) and got.is_contiguous()
     assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
-
-
-@pytest.mark.parametrize("lengths", [(300, 0, 1, 777, 1024, 45), (5,), (0, 3)])
-def test_packed_kv_vectors_one_launch_equal_torch(lengths):
-    """The dQ kernel's packed (Hkv * 2, Tp) key vectors (GluonDqConfig.pack_vecs) by one Triton
-    launch == the torch ops (padded_kv_vectors, pack_vectors), bitwise, zero pads included; rows
-    2 hk and 2 hk + 1 are kv head hk's sk and sv."""
-    from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
-    g = torch.Generator().manual_seed(2)
-    for x in (st.sk, st.sv):
-        x.copy_(torch.randn(x.shape, generator=g))
-    if st.T:
-        st.sv[1, st.T // 2] = float("nan")
-    cfg = G.GluonDqConfig(pack_vecs=True)
-    ref = G._packed_kv_vectors(st, cfg, "torch")
-    got = G._packed_kv_vectors(st, cfg)
-    assert got.shape == ref.shape == (2 * 2, st.Tp) and got.is_contiguous()
-    assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
-    sk_p, sv_p = G.padded_kv_vectors(st)
-    assert torch.equal(got[2].view(torch.int32), sk_p[1].view(torch.int32))
-    assert torch.equal(got[3].view(torch.int32), sv_p[1].view(torch.int32))

@@ -162,9 +162,6 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # pack_vecs: sk, sv interleaved per kv head in one (Hkv * 2, Tp) buffer, one (2, BN) TMA box
-    # per tile instead of two (1, BN) ones (the dK/dV kernel's pack_vecs; needs vec_tma)
-    pack_vecs: bool = False
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -889,17 +886,13 @@ if HAVE_GLUON:
                   D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, VEC_TMA: gl.constexpr):
         """TMA loads of kv tile `jt` (keys j0 = jt * BN of the document) into ring slot jt % NS:
         k8_j, v8_j (token-major), kT8_j (K-major, padded columns) and with VEC_TMA sk_j, sv_j
-        ((1, BN) boxes of the padded (Hkv, Tp) copies, or with GluonDqConfig.pack_vecs one (2, BN)
-        box of the interleaved (Hkv * 2, Tp) copy into sk_s: one TMA issue, and its CTA barrier,
-        less per tile)."""
+        ((1, BN) boxes of the padded (Hkv, Tp) copies)."""
         j0 = jt * BN
         s = jt % NS
         bar = ready.index(s)
-        PACK: gl.constexpr = sk_desc.block_type.shape[0] > 1
-        NVEC: gl.constexpr = 1 if PACK else 2
         if VEC_TMA:
             NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                    + kT_desc.block_type.nbytes + NVEC * sk_desc.block_type.nbytes)
+                                    + kT_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
         else:
             NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
                                     + kT_desc.block_type.nbytes)
@@ -909,10 +902,7 @@ if HAVE_GLUON:
         # pstart % 16 == 0 and j0 % BN == 0: 16-byte aligned innermost coordinates (fp8, fp32)
         tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], bar, kT_s.index(s),
                                         pred=pred)
-        if VEC_TMA and PACK:
-            tma.async_copy_global_to_shared(sk_desc, [hk * 2, pstart + j0], bar, sk_s.index(s),
-                                            pred=pred)
-        elif VEC_TMA:
+        if VEC_TMA:
             _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
     # ------------------------------------------------------------------------------------------
@@ -1006,7 +996,7 @@ if HAVE_GLUON:
             # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
             p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
                         - gl.expand_dims(lse2, 1))
-            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA, 1)
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             dp = _mma_wait(dp_tok, 0, SYNC)
             t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
             # sk_j again from shared memory / L1: not kept live across the wgmma waits
@@ -1062,10 +1052,7 @@ if HAVE_GLUON:
         v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
         kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
         sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
-        if sk_desc.block_type.shape[0] > 1:   # pack_vecs: one ring, rows sk, sv
-            sv_s = sk_s
-        else:
-            sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
+        sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
         ready, q_bar, rel = _init_barriers(NS, WS)
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
@@ -1432,24 +1419,10 @@ def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
 def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
-    if cfg.pack_vecs:   # one descriptor, passed for both vectors (the kernel reads rows)
-        vec_descs = (vec_desc(_packed_kv_vectors(st, cfg, vecs), BN, rows=2),) * 2
-    else:
-        vec_descs = _vec_descs(st, cfg, vecs, BN, 2, padded_kv_vectors, padded_kv_vectors_triton)
     return (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
             tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
-            kmajor_desc(st.kT8, BN), *vec_descs)
-
-
-def _packed_kv_vectors(st, cfg: GluonDqConfig, vecs=None):
-    """The (Hkv * 2, Tp) buffer of GluonDqConfig.pack_vecs (rows 2 hk, 2 hk + 1: sk, sv of kv
-    head hk). vecs None or "triton": one Triton launch (kmajor.padded_rows); "torch" or the two
-    padded vectors: torch ops, bitwise the same."""
-    if vecs is None or (isinstance(vecs, str) and vecs == "triton"):
-        from .kmajor import padded_rows
-        return padded_rows((st.sk, st.sv), st.tok_of_col, st.Tp, interleave=True)
-    return pack_vectors(_resolve_vecs(vecs, cfg, st, padded_kv_vectors,
-                                      padded_kv_vectors_triton))
+            kmajor_desc(st.kT8, BN),
+            *_vec_descs(st, cfg, vecs, BN, 2, padded_kv_vectors, padded_kv_vectors_triton))
 
 
 def _dq_args(st, cfg: GluonDqConfig, vecs=None):
@@ -1462,8 +1435,6 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
                                       WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_dq_ws(cfg)
-    if cfg.pack_vecs and not cfg.vec_tma:
-        raise ValueError(f"pack_vecs needs vec_tma (padded vectors by TMA): {cfg}")
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs

@@ -133,10 +133,6 @@ CONFIGS = {
     # session 6 item 5, timed in session 7 item 1: the D=64 default with a 4-deep TMA ring,
     # 1 % slower
     "w8ws4": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,stages=4",
-    # session 7 item 6: the defaults with Q^T and dO^T in one (2 D, BM) TMA box
-    "lathpair": "shared_mask=True,fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,"
-                "pair_kmajor=True",
-    "w8wspair": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,pair_kmajor=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -240,10 +240,6 @@ VARIANTS = {
                                                  pack_vecs=True, threshold_mask=True), 64),
     "dkdv_w8ws_pack_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
                                             pack_vecs=True), 64),
-    "dkdv_pair": ("dkdv", 128, dict(fold_sdo=True, shared_mask=True, pack_vecs=True,
-                                    late_dv=True, threshold_mask=True, pair_kmajor=True), 128),
-    "dkdv_w8ws_pair_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
-                                            pack_vecs=True, pair_kmajor=True), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
 }

@@ -99,23 +99,3 @@ def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
     got = G._packed_query_vectors(st, cfg)
     assert got.shape == ref.shape == (4 * 4, st.Tp) and got.is_contiguous()
     assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
-
-
-def test_kmajor_copy_into_paired_halves():
-    """The backward's paired (H, 2, D, Tp) K-major buffer (qT8 / doT8 halves, heads 2 D rows
-    apart): kmajor_copy writes each half exactly as into a contiguous (H, D, Tp) copy and
-    leaves the other half alone; head_stride_rows tells the layouts apart and rejects others."""
-    from flamia.ops.kmajor import head_stride_rows
-    lengths = (37, 0, 70, 19)
-    T, H, D = sum(lengths), 3, 16
-    cu = torch.tensor([0, 37, 37, 107, 126], dtype=torch.int32)
-    pcu, tok_of_col, Tp = kmajor_layout(cu, T)
-    g = torch.Generator().manual_seed(3)
-    src = torch.randint(0, 255, (T, H, D), generator=g, dtype=torch.uint8)
-    ref = kmajor_copy(src, torch.empty(H, D, Tp, dtype=torch.uint8), tok_of_col)
-    pair = torch.full((H, 2, D, Tp), 7, dtype=torch.uint8)
-    kmajor_copy(src, pair[:, 1], tok_of_col)
-    assert torch.equal(pair[:, 1], ref) and bool((pair[:, 0] == 7).all())
-    assert head_stride_rows(ref) == D and head_stride_rows(pair[:, 0]) == 2 * D
-    with pytest.raises(ValueError, match="K-major buffer"):
-        head_stride_rows(torch.empty(H, Tp, D, dtype=torch.uint8).transpose(1, 2))

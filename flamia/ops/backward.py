@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .kmajor import head_stride_rows, kmajor_copy, kmajor_layout, padded_columns
+from .kmajor import kmajor_copy, kmajor_layout, padded_columns
 from .layout import QuantizedQKV
 from .schedule import per_cu_seqlens
 
@@ -231,7 +231,7 @@ def _bwd_preprocess(
 def _dkdv_tile(
     acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n,
     q8, qT8, dout, do8, doT8, sq, sdo, lse, delta, dq_acc,
-    h, start, pstart, L, i0, T, Tp, km_rows, stride_qt, stride_dot, sm_scale,
+    h, start, pstart, L, i0, T, Tp, stride_qt, stride_dot, sm_scale,
     HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
     RECIPE: tl.constexpr, MASK: tl.constexpr, DQ_ATOMIC: tl.constexpr, INTERP: tl.constexpr,
     END: tl.constexpr, USE_TMA: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
@@ -274,8 +274,8 @@ def _dkdv_tile(
         if DO_DV:
             # dV_j += c_j * e4m3(P^T sdo_i / c_j) @ do8_i  (c_j: power of two over the tile's row j)
             c, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), 8)
-            doT = _kmajor_tile(doT8, h * km_rows, pstart + i0, tl.arange(0, BM), mask_m, Tp, D,
-                               BM, END, USE_TMA)
+            doT = _kmajor_tile(doT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM, END,
+                               USE_TMA)
             acc_dv += _mm((a * inv[:, None]).to(tl.float8e4nv), doT, INTERP) * c[:, None]
         if DO_DK:
             if RECIPE == 0:
@@ -286,8 +286,8 @@ def _dkdv_tile(
                 t = _mm(v, tl.trans(do_q), INTERP) * sv_j[:, None] - di[None, :]
                 b = a * t * sq_i[None, :]                              # dS^T * sq_i
                 c2, inv2 = _pow2_scale(tl.max(tl.abs(b), axis=1), 8)
-                qT = _kmajor_tile(qT8, h * km_rows, pstart + i0, tl.arange(0, BM), mask_m, Tp, D,
-                                  BM, END, USE_TMA)
+                qT = _kmajor_tile(qT8, h * D, pstart + i0, tl.arange(0, BM), mask_m, Tp, D, BM,
+                                  END, USE_TMA)
                 acc_dk += _mm((b * inv2[:, None]).to(tl.float8e4nv), qT, INTERP) * c2[:, None]
                 if DQ_ATOMIC:
                     # dQ_i += (dS K_j) with a scale per query row i over the tile's keys (axis 0)
@@ -315,7 +315,7 @@ def _dkdv_tile(
 @triton.jit
 def _bwd_dkdv(
     q8, k8, v8, qT8, kT8p, dout, do8, doT8, sq, sk, sv, sdo, lse, delta, dk, dv, dq_acc, hmat, cu,
-    pcu, T, Tp, km_rows, stride_qt, stride_kt, stride_dot, stride_dkt,
+    pcu, T, Tp, stride_qt, stride_kt, stride_dot, stride_dkt,
     sm_scale, qk_scale2, out_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     RECIPE: tl.constexpr, CAUSAL: tl.constexpr, ROTATE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -383,8 +383,8 @@ def _bwd_dkdv(
             for i0 in range(i_lo, i_hi, BM):
                 acc_dk, acc_dv = _dkdv_tile(
                     acc_dk, acc_dv, k, v, rowf, sv_j, sk_j, kq, offs_n, q8, qT8, dout, do8, doT8,
-                    sq, sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, km_rows,
-                    stride_qt, stride_dot, sm_scale,
+                    sq, sdo, lse, delta, dq_acc, h, start, pstart, L, i0, T, Tp, stride_qt,
+                    stride_dot, sm_scale,
                     HQ, D, BM, RECIPE, run == 0, DQ_ATOMIC, INTERP, run != 1, USE_TMA, DO_DK, DO_DV)
     ptr = tok_n[:, None] * stride_dkt + hk * D + offs_d[None, :]
     if DO_DK:
@@ -641,10 +641,9 @@ class BwdState:
     hmat: torch.Tensor
     delta: torch.Tensor           # (Hq, T) fp32
     do8: torch.Tensor             # (T, Hq, D) e4m3 (fp8 recipes)
-    doT8: torch.Tensor            # (Hq, D, Tp) e4m3 (fp8 recipes; fp8: the second half of the
-                                  # (Hq, 2, D, Tp) buffer whose first half is qT8)
+    doT8: torch.Tensor            # (Hq, D, Tp) e4m3 (fp8 recipes)
     sdo: torch.Tensor             # (Hq, T) fp32 (fp8 recipes)
-    qT8: torch.Tensor             # (Hq, D, Tp) e4m3 (fp8; a view, heads 2 D rows apart)
+    qT8: torch.Tensor             # (Hq, D, Tp) e4m3 (fp8)
     kT8: torch.Tensor             # (Hkv, D, Tp) e4m3 (fp8)
     dq: torch.Tensor
     dk: torch.Tensor
@@ -696,7 +695,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     delta = _empty((Hq, T), torch.float32, device)
     if scaled:
         do8 = _empty((T, Hq, D), fp8, device)
-        doT8 = _empty((Hq, D, Tp), fp8, device) if rid != 0 else None   # fp8: below
+        doT8 = _empty((Hq, D, Tp), fp8, device)
         sdo = _empty((Hq, T), torch.float32, device)
         sq, sk, sv = qkv.sq.contiguous(), qkv.sk.contiguous(), qkv.sv.contiguous()
     else:
@@ -704,10 +703,7 @@ def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal
     q8 = qkv.q8.contiguous()
     dq_atomic = bool(cfg.dq_atomic and not deterministic)
     if rid == 0:
-        # qT8 and doT8 as the halves of one (Hq, 2, D, Tp) buffer: head h's Q^T rows, then its
-        # dO^T rows, so the Gluon dK/dV kernel loads both K-major tiles with one TMA box
-        qdoT8 = _empty((Hq, 2, D, Tp), fp8, device)
-        qT8, doT8 = qdoT8[:, 0], qdoT8[:, 1]
+        qT8 = _empty((Hq, D, Tp), fp8, device)
         kT8 = _empty((Hkv, D, Tp), fp8, device)
     else:
         qT8 = kT8 = q8                            # placeholders, never read
@@ -756,17 +752,10 @@ def _use_tma(st: BwdState) -> bool:
 
 
 def _kmajor_desc(xT8: torch.Tensor, block_tokens: int):
-    """TMA descriptor over a K-major copy (heads, D, Tp) seen as rows of Tp columns from its
-    first byte (head h's D rows start at row h * head_stride_rows: D, or 2 D for the halves of
-    the paired qT8 / doT8 buffer), block (D, block_tokens); tokens past Tp read as zeros."""
+    """TMA descriptor over a K-major copy (heads, D, Tp) seen as (heads * D, Tp), block
+    (D, block_tokens); tokens past Tp read as zeros."""
     H, D, Tp = xT8.shape
-    rows = (H - 1) * head_stride_rows(xT8) + D
-    return TensorDescriptor(xT8, [rows, Tp], [Tp, 1], [D, block_tokens])
-
-
-def _km_rows(st: BwdState) -> int:
-    """Rows per head of doT8 (and for fp8 qT8): the dK/dV kernels' row offset h * this."""
-    return head_stride_rows(st.doT8) if st.recipe != 2 else st.D
+    return TensorDescriptor(xT8, [H * D, Tp], [Tp, 1], [D, block_tokens])
 
 
 # the recipes with Gluon kernels (dK/dV and dQ each)
@@ -824,8 +813,8 @@ def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
         st.q8, st.k8, st.v8, qT8, st.kT8, st.dout, st.do8, doT8, st.sq, st.sk, st.sv,
         st.sdo, st.lse, st.delta, st.dk, st.dv,
         st.dq_acc if st.dq_atomic else st.delta, st.hmat, st.cu,
-        st.pcu if st.pcu is not None else st.cu, st.T, st.Tp, _km_rows(st), st.q8.stride(0),
-        st.k8.stride(0), st.dout.stride(0), st.dk.stride(0),
+        st.pcu if st.pcu is not None else st.cu, st.T, st.Tp, st.q8.stride(0), st.k8.stride(0),
+        st.dout.stride(0), st.dk.stride(0),
         st.sm_scale, st.sm_scale * LOG2E, st.D ** -0.5,
         HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=bm, BN=cfg.kv_bn, RECIPE=st.recipe,
         CAUSAL=st.causal, ROTATE=st.rotate, DQ_ATOMIC=st.dq_atomic and do_dk, INTERP=st.interp,

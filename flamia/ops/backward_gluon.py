@@ -124,10 +124,6 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # pair_kmajor: the tile's Q^T and dO^T K-major tiles (the halves of one (Hq, 2, D, Tp)
-    # buffer) by one (2 D, BM) TMA box instead of two (D, BM) ones: one TMA issue, and the CTA
-    # barrier Triton's membar pass puts before it, less per tile
-    pair_kmajor: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -213,30 +209,22 @@ if HAVE_GLUON:
                        D: gl.constexpr, VEC_TMA: gl.constexpr):
         """TMA loads of the query tile (head h, first row i0) into ring slot s.
         Packed vectors (lse_desc with (4, BM) boxes, GluonDkdvConfig.pack_vecs): one box of the
-        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes.
-        qT8 / doT8 are the halves of one (Hq, 2, D, Tp) buffer (head h: rows 2 D h + [0, D) and
-        + [D, 2 D)); with a (2 D, BM) qT_desc box (GluonDkdvConfig.pair_kmajor) one TMA brings
-        both into qT_s (doT_s unused)."""
+        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes."""
         bar = ready.index(s)
         PACK: gl.constexpr = lse_desc.block_type.shape[0] > 1
         NVEC: gl.constexpr = 1 if PACK else 4
-        PAIR: gl.constexpr = qT_desc.block_type.shape[0] == 2 * D
-        NKM: gl.constexpr = 1 if PAIR else 2
         # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
         if VEC_TMA:
-            NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes
-                                    + NKM * qT_desc.block_type.nbytes
+            NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
                                     + NVEC * lse_desc.block_type.nbytes)
         else:
-            NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + NKM * qT_desc.block_type.nbytes
+            NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], bar, do_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(qT_desc, [h * (2 * D), pstart + i0], bar, qT_s.index(s),
+        tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
                                         pred=pred)
-        if not PAIR:
-            tma.async_copy_global_to_shared(doT_desc, [h * (2 * D), pstart + i0], bar,
-                                            doT_s.index(s), pred=pred)
         if VEC_TMA and PACK:
             tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], bar, lse_s.index(s),
                                             pred=pred)
@@ -747,12 +735,8 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             dos = do_s.index(s)
-            if qT_s.type.shape[1] == 2 * D:   # pair_kmajor: one (2 D, BM) slot, Q^T over dO^T
-                qTs = qT_s.index(s).slice(0, D, dim=0)
-                doTs = qT_s.index(s).slice(D, D, dim=0)
-            else:
-                qTs = qT_s.index(s)
-                doTs = doT_s.index(s)
+            qTs = qT_s.index(s)
+            doTs = doT_s.index(s)
             s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
             dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
@@ -838,12 +822,8 @@ if HAVE_GLUON:
         v_s = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
         q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
         do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
-        if qT_desc.block_type.shape[0] == 2 * D:   # pair_kmajor: Q^T and dO^T in one slot
-            qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, 2 * D, BM], qT_desc.layout)
-            doT_s = qT_s
-        else:
-            qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
-            doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
+        qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
+        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
         lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
         if lse_desc.block_type.shape[0] > 1:   # pack_vecs: one ring, rows lse, Delta, sq, sdo
             dl_s = lse_s
@@ -1207,21 +1187,11 @@ def tok_major_desc(x, rows: int, cols: int, dtype):
                                  _smem_layout(rows, cols, dtype))
 
 
-def kmajor_desc(xT, cols: int, pair: bool = False):
-    """TMA descriptor over a K-major fp8 copy (heads, D, Tp) seen as rows of Tp columns from its
-    first byte (head h at row h * head_stride_rows: D, or 2 D for the halves of the backward's
-    paired qT8 / doT8 buffer), (D, cols) boxes; pair=True: (2 D, cols) boxes over qT8, each one
-    head's Q^T rows followed by its dO^T rows."""
-    from .kmajor import head_stride_rows
+def kmajor_desc(xT, cols: int):
+    """TMA descriptor over a K-major fp8 copy (heads, D, Tp) seen as (heads * D, Tp), (D, cols)
+    boxes."""
     H, D, Tp = xT.shape
-    hs = head_stride_rows(xT)
-    if pair:
-        if H > 1 and hs != 2 * D:
-            raise ValueError(f"pair_kmajor needs the paired (heads, 2, D, Tp) buffer's first "
-                             f"half, not a K-major copy with heads {hs} rows apart")
-        return GluonTensorDescriptor(xT, [H * 2 * D, Tp], [Tp, 1], [2 * D, cols],
-                                     _smem_layout(2 * D, cols, gl.float8e4nv))
-    return GluonTensorDescriptor(xT, [(H - 1) * hs + D, Tp], [Tp, 1], [D, cols],
+    return GluonTensorDescriptor(xT, [H * D, Tp], [Tp, 1], [D, cols],
                                  _smem_layout(D, cols, gl.float8e4nv))
 
 
@@ -1305,13 +1275,9 @@ def _descs(st, cfg: GluonDkdvConfig, vecs=None):
         if cfg.fold_sdo:
             vecs = fold_sdo(_resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton))
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
-    if cfg.pair_kmajor:   # one (2 D, BM) box over the pair, passed for both
-        km_descs = (kmajor_desc(st.qT8, BM, pair=True),) * 2
-    else:
-        km_descs = (kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM))
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            *km_descs, *vec_descs)
+            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs)
 
 
 def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1344,16 +1310,9 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
                    or not 24 <= cfg.producer_regs <= 256):
         raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups), vec_tma, "
                          f"async wgmma and producer_regs in [24, 256]: {cfg}")
-    for x in (st.q8, st.k8, st.v8, st.do8, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv,
-              st.dk, st.dv):
+    for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
+              st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
-    # the kernel addresses head h's Q^T / dO^T rows at 2 D h (+ D): the paired buffer of
-    # backward.make_state
-    D, Tp = st.D, st.Tp
-    if st.doT8.data_ptr() != st.qT8.data_ptr() + D * Tp or (
-            st.Hq > 1 and st.qT8.stride(0) != 2 * D * Tp):
-        raise ValueError("the Gluon fp8 dK/dV kernel needs qT8 / doT8 as the halves of one "
-                         "(Hq, 2, D, Tp) buffer (backward.make_state)")
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")

@@ -55,7 +55,7 @@ def kmajor_layout(cu: torch.Tensor, T: int):
 
 
 @triton.jit
-def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t, head_rows,
+def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
                         D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     h = tl.program_id(1)
@@ -68,45 +68,29 @@ def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t, head_rows,
         ok = tok >= 0
     x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None], mask=ok[None, :],
                 other=0)
-    tl.store(dst + (h * head_rows + d[:, None]).to(tl.int64) * Tp + c[None, :], x,
-             mask=(c < Tp)[None, :])
+    tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=(c < Tp)[None, :])
 
 
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
                 block_c: int = 64) -> torch.Tensor:
     """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
     dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T).
-    src (T, heads, D) with unit-stride heads and dims; both are moved as bytes. dst contiguous,
-    or a view whose heads are head_stride_rows(dst) rows of Tp apart (the backward's paired
-    (heads, 2, D, Tp) K-major buffer)."""
+    src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
         raise ValueError(f"kmajor_copy: src {tuple(src.shape)} {src.dtype} -> dst "
                          f"{tuple(dst.shape)} {dst.dtype}: need 1-byte types, same heads and D")
-    if src.stride(2) != 1 or src.stride(1) != D:
-        raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims")
+    if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
+        raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
+                         "contiguous")
     if Tp == 0 or H == 0:
         return dst
-    head_rows = head_stride_rows(dst)
     plain = tok_of_col is None
     _kmajor_copy_kernel[(triton.cdiv(Tp, block_c), H)](
         src.view(torch.uint8), dst.view(torch.uint8), dst if plain else tok_of_col, T, Tp,
-        src.stride(0), head_rows, D=D, BLOCK_C=block_c, PLAIN=plain, num_warps=4)
+        src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, num_warps=4)
     return dst
-
-
-def head_stride_rows(xT: torch.Tensor) -> int:
-    """Rows of Tp columns from one head of a K-major (heads, D, Tp) buffer to the next: D when
-    contiguous, 2 D for a half of a paired (heads, 2, D, Tp) buffer. Raises for any other
-    layout (every reader addresses row head * head_stride_rows + d, column c)."""
-    H, D, Tp = xT.shape
-    ok = xT.stride(2) == 1 and xT.stride(1) == Tp and (H <= 1 or xT.stride(0) % Tp == 0)
-    rows = xT.stride(0) // Tp if H > 1 and Tp > 0 else D
-    if not ok or rows < D:
-        raise ValueError(f"K-major buffer {tuple(xT.shape)} with strides {xT.stride()}: need "
-                         f"(heads, D, Tp) rows of Tp contiguous columns, heads >= D rows apart")
-    return rows
 
 
 @triton.jit

@@ -59,8 +59,9 @@ combination measured on the H200, benchmarks/NOTES.md session 5):
     lse2_i - log2(sdo_i) and a = exp2(S^T - that) directly (one multiply per element less).
   - pack_vecs (default): lse, Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer
     and one (4, BM) TMA box per tile (`_packed_query_vectors`, one Triton launch).
-  - shared_mask (constexpr SHARED_MASK; default at D=128): the two masks as one expression,
-    which the compiler evaluates on every tile but with fewer spills.
+  - shared_mask (constexpr SHARED_MASK; the D=128 default until session 7): the two masks as
+    one expression, which the compiler evaluates on every tile; with threshold_mask it no longer
+    saves spills, so the default leaves it off.
 
 dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in ws schedule
 (constexpr WS): above `_dq_producer`. CPU builds: compile_sm90 / compile_dq_sm90.
@@ -132,16 +133,17 @@ def plain_gluon_config(D: int) -> GluonDkdvConfig:
 
 
 def default_gluon_config(D: int) -> GluonDkdvConfig:
-    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 6, item 1;
-    bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at D=128, doc8k_x4 at
-    D=64): D=128 shared_mask + fold_sdo + pack_vecs + late_dv + threshold_mask 8.47 / 8.31 /
-    32.97 (without the last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94); D=64 FA3's
-    layout (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35)."""
+    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 6 item 1 and
+    session 7 item 7; bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at
+    D=128, doc8k_x4 at D=64): D=128 fold_sdo + pack_vecs + late_dv + threshold_mask 8.10 / 8.11
+    / 32.30 (with shared_mask as well, the session-6 default: 8.36 / 8.34 / 31.95; without the
+    last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94, session 6); D=64 FA3's layout
+    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35)."""
     if D <= 64:
         return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
                                    fold_sdo=True, pack_vecs=True)
-    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, shared_mask=True,
-                               pack_vecs=True, late_dv=True, threshold_mask=True)
+    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, pack_vecs=True,
+                               late_dv=True, threshold_mask=True)
 
 
 @dataclass(frozen=True)

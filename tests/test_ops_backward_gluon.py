@@ -311,8 +311,8 @@ def test_variant_routing_and_validation():
         (True, 128, 8, True, False)
     st128 = G.fake_state(128, T=64, Hq=2, Hkv=1)
     kw = G._args(st128, G.default_gluon_config(128))[2]
-    assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"]) == \
-        (False, 64, 4, True, True)
+    assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"],
+            kw["THR_MASK"], kw["LATE_DV"]) == (False, 64, 4, True, False, True, True)
     assert not {"XO", "maxnreg"} & kw.keys()
     fields = {f.name for f in dataclasses.fields(G.GluonDkdvConfig)}
     assert not {"overlap", "maxnreg"} & fields and {"ws", "producer_regs"} <= fields

@@ -942,7 +942,10 @@ def isolate(args, cfg_names):
                                     for n, _ in out_names())
                          + ("" if all(r[n]["finite"] for n, _ in out_names()) else " NONFINITE")
                          for r in s.get("rows", []))
-        print(f"RESULT {'dq ' if KERNEL == 'dq' else ''}{c} [{make_cfg(c, 128)}]: smoke {s['smoke']}{p1s} | perf "
+        cfgs = f"D=128 {make_cfg(c, 128)}"   # the D=64 config too where it differs
+        if make_cfg(c, 64) != make_cfg(c, 128):
+            cfgs += f"; D=64 {make_cfg(c, 64)}"
+        print(f"RESULT {'dq ' if KERNEL == 'dq' else ''}{c} [{cfgs}]: smoke {s['smoke']}{p1s} | perf "
               f"{s['perf'] if not perf or s['perf'] != 'done' else ''}{perf}", flush=True)
     tr = {}
     for res in merged["perf"]:

@@ -66,6 +66,16 @@ def main_loop(instrs):
     return best or []
 
 
+def with_sets(cfg, sets: list[str]):
+    """cfg with the --set field=value overrides (values as Python literals, cast to the field's
+    type where it has one: a field that defaults to None takes the literal as it is)."""
+    for item in sets:
+        key, val = item.split("=")
+        cur, new = getattr(cfg, key), eval(val)
+        cfg = dataclasses.replace(cfg, **{key: new if cur is None else type(cur)(new)})
+    return cfg
+
+
 def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     """The Triton forward (_attn_fwd_kernel) as attention_forward launches it on the H200."""
     import torch
@@ -75,9 +85,7 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     from flamia.ops.quantize import quantize_qkv
     q, k, v, cu = make_qkv((1024, 1024), 8, 2, D)
     cfg = default_config(D, recipe != "bf16", torch.device("cuda"))
-    for s in sets:
-        key, val = s.split("=")
-        cfg = dataclasses.replace(cfg, **{key: type(getattr(cfg, key))(eval(val))})
+    cfg = with_sets(cfg, sets)
     with compile_only() as built:
         qkv = quantize_qkv(q, k, v, cu, recipe, causal)     # outputs unwritten: compile only
         attention_forward(qkv, cu, 1024, causal, None, torch.bfloat16, config=cfg)
@@ -94,9 +102,7 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
     else:
         cfg = G.default_dq_config(D) if kernel == "dq" else G.default_gluon_config(D)
         comp = G.compile_dq_sm90 if kernel == "dq" else G.compile_sm90
-    for s in sets:
-        k, v = s.split("=")
-        cfg = dataclasses.replace(cfg, **{k: type(getattr(cfg, k))(eval(v))})
+    cfg = with_sets(cfg, sets)
     st = mod.fake_state(D, causal=causal)
     return comp(st, cfg), cfg
 

@@ -7,7 +7,8 @@
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
-# fwd_dev.py --quick), fwd-next (Gluon forward variants), profile, profile-fwd, host (cProfile
+# fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
+# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), profile, profile-fwd, host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
@@ -71,6 +72,9 @@ for spec in "$@"; do
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
+    fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
+             --configs "${FWD_CONFIGS:-nextfwd}" --dims 128 --forward-only --parallel 4 \
+             --only "${FWD_WORKLOADS:-doc32k,doc8k_x4,doc2k_x16,longtail}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;
@@ -81,7 +85,8 @@ for spec in "$@"; do
       "$NCU" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
       "$NCU" --import "$OUT/ncu.ncu-rep" --page raw --csv >"$OUT/ncu-raw.csv" 2>&1
       rm -f "$OUT/ncu.ncu-rep"   # (too large to come back; the CSV holds every metric)
-      python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" | tee "$OUT/ncu-summary.txt" ;;
+      python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" --memory-columns "$OUT/ncu-memory.txt" \
+        | tee "$OUT/ncu-summary.txt" ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 done

@@ -21,9 +21,47 @@ def _num(x: str) -> float | None:
         return None
 
 
+# Memory-side counters of the `detailed` set, in the order printed: how busy L2 and DRAM were and
+# how many bytes crossed them (TMA loads count as L2 traffic): is a kernel fed by L2 bandwidth?
+MEMORY = (("L2", "lts__throughput.avg.pct_of_peak_sustained_elapsed", "%"),
+          ("L2 hit", "lts__t_sector_hit_rate.pct", "%"),
+          ("L2 bytes", "lts__t_bytes.sum", "B"),
+          ("L2 read sectors", "lts__t_sectors_op_read.sum", ""),
+          ("DRAM", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "%"),
+          ("DRAM read", "dram__bytes_read.sum", "B"),
+          ("mem pipes", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "%"),
+          ("L1", "l1tex__throughput.avg.pct_of_peak_sustained_active", "%"))
+
+
+def _memory(hdr: list[str], units: list[str], r: list[str]) -> str:
+    col = {h: i for i, h in enumerate(hdr)}
+    out = []
+    for label, key, unit in MEMORY:
+        v = _num(r[col[key]]) if key in col else None
+        if v is not None:
+            u = units[col[key]] if unit != "%" else "%"
+            out.append(f"{label} {v:.0f} %" if unit == "%" else f"{label} {v:.3g} {u}")
+    return ", ".join(out)
+
+
+def memory_columns(path: str, match: list[str]) -> str:
+    """Every L2 / DRAM / L1 counter of the matching kernels, one 'kernel metric value unit' line
+    each (for the metric names MEMORY does not know)."""
+    rows = list(csv.reader(open(path)))
+    hdr, units = rows[0], rows[1]
+    keep = [i for i, h in enumerate(hdr) if h.startswith(("lts__", "dram__", "l1tex__m_"))]
+    lines = []
+    for r in rows[2:]:
+        name = r[hdr.index("Kernel Name")]
+        if match and not any(m in name for m in match):
+            continue
+        lines += [f"{name[:40]} {hdr[i]} {r[i]} {units[i]}" for i in keep]
+    return "\n".join(lines)
+
+
 def summarize(path: str, match: list[str]) -> str:
     rows = list(csv.reader(open(path)))
-    hdr = rows[0]
+    hdr, units = rows[0], rows[1]
     col = {h: i for i, h in enumerate(hdr)}
     lines = []
     for r in rows[2:]:                      # row 1: units
@@ -43,6 +81,7 @@ def summarize(path: str, match: list[str]) -> str:
                   if h.startswith("smsp__pcsamp_warps_issue_stalled_")
                   and not h.endswith("_not_issued")}
         total = sum(stalls.values()) or 1.0
+        mem = _memory(hdr, units, r)
         top = sorted(stalls.items(), key=lambda kv: -kv[1])[:7]
         lines.append(
             f"{name[:60]}\n"
@@ -53,7 +92,8 @@ def summarize(path: str, match: list[str]) -> str:
             + f"; {g('launch__registers_per_thread') or 0:.0f} regs, grid "
             f"{g('launch__grid_size') or 0:.0f}, local ld+st {local:.3g}"
             + (f" ({100 * local / inst:.1f} % of instructions)" if inst else "") + "\n"
-            f"  stalls: " + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in top))
+            f"  stalls: " + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in top)
+            + (f"\n  memory: {mem}" if mem else ""))
     return "\n".join(lines)
 
 
@@ -61,8 +101,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--match", default="_dkdv,_dq,_attn_fwd,_quantize,_kmajor,_bwd_pre")
+    ap.add_argument("--memory-columns", default=None, help="also write every L2 / DRAM counter here")
     args = ap.parse_args()
-    print(summarize(args.csv, [m for m in args.match.split(",") if m]))
+    match = [m for m in args.match.split(",") if m]
+    print(summarize(args.csv, match))
+    if args.memory_columns:
+        open(args.memory_columns, "w").write(memory_columns(args.csv, match) + "\n")
 
 
 if __name__ == "__main__":

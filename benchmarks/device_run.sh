@@ -8,7 +8,8 @@
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
-# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), profile, profile-fwd, host (cProfile
+# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
+# FWD_CANDS vs the default, fwd_dev.py --fp8-configs), profile, profile-fwd, host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
 set -u
@@ -70,6 +71,9 @@ for spec in "$@"; do
              --recipe fp8_mixed --kernel dq --configs ladder --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
+    fwd-cands) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --no-usage \
+             --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" \
+             --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
     fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \

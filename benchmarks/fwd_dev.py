@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -75,8 +76,24 @@ def cfg_name(c: FwdConfig | None) -> str:
 # to measure what that costs), 64x128 / 4 warps (two CTAs per SM) and 128-row / 8-warp shapes,
 # 64x64 capped at 168 registers (three CTAs per SM), N-major V (Triton transposes it in shared
 # memory) and plain pointer loads instead of TMA.
-def sweep_configs(D: int, recipe: str, quick: bool) -> list[FwdConfig]:
+def parse_configs(spec: str) -> list[FwdConfig]:
+    """'64x256w4s3,64x128w4s3r168' -> FP8 FwdConfigs (fold_lr on, as the FP8 default)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?", item)
+        if not m:
+            raise SystemExit(f"--fp8-configs: cannot parse {item!r} (BMxBNwWARPSsSTAGES[rMAXNREG])")
+        bm, bn, w, st, r = m.groups()
+        out.append(FwdConfig(int(bm), int(bn), int(w), int(st), maxnreg=int(r) if r else None,
+                             fold_lr=True))
+    return out
+
+
+def sweep_configs(D: int, recipe: str, quick: bool, extra: list[FwdConfig] | None = None
+                  ) -> list[FwdConfig]:
     C = FwdConfig
+    if extra is not None and recipe != "bf16":   # the default first, then the given ones
+        return [default_config(D, True, torch.device("cuda"))] + extra
     if recipe == "bf16":
         cs = [C(128, 64, 8, 3), C(128, 128, 8, 2), C(64, 128, 4, 3)]
         return cs[:2] if quick else cs
@@ -248,7 +265,7 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
     safe("quantize", lambda: rec("quantize", "fp8", "-", bench(
         lambda: quantize_qkv(q, k, v, cu, "fp8", True), smoke), bytes=q.numel() * 3 + k.numel() * 7))
     best = {}
-    for recipe in ("fp8", "bf16"):
+    for recipe in [r for r in ("fp8", "bf16") if (D, r) in configs_by_key]:
         qkv_r = qkv if recipe == "fp8" else quantize_qkv(q, k, v, cu, "bf16", True)
         cands = configs_by_key.get((D, recipe), [None]) if sweep else [best_cfg(D, recipe)]
         results = []
@@ -329,7 +346,13 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new workloads after")
     ap.add_argument("--no-usage", action="store_true", help="skip the per-config ptxas report")
+    ap.add_argument("--fp8-configs", default=None,
+                    help="FP8 candidates instead of the built-in sweep, e.g. 64x256w4s3,64x128w4s3r168 "
+                         "(the default config is timed first; bf16 is then not swept)")
+    ap.add_argument("--sweep", default="doc8k_x4,doc512_x64,d64_doc8k_x4",
+                    help="workloads every candidate is timed on")
     args = ap.parse_args()
+    extra = parse_configs(args.fp8_configs) if args.fp8_configs else None
     smoke = args.cpu_smoke
     dev = "cpu" if smoke else "cuda"
     if not smoke and not torch.cuda.is_available():
@@ -351,17 +374,20 @@ def main():
     # 1. correctness (also compiles every config)
     configs = {}
     for D in (128, 64):
-        for recipe in ("fp8", "bf16"):
-            cands = [FwdConfig(32, 16, 4, 1, use_tma=True)] if smoke else sweep_configs(D, recipe, args.quick)
+        for recipe in ("fp8",) if extra is not None else ("fp8", "bf16"):
+            cands = ([FwdConfig(32, 16, 4, 1, use_tma=True)] if smoke
+                     else sweep_configs(D, recipe, args.quick, extra))
             configs[(D, recipe)] = check_slice(dev, D, recipe, cands, smoke)
 
     # 2. timing: sweep every passing config on a few workloads, then the best one elsewhere
     wls = load_workloads()
-    sweep_names = {"doc8k_x4", "doc512_x64", "d64_doc8k_x4"}
+    sweep_names = set(args.sweep.split(","))
     first = ["doc8k_x4", "d64_doc8k_x4", "doc512_x64", "doc32k", "longtail"]
     order = sorted(wls, key=lambda w: first.index(w["name"]) if w["name"] in first else len(first))
     if args.quick:
         order = [w for w in order if w["name"] in ("doc8k_x4", "d64_doc8k_x4", "longtail", "doc512_x64")]
+    if extra is not None:   # a candidate run: the sweep workloads only
+        order = [w for w in order if w["name"] in sweep_names]
     for wl in order:
         if time.time() - T0 > args.budget_s:
             log(f"budget reached: skipping {wl['name']}")

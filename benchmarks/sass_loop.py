@@ -19,52 +19,15 @@ import argparse
 import collections
 import dataclasses
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the interpreter
 
-import triton  # noqa: E402
-
 from flamia.ops import backward_gluon as G  # noqa: E402
 from flamia.ops import backward_gluon_mixed as M  # noqa: E402
 from flamia.ops._interp import resource_usage  # noqa: E402
-
-LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-
-
-def sass_of(kernel) -> str:
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True, check=True).stdout
-
-
-def parse(sass: str):
-    """[(address, opcode with modifiers, operands)] in program order."""
-    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in LINE.finditer(sass)]
-
-
-def main_loop(instrs):
-    """The instructions of the innermost loop that issues wgmmas: the shortest span [target,
-    branch] of a backward branch holding a GMMA. Conditional code inside the loop (the masked
-    tiles' predicates, the tail zeroing) is counted too: an upper bound on a tile's stream."""
-    best = None
-    for addr, op, args in instrs:
-        t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
-        if not t or int(t.group(1), 16) >= addr:
-            continue
-        span = [x for x in instrs if int(t.group(1), 16) <= x[0] <= addr]
-        if any("GMMA" in x[1] for x in span) and (best is None or len(span) < len(best)):
-            best = span
-    return best or []
-
+from flamia.ops.sass import local_memory_ops, main_loop, parse, sass_of  # noqa: E402
 
 def with_sets(cfg, sets: list[str]):
     """cfg with the --set field=value overrides (values as Python literals, cast to the field's
@@ -127,7 +90,7 @@ def main():
     instrs = parse(sass)
     loop = main_loop(instrs)
     hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-    local = sum(1 for _, op, _ in loop if op.startswith(("LDL", "STL")))
+    local = local_memory_ops(loop)
     print(f"{args.kernel} {args.recipe} D={args.D} causal={not args.no_causal} {cfg}")
     print(f"kernel {len(instrs)} SASS instructions; main loop {len(loop)} "
           f"(local memory ops {local}); regs/spills {usage['regs']}/{usage['spill_stores']} B")

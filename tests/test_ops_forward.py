@@ -251,6 +251,7 @@ def test_audit_catches_a_leaky_vcap():
 _COMPILE_SCRIPT = textwrap.dedent("""
     import torch
     from flamia.ops._interp import compile_only, resource_usage
+    from flamia.ops.sass import local_memory_ops, main_loop, parse, sass_of
     from flamia.ops.forward import attention_forward, default_config
     from flamia.ops.quantize import quantize_qkv
     from flamia.inputs import make_qkv
@@ -264,10 +265,14 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             for name, kern in built:
                 u = resource_usage(kern)
                 print(D, recipe, name, u)
-                assert u["spill_stores"] == 0, (D, name, u)
-                # serialized wgmmas are a silent slowdown, except where measured faster: the
-                # D=64 FP8 forward's three stages (forward.default_config)
+                # the D=64 FP8 forward's choices measured faster on the H200 (default_config):
+                # three stages although ptxas serializes the wgmmas, a register cap although
+                # ptxas spills (outside the main loop only: inside, every tile would pay)
                 deliberate = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
+                if deliberate and cfg.maxnreg:
+                    assert local_memory_ops(main_loop(parse(sass_of(kern)))) == 0, (D, name, u)
+                else:
+                    assert u["spill_stores"] == 0, (D, name, u)
                 assert u["wgmma_serialized"] == (deliberate and cfg.num_stages == 3), (D, name, u)
 """)
 

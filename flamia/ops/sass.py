@@ -1,0 +1,49 @@
+"""The SASS of a compiled kernel and its main loop, on a CPU-only machine (triton's bundled
+cuobjdump): how many instructions a warp issues per tile, and whether register spills reach the
+loop (spills outside it, in the prologue or epilogue, cost little; inside, every tile pays).
+Used by benchmarks/sass_loop.py and the sm_90a compile tests."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_of(kernel) -> str:
+    """cuobjdump -sass of a compiled kernel's cubin."""
+    import triton
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def parse(sass: str):
+    """[(address, opcode with modifiers, operands)] in program order."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in LINE.finditer(sass)]
+
+
+def main_loop(instrs):
+    """The instructions of the innermost loop that issues wgmmas: the shortest span [target,
+    branch] of a backward branch holding a GMMA. Conditional code inside the loop (the masked
+    tiles' predicates, the tail zeroing) is counted too: an upper bound on a tile's stream."""
+    best = None
+    for addr, op, args in instrs:
+        t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if not t or int(t.group(1), 16) >= addr:
+            continue
+        span = [x for x in instrs if int(t.group(1), 16) <= x[0] <= addr]
+        if any("GMMA" in x[1] for x in span) and (best is None or len(span) < len(best)):
+            best = span
+    return best or []
+
+
+def local_memory_ops(instrs) -> int:
+    """Local-memory (spill) loads and stores among the instructions."""
+    return sum(1 for _, op, _ in instrs if op.startswith(("LDL", "STL")))

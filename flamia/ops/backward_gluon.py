@@ -125,6 +125,8 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
+    # launch register cap (0: none): 168 fits three one-warpgroup CTAs per SM instead of two
+    maxnreg: int = 0
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -1318,10 +1320,13 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
-                        PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
-                        SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv)
+    grid, args, kwargs = _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
+                                      PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
+                                      SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
+                                      LATE_DV=cfg.late_dv)
+    if cfg.maxnreg:
+        kwargs["maxnreg"] = cfg.maxnreg
+    return grid, args, kwargs
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

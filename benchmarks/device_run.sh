@@ -11,7 +11,9 @@
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), profile, profile-fwd, host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu.
-# Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller.
+# Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
+# as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
+# (or $(git rev-parse ...) inside the command) names a stale commit.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

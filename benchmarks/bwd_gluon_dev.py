@@ -136,12 +136,6 @@ CONFIGS = {
     # session 7 item 7: the D=128 default without shared_mask (with threshold_mask the shared
     # predicate is what the compiler hoists onto every tile: 969 -> 929 SASS, spills 72 -> 64 B)
     "lathns": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
-    # session 8 item 5, D=64: the next tile's S^T issued during this tile's math (lookahead,
-    # needs ws); late_dv makes the 32 registers for it (CPU: common path 692 -> 718 SASS per
-    # tile, no spills; without late_dv 88 B of spills). w8wslate: late_dv alone (691)
-    "w8wslate": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,late_dv=True",
-    "w8wsla": "bn=128,num_warps=8,ws=True,fold_sdo=True,pack_vecs=True,late_dv=True,"
-              "lookahead=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -240,8 +240,6 @@ VARIANTS = {
                                                  pack_vecs=True, threshold_mask=True), 64),
     "dkdv_w8ws_pack_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
                                             pack_vecs=True), 64),
-    "dkdv_w8ws_lookahead_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
-                                                 pack_vecs=True, late_dv=True, lookahead=True), 0),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
 }
@@ -323,12 +321,11 @@ def test_variant_routing_and_validation():
         G.GluonDkdvConfig(overlap=1)
     kw = G._args(st, G.GluonDkdvConfig(bn=128, num_warps=8, ws=True, producer_regs=32))[2]
     assert (kw["WS"], kw["PRODUCER_REGS"], kw["BN"], kw["num_warps"]) == (True, 32, 128, 8)
-    assert not kw["LOOKAHEAD"]
     assert "maxnreg" not in kw
     w8ws = dict(bn=128, num_warps=8, ws=True)
     for bad in (G.GluonDkdvConfig(ws=True), G.GluonDkdvConfig(ws=True, stages=3),
                 G.GluonDkdvConfig(**w8ws, vec_tma=False), G.GluonDkdvConfig(**w8ws, sync_mma=True),
-                G.GluonDkdvConfig(**w8ws, producer_regs=16), G.GluonDkdvConfig(lookahead=True)):
+                G.GluonDkdvConfig(**w8ws, producer_regs=16)):
         with pytest.raises(ValueError):
             G._args(st, bad)
     # dQ: one kernel, the options are constexprs; maxnreg only when set; no overlap schedule

@@ -125,10 +125,6 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # lookahead (constexpr LOOKAHEAD; needs ws): the next tile's S^T wgmma is issued right after
-    # this tile's dP^T, so the tensor cores compute it during this tile's element-wise math and
-    # the next tile starts without waiting on it (32 more live registers per thread)
-    lookahead: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -696,8 +692,7 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -725,11 +720,6 @@ if HAVE_GLUON:
         blk_cur = 0
         g_nxt = (NS - 1) // nb
         blk_nxt = (NS - 1) - g_nxt * nb
-        # LOOKAHEAD: S^T of tile it + 1 is in flight while tile it is computed (issued after
-        # tile it's dP^T: wgmma groups complete in order, so each wait below allows one more)
-        if LOOKAHEAD:
-            mbarrier.wait(ready.index(0), 0)
-            s_nxt = _mma(k_s, q_s.index(0).permute((1, 0)), zero, SYNC)
 
         for it in range(total):
             if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
@@ -744,21 +734,13 @@ if HAVE_GLUON:
             h = hk * GROUP + g_cur
             m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
             g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
-            if not LOOKAHEAD:   # (with it: waited for when this tile's S^T was issued)
-                mbarrier.wait(ready.index(s), (it // NS) & 1)
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             dos = do_s.index(s)
             qTs = qT_s.index(s)
             doTs = doT_s.index(s)
-            if LOOKAHEAD:
-                s_tok = s_nxt
-                dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
-                nx = it + 1   # past the last tile: a wasted wgmma on a stale slot, no wait
-                mbarrier.wait(ready.index(nx % NS), (nx // NS) & 1, pred=nx < total)
-                s_nxt = _mma(k_s, q_s.index(nx % NS).permute((1, 0)), zero, SYNC)
-            else:
-                s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
-                dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
+            dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
                 _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
@@ -767,16 +749,16 @@ if HAVE_GLUON:
                 gl.thread_barrier()
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
-                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1 + LOOKAHEAD,
-                                      COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK)
+                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
+                                      VEC_TMA, SYNC, FOLD, THR_MASK)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
-            if LATE_DV:   # nothing issued after dP^T yet (but the next S^T)
-                dp = _mma_wait(dp_tok, 0 + LOOKAHEAD, SYNC)
+            if LATE_DV:   # nothing issued after dP^T yet
+                dp = _mma_wait(dp_tok, 0, SYNC)
             else:
-                dp = _mma_wait(dp_tok, 1 + LOOKAHEAD, SYNC)
+                dp = _mma_wait(dp_tok, 1, SYNC)
             t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
             # sq_i again from shared memory: not kept live in registers across the wgmma waits
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
@@ -822,8 +804,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, LOOKAHEAD: gl.constexpr,
-        num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -870,7 +851,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, LOOKAHEAD, num_warps)),
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -887,7 +868,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, LOOKAHEAD, num_warps)
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1337,13 +1318,10 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    if cfg.lookahead and not cfg.ws:   # (with the in-loop refill, NS = 2 would issue the next
-        # tile's TMA in the same iteration that waits for it)
-        raise ValueError(f"lookahead needs ws (the producer runs NS - 1 tiles ahead): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, LOOKAHEAD=cfg.lookahead)
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

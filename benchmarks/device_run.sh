@@ -74,7 +74,7 @@ for spec in "$@"; do
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-cands) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --no-usage \
-             --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" \
+             --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" --rounds "${FWD_ROUNDS:-3}" \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;

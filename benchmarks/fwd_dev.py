@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -46,6 +47,7 @@ from flamia.ops.schedule import build_schedule  # noqa: E402
 T0 = time.time()
 NO_USAGE = "--no-usage" in sys.argv    # skip the ptxas re-run that reports registers / C7515
 RESULTS: dict = {"env": {}, "correctness": [], "timing": [], "errors": [], "best": {}}
+ROUNDS = 1                  # --rounds: interleaved timing rounds per workload
 
 
 def log(*a):
@@ -249,7 +251,8 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
              "tflops": tf, **kw}
         RESULTS["timing"].append(r)
         log(f"{name:13s} {what:14s} {recipe:5s} {cfg:18s} {ms:8.3f} ms"
-            + (f" {tf:7.1f} TFLOP/s" if tf else ""))
+            + (f" {tf:7.1f} TFLOP/s" if tf else "")
+            + (" rounds " + " ".join(f"{x:.3f}" for x in kw["rounds"]) if "rounds" in kw else ""))
         return r
 
     def safe(label, f):
@@ -268,15 +271,25 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
     for recipe in [r for r in ("fp8", "bf16") if (D, r) in configs_by_key]:
         qkv_r = qkv if recipe == "fp8" else quantize_qkv(q, k, v, cu, "bf16", True)
         cands = configs_by_key.get((D, recipe), [None]) if sweep else [best_cfg(D, recipe)]
-        results = []
+        # each candidate timed once per round, rounds interleaved (--rounds): a config is not
+        # favoured by when it ran; the median over rounds is reported
+        fns = {}
         for cfg in cands:
-            bm = (cfg or default_config(D, recipe != "bf16", q.device)).block_m
-            bn = (cfg or default_config(D, recipe != "bf16", q.device)).block_n
-            sch = build_schedule(cu, T, bm, bn, True)
-            r = safe(f"forward {recipe} {cfg_name(cfg)}", lambda: rec(
-                "forward", recipe, cfg_name(cfg), bench(lambda: attention_forward(
-                    qkv_r, cu, max(lengths), True, None, q.dtype, config=cfg, schedule=sch), smoke)))
-            if r:
+            c = cfg or default_config(D, recipe != "bf16", q.device)
+            sch = build_schedule(cu, T, c.block_m, c.block_n, True)
+            fns[cfg_name(cfg)] = (cfg, functools.partial(
+                attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=cfg,
+                schedule=sch))
+        times: dict = {n: [] for n in fns}
+        for _ in range(ROUNDS):
+            for n, (cfg, fn) in fns.items():
+                if times[n] is not None:
+                    ms = safe(f"forward {recipe} {n}", lambda: bench(fn, smoke))
+                    times[n] = None if ms is None else times[n] + [ms]
+        results = []
+        for n, (cfg, _) in fns.items():
+            if times[n]:
+                r = rec("forward", recipe, n, statistics.median(times[n]), rounds=times[n])
                 results.append((r["ms"], cfg))
         if not results:
             continue
@@ -349,9 +362,13 @@ def main():
     ap.add_argument("--fp8-configs", default=None,
                     help="FP8 candidates instead of the built-in sweep, e.g. 64x256w4s3,64x128w4s3r168 "
                          "(the default config is timed first; bf16 is then not swept)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved timing rounds of the candidates (median reported)")
     ap.add_argument("--sweep", default="doc8k_x4,doc512_x64,d64_doc8k_x4",
                     help="workloads every candidate is timed on")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = max(1, args.rounds)
     extra = parse_configs(args.fp8_configs) if args.fp8_configs else None
     smoke = args.cpu_smoke
     dev = "cpu" if smoke else "cuda"

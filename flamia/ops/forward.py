@@ -78,8 +78,9 @@ def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
         # D=64: three stages although ptxas then serializes the wgmmas (C7515): the kernel is
         # latency-bound there and the deeper TMA prefetch wins (H200, d64_doc8k_x4: 3.59 ->
         # 3.20 ms; benchmarks/NOTES.md session 6 item 4), and 168 registers so that three CTAs
-        # fit per SM instead of two: 12 warps to hide latency for 160 B of spills outside the
-        # loop (d64_doc8k_x4 3.21 -> 2.98 ms, d64_longtail 2.57 -> 2.37; session 8 item 2).
+        # fit per SM instead of two: 12 warps to hide latency for 160 B of spills, none in the
+        # unmasked-tile loop (some in the masked one: one or two tiles per query block)
+        # (d64_doc8k_x4 3.21 -> 2.98 ms, d64_longtail 2.57 -> 2.37; session 8 item 2).
         # D=128: two stages (three serialize and lose), uncapped (capped, the loop spills).
         if head_dim <= 64:
             return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, maxnreg=168,

@@ -9,7 +9,8 @@
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
-# FWD_CANDS vs the default, fwd_dev.py --fp8-configs), profile, profile-fwd, host (cProfile
+# FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
+# benchmarks/quant_dev.py), profile, profile-fwd, host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu.
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
@@ -81,6 +82,8 @@ for spec in "$@"; do
     fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs "${FWD_CONFIGS:-nextfwd}" --dims 128 --forward-only --parallel 4 \
              --only "${FWD_WORKLOADS:-doc32k,doc8k_x4,doc2k_x16,longtail}" ;;
+    quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
+             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;

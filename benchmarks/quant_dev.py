@@ -1,0 +1,112 @@
+"""The fused q / k / v quantization (flamia/ops/quantize.py) under its tuning knobs, on the H200.
+
+    python benchmarks/quant_dev.py                         # default knobs vs the candidates
+    python benchmarks/quant_dev.py --configs 64x4w4,128x2w8 --rounds 5
+
+Config names: BLOCK_TxSUBwWARPS (tokens per block, blocks per program, warps); the default
+(quantize_qkv's own choice) is timed first. Every candidate's outputs (q8, k8, v8, vt8, scales,
+vcap) must equal the default's bitwise on the same inputs, else it is reported and not timed:
+the knobs change the schedule, not the numerics. Timing: the whole `quantize_qkv` call (what a
+forward pays), CUDA events, interleaved rounds (median of rounds), inputs larger than L2, with
+the achieved DRAM rate (bf16 read + fp8 and fp32 scale writes, the V copy counted once more).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from flamia.bench.timing import TimingSettings, cuda_time  # noqa: E402
+from flamia.bench.workloads import load_workloads  # noqa: E402
+from flamia.inputs import make_qkv  # noqa: E402
+from flamia.ops.quantize import quantize_qkv  # noqa: E402
+
+CANDIDATES = "64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,32x4w4"
+
+
+def parse(name: str) -> dict:
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)", name)
+    if not m:
+        raise SystemExit(f"config {name!r}: expected BLOCK_TxSUBwWARPS, e.g. 64x4w4")
+    return dict(block_t=int(m.group(1)), sub=int(m.group(2)), num_warps=int(m.group(3)))
+
+
+def outputs(x) -> list[torch.Tensor]:
+    return [x.q8.view(torch.uint8), x.k8.view(torch.uint8), x.v8.view(torch.uint8),
+            x.vt8.view(torch.uint8), x.sq, x.sk, x.sv, x.vcap]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) if x.dtype == torch.uint8 else
+               torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+def smoke(configs: str):
+    q, k, v, cu = make_qkv((70, 0, 1, 57), 4, 2, 64, "outliers", seed=1)
+    ref = outputs(quantize_qkv(q, k, v, cu, "fp8", True))
+    for n in configs.split(","):
+        kw = parse(n)
+        kw["block_t"] = min(kw["block_t"], 32)       # interpreter-sized blocks
+        print(n, "bitwise equal to the default:",
+              same(ref, outputs(quantize_qkv(q, k, v, cu, "fp8", True, **kw))))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=CANDIDATES)
+    ap.add_argument("--workloads", default="doc512_x64,d64_doc8k_x4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="no GPU: the bitwise check only, tiny inputs, Triton interpreter")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        return smoke(args.configs)
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA (or --cpu-smoke)")
+    wls = {w.name: w for w in load_workloads()[0]}
+    cfgs = {"default": {}} | {n: parse(n) for n in args.configs.split(",") if n}
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for wname in args.workloads.split(","):
+        w = wls[wname]
+        q, k, v, cu = make_qkv(tuple(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim, "mild",
+                               device="cuda", seed=0)
+        T = q.shape[0]
+        # bf16 in + fp8 out, the V copy (v8 read, vt8 written), scales out, vcap (sv in, out)
+        moved = 3 * (q.numel() + 2 * k.numel()) + 2 * v.numel() + 4 * T * (w.heads_q + 4 * w.heads_kv)
+        ref = outputs(quantize_qkv(q, k, v, cu, "fp8", True))
+        ok = {}
+        for n, kw in cfgs.items():
+            try:
+                ok[n] = same(ref, outputs(quantize_qkv(q, k, v, cu, "fp8", True, **kw)))
+            except Exception as e:   # noqa: BLE001  (a config the kernel cannot build)
+                print(f"{wname} {n}: {type(e).__name__}: {str(e)[:200]}")
+                ok[n] = False
+            if not ok[n]:
+                print(f"{wname} {n}: outputs differ from the default's or failed: not timed")
+        times = {n: [] for n in cfgs if ok[n]}
+        settings = TimingSettings(warmup=3, reps=30, min_reps=10, target_s=0.3)
+        for _ in range(args.rounds):
+            for n in times:
+                kw = cfgs[n]
+                t = cuda_time(lambda i: quantize_qkv(q, k, v, cu, "fp8", True, **kw), 1, settings)
+                times[n].append(t.median_ms)
+        base = statistics.median(times["default"])
+        for n, ts in times.items():
+            ms = statistics.median(ts)
+            rows.append((wname, n, ms, moved / ms / 1e9, ms / base))
+            print(f"{wname:13s} {n:8s} {ms:7.3f} ms {moved / ms / 1e9:6.0f} GB/s {ms / base:5.2f}x"
+                  f"  rounds " + " ".join(f"{x:.3f}" for x in ts), flush=True)
+    print("\nRESULT quantize_qkv ms (x of default):")
+    for wname, n, ms, gbs, rel in rows:
+        print(f"RESULT {wname} {n} {ms:.3f} {gbs:.0f}GB/s {rel:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -101,11 +101,11 @@ def main():
         for n, ts in times.items():
             ms = statistics.median(ts)
             rows.append((wname, n, ms, moved / ms / 1e9, ms / base))
-            print(f"{wname:13s} {n:8s} {ms:7.3f} ms {moved / ms / 1e9:6.0f} GB/s {ms / base:5.2f}x"
+            print(f"{wname:13s} {n:8s} {ms:7.3f} ms {moved / ms / 1e9:5.2f} TB/s {ms / base:5.2f}x"
                   f"  rounds " + " ".join(f"{x:.3f}" for x in ts), flush=True)
     print("\nRESULT quantize_qkv ms (x of default):")
     for wname, n, ms, gbs, rel in rows:
-        print(f"RESULT {wname} {n} {ms:.3f} {gbs:.0f}GB/s {rel:.3f}")
+        print(f"RESULT {wname} {n} {ms:.3f} {gbs:.2f}TB/s {rel:.3f}")
 
 
 if __name__ == "__main__":

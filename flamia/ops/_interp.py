@@ -175,6 +175,14 @@ class compile_only:
         return False
 
 
+def triton_tool(name: str) -> str:
+    """Path of a CUDA tool (ptxas, cuobjdump) bundled with triton: no CUDA toolkit needed."""
+    import os
+
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def resource_usage(kernel) -> dict:
     """Registers / stack / spills / shared memory of a compiled kernel, and whether ptxas had to
     serialize its wgmma instructions (warning C7515: a large, silent slowdown on Hopper), from
@@ -184,14 +192,12 @@ def resource_usage(kernel) -> dict:
     import subprocess
     import tempfile
 
-    import triton
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     arch = f"sm_{kernel.metadata.target.arch}" + ("a" if kernel.metadata.target.arch == 90 else "")
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        text = subprocess.run([os.path.join(bindir, "ptxas"), "-v", f"--gpu-name={arch}", ptx,
+        text = subprocess.run([triton_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx,
                                "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
     usage = {"regs": None, "stack": None, "spill_stores": None}
     for key, pat in (("regs", r"Used (\d+) registers"), ("stack", r"(\d+) bytes stack frame"),

@@ -9,18 +9,18 @@ import re
 import subprocess
 import tempfile
 
+from ._interp import triton_tool
+
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
 def sass_of(kernel) -> str:
     """cuobjdump -sass of a compiled kernel's cubin."""
-    import triton
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        return subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path],
+        return subprocess.run([triton_tool("cuobjdump"), "-sass", path],
                               capture_output=True, text=True, check=True).stdout
 
 

@@ -11,7 +11,8 @@
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
 # benchmarks/quant_dev.py), profile, profile-fwd, host (cProfile
-# of the host side, benchmarks/host_profile.py), ncu.
+# of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
+# the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -96,6 +97,21 @@ for spec in "$@"; do
       rm -f "$OUT/ncu.ncu-rep"   # (too large to come back; the CSV holds every metric)
       python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" --memory-columns "$OUT/ncu-memory.txt" \
         | tee "$OUT/ncu-summary.txt" ;;
+    ncu-src) # per-SASS-instruction warp-state samples of the three big kernels, doc8k_x4 fp8
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
+        --section SourceCounters --section SpeedOfLight --section WarpStateStats \
+        -k 'regex:attn_fwd|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \
+        python benchmarks/ncu_call.py --only "${NCU_WORKLOAD:-doc8k_x4}"
+      "$NCU" --import "$OUT/ncusrc.ncu-rep" --page source --csv --print-source sass \
+        >"$OUT/ncu-source.csv" 2>&1
+      head -c 1500 "$OUT/ncu-source.csv"; echo
+      "$NCU" --import "$OUT/ncusrc.ncu-rep" --page details >"$OUT/ncu-src-details.txt" 2>&1
+      grep -E "^  [_a-z]|SM Frequency|Duration|Warp Cycles Per Issued|Issued Warp" \
+        "$OUT/ncu-src-details.txt" | head -40
+      rm -f "$OUT/ncusrc.ncu-rep"
+      python benchmarks/ncu_source.py "$OUT/ncu-source.csv" --top 40 | tee "$OUT/ncu-source.txt"
+      gzip -f "$OUT/ncu-source.csv" ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 done

@@ -70,6 +70,8 @@ def cfg_name(c: FwdConfig | None) -> str:
         s += f"-r{c.maxnreg}"
     if c.fold_lr:
         s += "-foldlr"
+    if c.masked_stages:
+        s += f"-m{c.masked_stages}"
     return s
 
 
@@ -79,15 +81,17 @@ def cfg_name(c: FwdConfig | None) -> str:
 # 64x64 capped at 168 registers (three CTAs per SM), N-major V (Triton transposes it in shared
 # memory) and plain pointer loads instead of TMA.
 def parse_configs(spec: str) -> list[FwdConfig]:
-    """'64x256w4s3,64x128w4s3r168' -> FP8 FwdConfigs (fold_lr on, as the FP8 default)."""
+    """'64x256w4s3,64x128w4s3r168,64x128w4s3m1' -> FP8 FwdConfigs (fold_lr on, as the FP8
+    default; mN: masked_stages=N)."""
     out = []
     for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?", item)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?(?:m(\d+))?", item)
         if not m:
-            raise SystemExit(f"--fp8-configs: cannot parse {item!r} (BMxBNwWARPSsSTAGES[rMAXNREG])")
-        bm, bn, w, st, r = m.groups()
+            raise SystemExit(f"--fp8-configs: cannot parse {item!r} "
+                             "(BMxBNwWARPSsSTAGES[rMAXNREG][mMASKED_STAGES])")
+        bm, bn, w, st, r, ms = m.groups()
         out.append(FwdConfig(int(bm), int(bn), int(w), int(st), maxnreg=int(r) if r else None,
-                             fold_lr=True))
+                             fold_lr=True, masked_stages=int(ms) if ms else None))
     return out
 
 

@@ -8,9 +8,9 @@ The warp-state sampler charges every sample to the instruction a warp is parked 
 cannot issue yet), so the samples of one kernel add up to where its time goes: at the wgmma wait
 (WARPGROUP.DEPBAR / ARRIVES), at an mbarrier wait (SYNCS), at a CTA barrier (BAR), behind a
 shared-memory load (LDS consumers), or spread over the element-wise math (issue-bound).
-Prints, per kernel: the sample total, the samples per opcode (largest first), and the top
-instructions with their share. Column names differ between ncu versions, so the sample column
-is found by name ("Warp Stall Sampling (All ...") and the header is echoed once.
+Prints, per kernel: the sample total, the samples per stall reason and per opcode (largest
+first), and the top instructions with their share and main reasons. Columns are found by name
+("Warp Stall Sampling (All Samples)", "stall_<reason>"), as ncu 2025 writes them.
 """
 from __future__ import annotations
 
@@ -22,27 +22,26 @@ import re
 
 
 def blocks(text: str):
-    """[(title, header, rows)] -- one CSV table per kernel; a title is the last non-CSV line
-    before the table's header (ncu prints the kernel's name there)."""
-    out, title, lines = [], "", text.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith('"') and "Address" in line and "Source" in line:
-            header = next(csv.reader([line]))
-            rows = []
-            i += 1
-            while i < len(lines) and lines[i].startswith('"') and not (
-                    "Address" in lines[i] and "Source" in lines[i]):
-                rows.append(next(csv.reader(io.StringIO(lines[i]))))
-                i += 1
-            out.append((title, header, rows))
+    """[(title, header, rows)] -- one CSV table per kernel. ncu precedes each table with a
+    `"Kernel Name","<name>",` line (older versions: a plain line); that is the title."""
+    out, title = [], ""
+    header, rows = None, []
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
             continue
-        if line.strip() and not line.startswith('"'):
-            title = line.strip()
-        elif line.startswith('"') and not out and not title:
-            title = line.strip()
-        i += 1
+        if row[0] == "Kernel Name" or (len(row) == 1 and not row[0].startswith("0x")):
+            if header is not None:
+                out.append((title, header, rows))
+            title = row[1] if row[0] == "Kernel Name" and len(row) > 1 else row[0]
+            header, rows = None, []
+        elif row[0] == "Address" and "Source" in row:
+            if header is not None:
+                out.append((title, header, rows))
+            header, rows = row, []
+        elif header is not None:
+            rows.append(row)
+    if header is not None:
+        out.append((title, header, rows))
     return out
 
 
@@ -67,34 +66,41 @@ def opcode(src: str) -> str:
 
 def summarize(text: str, top: int, kernel_filter: str | None) -> str:
     lines = []
-    echoed = False
     for title, header, rows in blocks(text):
         if kernel_filter and not re.search(kernel_filter, title):
             continue
-        cols = {name: j for j, name in enumerate(header)}
-        src = next((j for n, j in cols.items() if n.strip() == "Source"), None)
-        addr = next((j for n, j in cols.items() if n.strip() == "Address"), None)
-        allc = next((j for n, j in cols.items() if "Sampling (All" in n), None)
-        noti = next((j for n, j in cols.items() if "Not-issued" in n or "Not Issued" in n), None)
-        if not echoed:
-            lines.append("columns: " + " | ".join(header))
-            echoed = True
-        if src is None or allc is None:
-            lines.append(f"{title}: no sample column")
+        col = {name.strip(): j for j, name in enumerate(header)}
+        allc = next((j for n, j in col.items() if "Sampling (All" in n), None)
+        if "Source" not in col or allc is None:
+            lines.append(f"{title}: no sample column in {header[:6]}")
             continue
-        data = [(r[addr] if addr is not None else "", r[src], number(r[allc]),
-                 number(r[noti]) if noti is not None else 0.0) for r in rows if len(r) > allc]
+        # per-reason sample columns: "stall_<reason>" (issued or not), not the "(Not Issued)" copy
+        reasons = [(n[6:], j) for n, j in col.items() if n.startswith("stall_") and "(" not in n]
+
+        def cell(r, j):
+            return number(r[j]) if j is not None and j < len(r) else 0.0
+        data = []
+        for r in rows:
+            if len(r) <= allc:
+                continue
+            data.append((r[col["Address"]][-5:], r[col["Source"]], cell(r, allc),
+                         {name: cell(r, j) for name, j in reasons}))
         total = sum(d[2] for d in data) or 1.0
-        lines.append(f"\n## {title}\n{len(data)} instructions, {total:.0f} samples "
-                     f"({sum(d[3] for d in data) / total:.0%} not issued)")
+        by_reason = collections.Counter()
         by_op = collections.Counter()
-        for _, s, n, _ in data:
-            by_op[opcode(s)] += n
+        for _, src, n, rs in data:
+            by_op[opcode(src)] += n
+            by_reason.update(rs)
+        lines.append(f"\n## {title}\n{len(data)} instructions, {total:.0f} samples")
+        lines.append("by reason: " + ", ".join(f"{k} {v / total:.1%}"
+                                               for k, v in by_reason.most_common(10)))
         lines.append("by opcode: " + ", ".join(f"{op} {n / total:.1%}"
                                                for op, n in by_op.most_common(18)))
-        lines.append("top instructions (share of samples, not-issued share, SASS):")
-        for a, s, n, ni in sorted(data, key=lambda d: -d[2])[:top]:
-            lines.append(f"  {n / total:6.2%} {ni / total:6.2%}  {a:>8}  {s.strip()[:90]}")
+        lines.append("top instructions (share of samples, its main reasons, address, SASS):")
+        for a, src, n, rs in sorted(data, key=lambda d: -d[2])[:top]:
+            why = ", ".join(f"{k} {v / n:.0%}" for k, v in
+                            sorted(rs.items(), key=lambda kv: -kv[1])[:2] if v > 0)
+            lines.append(f"  {n / total:6.2%}  {why:<32} {a:>6}  {src.strip()[:80]}")
     return "\n".join(lines)
 
 

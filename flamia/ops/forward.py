@@ -58,6 +58,12 @@ class FwdConfig:
     # Rounding differs by one fp32 add on the exponent (|m| 2^-24). The FP8 default on the H200
     # since session 6 (fwd_dev.py: doc8k_x4 4.10 -> 3.95 ms, doc512_x64 0.596 -> 0.587).
     fold_lr: bool = False
+    # masked_stages: pipeline depth of the masked-tile loops (head / diagonal / document end,
+    # one or two tiles per query block); None = num_stages. 1 (no prefetch there) is what lets
+    # ptxas keep the unmasked loop's wgmmas asynchronous at num_stages = 3: with the masked
+    # loops pipelined too, ptxas serializes every wgmma of the kernel (C7515, non-wgmma code
+    # defining accumulator registers inside a pipeline stage).
+    masked_stages: int | None = None
 
     def with_(self, **kw) -> "FwdConfig":
         return replace(self, **kw)
@@ -94,11 +100,11 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 K, V, SK, SV, stride_kt, stride_vn, stride_vd,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr):
+                V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_n + offs_n0
         col_ok = (offs_n >= 0) & (offs_n < L)
         row0 = tl.multiple_of((tok0 + start_n).to(tl.int32), 16)    # absolute, 16-aligned
@@ -171,7 +177,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      T, N_ITEMS, HQ, GROUP, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                     V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr):
+                     V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
+                     MASKED_STAGES: tl.constexpr):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -230,15 +237,18 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, -shift, head_hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
+                                MASKED_STAGES)
     n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
     n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
+                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
+                                FULL_STAGES)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR)
+                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
+                                MASKED_STAGES)
     # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
@@ -317,7 +327,8 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
-        V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), num_warps=config.num_warps,
+        V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
+        MASKED_STAGES=config.masked_stages or config.num_stages, num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

@@ -75,9 +75,10 @@ def cfg_name(c: FwdConfig | None) -> str:
     return s
 
 
-# The sweep: (head dim, recipe) -> configs, the default first. FP8: two pipeline stages (three
-# make ptxas serialize the wgmmas: C7515, shown as "SERIALIZED" below; one such config is kept
-# to measure what that costs), 64x128 / 4 warps (two CTAs per SM) and 128-row / 8-warp shapes,
+# The sweep: (head dim, recipe) -> configs, the default first. FP8: two pipeline stages in
+# every loop (three make ptxas serialize the wgmmas: C7515, shown as "SERIALIZED" below, unless
+# the masked loops run unpipelined: masked_stages=1, the default since session 9; one serialized
+# config is kept to measure what that costs), 64x128 / 4 warps and 128-row / 8-warp shapes,
 # 64x64 capped at 168 registers (three CTAs per SM), N-major V (Triton transposes it in shared
 # memory) and plain pointer loads instead of TMA.
 def parse_configs(spec: str) -> list[FwdConfig]:

@@ -265,16 +265,16 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             for name, kern in built:
                 u = resource_usage(kern)
                 print(D, recipe, name, u)
-                # the D=64 FP8 forward's choices measured faster on the H200 (default_config):
-                # three stages although ptxas serializes the wgmmas, a register cap although
-                # ptxas spills (not in the unmasked-tile loop, main_loop: there every tile
-                # would pay; the masked diagonal / document-end tiles are one or two per block)
-                deliberate = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
-                if deliberate and cfg.maxnreg:
+                # the D=64 FP8 forward's register cap, measured faster on the H200
+                # (default_config), spills, but not in the unmasked-tile loop (main_loop: there
+                # every tile would pay; the masked diagonal / document-end tiles are one or two
+                # per block)
+                capped = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
+                if capped and cfg.maxnreg:
                     assert local_memory_ops(main_loop(parse(sass_of(kern)))) == 0, (D, name, u)
                 else:
                     assert u["spill_stores"] == 0, (D, name, u)
-                assert u["wgmma_serialized"] == (deliberate and cfg.num_stages == 3), (D, name, u)
+                assert not u["wgmma_serialized"], (D, name, u)
 """)
 
 

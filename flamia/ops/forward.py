@@ -70,28 +70,29 @@ class FwdConfig:
 
 
 def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
-    """Tile shapes per head dim (to be re-tuned from benchmarks/fwd_dev.py on the H200).
+    """Tile shapes per head dim (re-tuned from benchmarks/fwd_dev.py on the H200).
 
-    FP8: 64x128 tiles with 4 warps fit two CTAs per SM (<= 255 registers, ~76 KB of shared
-    memory), so one CTA's softmax overlaps the other's MMAs: Triton waits on each wgmma at once,
-    there is no ping-pong inside a program. Two pipeline stages: with three, ptxas serializes
-    the FP8 wgmmas (warning C7515, register pressure from the per-key scale vectors) -- see
-    flamia.ops._interp.resource_usage and tests/test_ops_forward.py::test_kernels_compile_for_sm90a.
+    FP8: 64x128 tiles with 4 warps, so one CTA's softmax overlaps another's MMAs (Triton waits on
+    each wgmma at once, there is no ping-pong inside a program). The unmasked-tile loop prefetches
+    two (D=128) or three (D=64) tiles ahead and the masked loops (one or two tiles per block) not
+    at all: with the next tile's loads issued at the end of an iteration (where Triton's pipeliner
+    puts them), one stage of lead left the warps waiting on K's TMA barrier at the top of every
+    iteration, 17 % of the forward's warp samples (ncu source counters, benchmarks/NOTES.md
+    session 9); pipelining the masked loops as well makes ptxas serialize every wgmma (C7515).
+    H200, forward ms, default before -> now: doc8k_x4 3.95 -> 3.66, doc2k_x16 1.25 -> 1.17,
+    longtail 3.23 -> 3.11, doc512_x64 0.58 -> 0.60, d64_doc8k_x4 3.03 -> 2.75, d64_longtail
+    2.38 -> 2.27 (session 9 item 2).
+    D=64 also caps registers at 168 so that three CTAs fit per SM: 12 warps to hide latency for
+    120 B of spills, none in the unmasked-tile loop (session 8 item 2).
     """
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, use_tma=False)
     if fp8:
-        # D=64: three stages although ptxas then serializes the wgmmas (C7515): the kernel is
-        # latency-bound there and the deeper TMA prefetch wins (H200, d64_doc8k_x4: 3.59 ->
-        # 3.20 ms; benchmarks/NOTES.md session 6 item 4), and 168 registers so that three CTAs
-        # fit per SM instead of two: 12 warps to hide latency for 160 B of spills, none in the
-        # unmasked-tile loop (some in the masked one: one or two tiles per query block)
-        # (d64_doc8k_x4 3.21 -> 2.98 ms, d64_longtail 2.57 -> 2.37; session 8 item 2).
-        # D=128: two stages (three serialize and lose), uncapped (capped, the loop spills).
         if head_dim <= 64:
-            return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, maxnreg=168,
-                             fold_lr=True)
-        return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, fold_lr=True)
+            return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, maxnreg=168,
+                             fold_lr=True, masked_stages=1)
+        return FwdConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, fold_lr=True,
+                         masked_stages=1)
     return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 

@@ -164,11 +164,6 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # early_vec: sk_j / sv_j read from shared memory before the S / dP wgmmas are issued (not
-    # after): ncu's per-instruction samples put ~7 % of the warps' time on the first multiply
-    # by sk_j, waiting for these loads behind the wgmmas' operand reads (constexpr EARLY_VEC;
-    # not with ws). 32 more registers live across the issue.
-    early_vec: bool = False
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -949,7 +944,7 @@ if HAVE_GLUON:
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                  VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 EARLY_VEC: gl.constexpr, num_warps: gl.constexpr):
+                 num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -990,9 +985,6 @@ if HAVE_GLUON:
                 ks = k_s.index(s)
                 vs = v_s.index(s)
                 kTs = kT_s.index(s)
-                if EARLY_VEC:
-                    sk_e = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-                    sv_e = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
                 s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
                 dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
 
@@ -1001,18 +993,12 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            if EARLY_VEC:
-                sk_j = sk_e
-            else:
-                sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             sc = _mma_wait(s_tok, 1, SYNC)
             # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
             p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
                         - gl.expand_dims(lse2, 1))
-            if EARLY_VEC:
-                sv_j = sv_e
-            else:
-                sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             dp = _mma_wait(dp_tok, 0, SYNC)
             t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
             # sk_j again from shared memory / L1: not kept live across the wgmma waits
@@ -1046,11 +1032,10 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, EARLY_VEC: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
                          "ws needs VEC_TMA, async wgmma and one warpgroup")
-        gl.static_assert(not (WS and EARLY_VEC), "early_vec is for the one-partition kernel")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -1084,7 +1069,7 @@ if HAVE_GLUON:
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, EARLY_VEC, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
@@ -1096,7 +1081,7 @@ if HAVE_GLUON:
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, EARLY_VEC, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
 
@@ -1344,8 +1329,6 @@ def _check_dq_ws(cfg: GluonDqConfig) -> None:
     option combinations it supports (the kernel's static_assert, as a ValueError here)."""
     if not cfg.ws:
         return
-    if cfg.early_vec:
-        raise ValueError(f"dQ early_vec is for the one-partition kernel, not ws: {cfg}")
     if not cfg.vec_tma or cfg.sync_mma or cfg.num_warps != 4:
         raise ValueError(f"dQ ws needs vec_tma, async wgmma and one warpgroup (num_warps=4): "
                          f"{cfg}")
@@ -1452,8 +1435,7 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                                      EARLY_VEC=cfg.early_vec)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_dq_ws(cfg)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg

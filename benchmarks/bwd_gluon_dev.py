@@ -158,6 +158,8 @@ DQ_CONFIGS = {
     # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
     "r168s2": "stages=2,maxnreg=168",
     "r128s3": "stages=3,maxnreg=128",
+    # session 9: one mbarrier per operand, so the TMA copies need no CTA barrier each
+    "split": "vec_gather=True,split_bars=True",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

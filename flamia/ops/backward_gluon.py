@@ -164,6 +164,13 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
+    # split_bars: one mbarrier per operand of a ring slot (k8, v8, kT8, sk, sv: five separate
+    # allocations) instead of one for all five. Triton's membar pass sees every TMA copy as a
+    # write to its mbarrier, so copies sharing one get a CTA barrier (bar.sync) each: six per
+    # tile; with the expects issued first and one barrier after them, the copies touch disjoint
+    # allocations and need none (constexpr SPLIT; not with ws). The consumer waits on each
+    # operand's barrier right before its first use.
+    split_bars: bool = False
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -439,6 +446,32 @@ if HAVE_GLUON:
             if WS:
                 mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(once)
+
+    @gluon.jit
+    def _split_barriers(NS: gl.constexpr):
+        """Five (NS, 1) mbarrier rings, one allocation each (GluonDqConfig.split_bars)."""
+        k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        kT_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        sk_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        sv_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for si in gl.static_range(NS):
+            mbarrier.init(k_bar.index(si), count=1)
+            mbarrier.init(v_bar.index(si), count=1)
+            mbarrier.init(kT_bar.index(si), count=1)
+            mbarrier.init(sk_bar.index(si), count=1)
+            mbarrier.init(sv_bar.index(si), count=1)
+        fence_async_shared()
+        return k_bar, v_bar, kT_bar, sk_bar, sv_bar
+
+    @gluon.jit
+    def _invalidate_split(k_bar, v_bar, kT_bar, sk_bar, sv_bar, NS: gl.constexpr):
+        for si in gl.static_range(NS):
+            mbarrier.invalidate(k_bar.index(si))
+            mbarrier.invalidate(v_bar.index(si))
+            mbarrier.invalidate(kT_bar.index(si))
+            mbarrier.invalidate(sk_bar.index(si))
+            mbarrier.invalidate(sv_bar.index(si))
 
     @gluon.jit
     def _dkdv_bounds(n0, L_doc, GROUP, BM: gl.constexpr, CAUSAL: gl.constexpr):
@@ -907,6 +940,33 @@ if HAVE_GLUON:
         if VEC_TMA:
             _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
+    @gluon.jit
+    def _issue_kv_split(jt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                        k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar, sk_bar, sv_bar, pred,
+                        D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr):
+        """_issue_kv with one mbarrier per operand (split_bars, vector TMA): the five expects,
+        one CTA barrier (also every warp past its reads of the slot being refilled), the five
+        copies. An expect ahead of the barrier is safe: its phase cannot complete before the
+        copies land, and they are issued after every warp's wait on the slot's previous phase."""
+        j0 = jt * BN
+        s = jt % NS
+        mbarrier.expect(k_bar.index(s), k_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(v_bar.index(s), v_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(kT_bar.index(s), kT_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(sk_bar.index(s), sk_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(sv_bar.index(s), sv_desc.block_type.nbytes, pred=pred)
+        gl.thread_barrier()
+        tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], k_bar.index(s),
+                                        k_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [start + j0, hk * D], v_bar.index(s),
+                                        v_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], kT_bar.index(s),
+                                        kT_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], sk_bar.index(s),
+                                        sk_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], sv_bar.index(s),
+                                        sv_s.index(s), pred=pred)
+
     # ------------------------------------------------------------------------------------------
     # Opt-in schedule of the dQ kernel: ws (GluonDqConfig.ws / producer_regs; constexprs WS,
     # PRODUCER_REGS of _dq_fp8_kernel; off by default: then it compiles to the production PTX).
@@ -940,11 +1000,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
+                 k_bar, v_bar, kT_bar, sk_bar, sv_bar,
                  lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                  VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 SPLIT: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -965,7 +1026,12 @@ if HAVE_GLUON:
         mbarrier.wait(q_bar, 0)
 
         for jt in range(total):
-            if not WS:
+            if SPLIT:   # (its barrier: the one below, after the expects)
+                nxt = jt + NS - 1
+                _issue_kv_split(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
+                                sv_desc, k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar,
+                                sk_bar, sv_bar, nxt < total, D, BN, NS)
+            elif not WS:
                 # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with
                 # two warpgroups also the other one's wgmmas) before the TMA refill overwrites it
                 gl.thread_barrier()
@@ -981,12 +1047,22 @@ if HAVE_GLUON:
                 s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
                 dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
             else:
-                mbarrier.wait(ready.index(s), (jt // NS) & 1)
                 ks = k_s.index(s)
                 vs = v_s.index(s)
                 kTs = kT_s.index(s)
-                s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
-                dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
+                if SPLIT:
+                    ph = (jt // NS) & 1
+                    mbarrier.wait(k_bar.index(s), ph)
+                    s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
+                    mbarrier.wait(v_bar.index(s), ph)
+                    dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
+                    mbarrier.wait(sk_bar.index(s), ph)
+                    mbarrier.wait(sv_bar.index(s), ph)
+                    mbarrier.wait(kT_bar.index(s), ph)
+                else:
+                    mbarrier.wait(ready.index(s), (jt // NS) & 1)
+                    s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
+                    dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
 
             if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
                 _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
@@ -1032,10 +1108,11 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
                          "ws needs VEC_TMA, async wgmma and one warpgroup")
+        gl.static_assert(not SPLIT or (VEC_TMA and not WS), "split_bars: vector TMA, no ws")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -1056,6 +1133,14 @@ if HAVE_GLUON:
         sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
         sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
         ready, q_bar, rel = _init_barriers(NS, WS)
+        if SPLIT:
+            k_bar, v_bar, kT_bar, sk_bar, sv_bar = _split_barriers(NS)
+        else:   # placeholders, never touched
+            k_bar = ready
+            v_bar = ready
+            kT_bar = ready
+            sk_bar = ready
+            sv_bar = ready
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
         if not WS:   # (WS: by the producer)
@@ -1067,23 +1152,32 @@ if HAVE_GLUON:
         if WS:
             accs = gl.warp_specialize([
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, k_bar, v_bar, kT_bar, sk_bar,
+                            sv_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, SPLIT, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
             ], [1], [PRODUCER_REGS])
         else:
             for pi in gl.static_range(NS - 1):
-                _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                          k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
+                if SPLIT:
+                    _issue_kv_split(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
+                                    sv_desc, k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar,
+                                    sk_bar, sv_bar, pi < total, D, BN, NS)
+                else:
+                    _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                              k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, k_bar, v_bar, kT_bar, sk_bar,
+                            sv_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, SPLIT, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
+        if SPLIT:
+            _invalidate_split(k_bar, v_bar, kT_bar, sk_bar, sv_bar, NS)
 
         # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
         m_idx = m0 + gl.arange(0, BM, layout=ROW)
@@ -1435,8 +1529,11 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
+                                      SPLIT=cfg.split_bars)
     _check_dq_ws(cfg)
+    if cfg.split_bars and (cfg.ws or not cfg.vec_tma):
+        raise ValueError(f"dQ split_bars needs vec_tma and no ws: {cfg}")
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs

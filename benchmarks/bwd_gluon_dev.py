@@ -136,6 +136,9 @@ CONFIGS = {
     # session 7 item 7: the D=128 default without shared_mask (with threshold_mask the shared
     # predicate is what the compiler hoists onto every tile: 969 -> 929 SASS, spills 72 -> 64 B)
     "lathns": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
+    # session 9: the per-key amax as a tree (same instructions, shorter chain); time it as
+    # "default+tree" (the per-D default with it)
+    "tree": "tree_amax=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants
@@ -158,8 +161,6 @@ DQ_CONFIGS = {
     # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
     "r168s2": "stages=2,maxnreg=168",
     "r128s3": "stages=3,maxnreg=128",
-    # session 9: one mbarrier per operand, so the TMA copies need no CTA barrier each
-    "split": "vec_gather=True,split_bars=True",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]
@@ -305,6 +306,8 @@ def make_cfg(name: str, D: int):
         cls = G.GluonDqConfig if dq else G.GluonDkdvConfig
         if name == "default" and not dq:
             return G.default_gluon_config(D)
+        if name.startswith("default+") and not dq:   # the per-D default with these overrides
+            base, name = G.default_gluon_config(D), name[len("default+"):]
     spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
     if not spec:
         return base

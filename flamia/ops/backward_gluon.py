@@ -125,6 +125,11 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
+    # tree_amax: the per-key amax of a and dS^T (the dV / dK operands' scales) as a 4-level
+    # tree over each thread's 16 values of a row (_row_amax; constexpr TREE) instead of
+    # gl.max's 15-deep chain: the same instructions and the same result, a shorter dependency
+    # chain. ncu: 16 % of the kernel's warp samples sat on those FMNMX (session 9).
+    tree_amax: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -164,13 +169,6 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # split_bars: one mbarrier per operand of a ring slot (k8, v8, kT8, sk, sv: five separate
-    # allocations) instead of one for all five. Triton's membar pass sees every TMA copy as a
-    # write to its mbarrier, so copies sharing one get a CTA barrier (bar.sync) each: six per
-    # tile; with the expects issued first and one barrier after them, the copies touch disjoint
-    # allocations and need none (constexpr SPLIT; not with ws). The consumer waits on each
-    # operand's barrier right before its first use.
-    split_bars: bool = False
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -181,6 +179,33 @@ def default_dq_config(D: int) -> GluonDqConfig:
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
+
+    @gluon.jit
+    def _halve_cols(x, HIGH: gl.constexpr):
+        """max(x[:, c], x[:, c + W/2]) (HIGH) or max(x[:, 2c], x[:, 2c + 1]): column pairs that
+        one thread holds in the wgmma layout, combined without data movement."""
+        R: gl.constexpr = x.shape[0]
+        W: gl.constexpr = x.shape[1]
+        if HIGH:
+            a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, W // 2]), (0, 2, 1)))
+        else:
+            a, b = gl.split(gl.reshape(x, [R, W // 2, 2]))
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _row_amax(x, TREE: gl.constexpr):
+        """max_j |x_ij| per row as a tree: the row's 16 in-thread values of a 64-column wgmma
+        tile (columns c + {0, 1} + 8 {0..7} of lane group c) in 4 levels instead of the
+        15-deep chain of gl.max, then the lanes' shuffles. ncu put 16 % of the dK/dV kernel's
+        warp samples on these chains (benchmarks/NOTES.md session 9)."""
+        C: gl.constexpr = x.shape[1]
+        y = gl.abs(x)
+        if TREE and C == 64:
+            y = _halve_cols(_halve_cols(_halve_cols(_halve_cols(y, True), True), True), False)
+            m = gl.convert_layout(gl.max(y, axis=1), gl.SliceLayout(1, x.type.layout))
+        else:
+            m = gl.max(y, axis=1)
+        return m
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -448,32 +473,6 @@ if HAVE_GLUON:
         mbarrier.invalidate(once)
 
     @gluon.jit
-    def _split_barriers(NS: gl.constexpr):
-        """Five (NS, 1) mbarrier rings, one allocation each (GluonDqConfig.split_bars)."""
-        k_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        v_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        kT_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        sk_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        sv_bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for si in gl.static_range(NS):
-            mbarrier.init(k_bar.index(si), count=1)
-            mbarrier.init(v_bar.index(si), count=1)
-            mbarrier.init(kT_bar.index(si), count=1)
-            mbarrier.init(sk_bar.index(si), count=1)
-            mbarrier.init(sv_bar.index(si), count=1)
-        fence_async_shared()
-        return k_bar, v_bar, kT_bar, sk_bar, sv_bar
-
-    @gluon.jit
-    def _invalidate_split(k_bar, v_bar, kT_bar, sk_bar, sv_bar, NS: gl.constexpr):
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(k_bar.index(si))
-            mbarrier.invalidate(v_bar.index(si))
-            mbarrier.invalidate(kT_bar.index(si))
-            mbarrier.invalidate(sk_bar.index(si))
-            mbarrier.invalidate(sv_bar.index(si))
-
-    @gluon.jit
     def _dkdv_bounds(n0, L_doc, GROUP, BM: gl.constexpr, CAUSAL: gl.constexpr):
         """A dK/dV program's query rows from lo (causal: the kv block's first key), nb blocks
         per head, total = GROUP * nb tiles."""
@@ -593,7 +592,8 @@ if HAVE_GLUON:
     def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
                     lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
+                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
+                    TREE: gl.constexpr):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
         dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
@@ -612,7 +612,7 @@ if HAVE_GLUON:
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
-        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+        c, inv = _pow2_scale_g(_row_amax(a, TREE), 8)
         a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
 
@@ -725,7 +725,8 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, TREE: gl.constexpr,
+                   num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -783,7 +784,7 @@ if HAVE_GLUON:
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD, THR_MASK)
+                                      VEC_TMA, SYNC, FOLD, THR_MASK, TREE)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -797,7 +798,7 @@ if HAVE_GLUON:
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
                            need_mask, SHARED_MASK, THR_MASK)
-            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            c2, inv2 = _pow2_scale_g(_row_amax(b, TREE), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
@@ -837,7 +838,8 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, TREE: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -884,7 +886,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps)),
+                              LATE_DV, TREE, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -901,7 +903,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps)
+                              LATE_DV, TREE, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -940,33 +942,6 @@ if HAVE_GLUON:
         if VEC_TMA:
             _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
-    @gluon.jit
-    def _issue_kv_split(jt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                        k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar, sk_bar, sv_bar, pred,
-                        D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr):
-        """_issue_kv with one mbarrier per operand (split_bars, vector TMA): the five expects,
-        one CTA barrier (also every warp past its reads of the slot being refilled), the five
-        copies. An expect ahead of the barrier is safe: its phase cannot complete before the
-        copies land, and they are issued after every warp's wait on the slot's previous phase."""
-        j0 = jt * BN
-        s = jt % NS
-        mbarrier.expect(k_bar.index(s), k_desc.block_type.nbytes, pred=pred)
-        mbarrier.expect(v_bar.index(s), v_desc.block_type.nbytes, pred=pred)
-        mbarrier.expect(kT_bar.index(s), kT_desc.block_type.nbytes, pred=pred)
-        mbarrier.expect(sk_bar.index(s), sk_desc.block_type.nbytes, pred=pred)
-        mbarrier.expect(sv_bar.index(s), sv_desc.block_type.nbytes, pred=pred)
-        gl.thread_barrier()
-        tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], k_bar.index(s),
-                                        k_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [start + j0, hk * D], v_bar.index(s),
-                                        v_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], kT_bar.index(s),
-                                        kT_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(sk_desc, [hk, pstart + j0], sk_bar.index(s),
-                                        sk_s.index(s), pred=pred)
-        tma.async_copy_global_to_shared(sv_desc, [hk, pstart + j0], sv_bar.index(s),
-                                        sv_s.index(s), pred=pred)
-
     # ------------------------------------------------------------------------------------------
     # Opt-in schedule of the dQ kernel: ws (GluonDqConfig.ws / producer_regs; constexprs WS,
     # PRODUCER_REGS of _dq_fp8_kernel; off by default: then it compiles to the production PTX).
@@ -1000,12 +975,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                 k_bar, v_bar, kT_bar, sk_bar, sv_bar,
                  lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                  VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                 num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -1026,12 +1000,7 @@ if HAVE_GLUON:
         mbarrier.wait(q_bar, 0)
 
         for jt in range(total):
-            if SPLIT:   # (its barrier: the one below, after the expects)
-                nxt = jt + NS - 1
-                _issue_kv_split(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
-                                sv_desc, k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar,
-                                sk_bar, sv_bar, nxt < total, D, BN, NS)
-            elif not WS:
+            if not WS:
                 # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with
                 # two warpgroups also the other one's wgmmas) before the TMA refill overwrites it
                 gl.thread_barrier()
@@ -1047,22 +1016,12 @@ if HAVE_GLUON:
                 s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
                 dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
             else:
+                mbarrier.wait(ready.index(s), (jt // NS) & 1)
                 ks = k_s.index(s)
                 vs = v_s.index(s)
                 kTs = kT_s.index(s)
-                if SPLIT:
-                    ph = (jt // NS) & 1
-                    mbarrier.wait(k_bar.index(s), ph)
-                    s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
-                    mbarrier.wait(v_bar.index(s), ph)
-                    dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
-                    mbarrier.wait(sk_bar.index(s), ph)
-                    mbarrier.wait(sv_bar.index(s), ph)
-                    mbarrier.wait(kT_bar.index(s), ph)
-                else:
-                    mbarrier.wait(ready.index(s), (jt // NS) & 1)
-                    s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
-                    dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
+                s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
+                dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
 
             if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
                 _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
@@ -1108,11 +1067,10 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
                          "ws needs VEC_TMA, async wgmma and one warpgroup")
-        gl.static_assert(not SPLIT or (VEC_TMA and not WS), "split_bars: vector TMA, no ws")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -1133,14 +1091,6 @@ if HAVE_GLUON:
         sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
         sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
         ready, q_bar, rel = _init_barriers(NS, WS)
-        if SPLIT:
-            k_bar, v_bar, kT_bar, sk_bar, sv_bar = _split_barriers(NS)
-        else:   # placeholders, never touched
-            k_bar = ready
-            v_bar = ready
-            kT_bar = ready
-            sk_bar = ready
-            sv_bar = ready
 
         # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
         if not WS:   # (WS: by the producer)
@@ -1152,32 +1102,23 @@ if HAVE_GLUON:
         if WS:
             accs = gl.warp_specialize([
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, k_bar, v_bar, kT_bar, sk_bar,
-                            sv_bar, lse, delta, sq, sk, sv, start,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, SPLIT, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
             ], [1], [PRODUCER_REGS])
         else:
             for pi in gl.static_range(NS - 1):
-                if SPLIT:
-                    _issue_kv_split(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
-                                    sv_desc, k_s, v_s, kT_s, sk_s, sv_s, k_bar, v_bar, kT_bar,
-                                    sk_bar, sv_bar, pi < total, D, BN, NS)
-                else:
-                    _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                              k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
+                _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                          k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, k_bar, v_bar, kT_bar, sk_bar,
-                            sv_bar, lse, delta, sq, sk, sv, start,
+                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, SPLIT, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
-        if SPLIT:
-            _invalidate_split(k_bar, v_bar, kT_bar, sk_bar, sv_bar, NS)
 
         # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
         m_idx = m0 + gl.arange(0, BM, layout=ROW)
@@ -1415,7 +1356,7 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv)
+                        LATE_DV=cfg.late_dv, TREE=cfg.tree_amax)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:
@@ -1529,11 +1470,8 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                                      SPLIT=cfg.split_bars)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_dq_ws(cfg)
-    if cfg.split_bars and (cfg.ws or not cfg.vec_tma):
-        raise ValueError(f"dQ split_bars needs vec_tma and no ws: {cfg}")
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
     return grid, args, kwargs

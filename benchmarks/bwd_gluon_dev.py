@@ -136,9 +136,6 @@ CONFIGS = {
     # session 7 item 7: the D=128 default without shared_mask (with threshold_mask the shared
     # predicate is what the compiler hoists onto every tile: 969 -> 929 SASS, spills 72 -> 64 B)
     "lathns": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
-    # session 9: the per-key amax as a tree (same instructions, shorter chain); time it as
-    # "default+tree" (the per-D default with it)
-    "tree": "tree_amax=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -125,11 +125,6 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # tree_amax: the per-key amax of a and dS^T (the dV / dK operands' scales) as a 4-level
-    # tree over each thread's 16 values of a row (_row_amax; constexpr TREE) instead of
-    # gl.max's 15-deep chain: the same instructions and the same result, a shorter dependency
-    # chain. ncu: 16 % of the kernel's warp samples sat on those FMNMX (session 9).
-    tree_amax: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -179,33 +174,6 @@ def default_dq_config(D: int) -> GluonDqConfig:
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
-
-    @gluon.jit
-    def _halve_cols(x, HIGH: gl.constexpr):
-        """max(x[:, c], x[:, c + W/2]) (HIGH) or max(x[:, 2c], x[:, 2c + 1]): column pairs that
-        one thread holds in the wgmma layout, combined without data movement."""
-        R: gl.constexpr = x.shape[0]
-        W: gl.constexpr = x.shape[1]
-        if HIGH:
-            a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, W // 2]), (0, 2, 1)))
-        else:
-            a, b = gl.split(gl.reshape(x, [R, W // 2, 2]))
-        return gl.maximum(a, b)
-
-    @gluon.jit
-    def _row_amax(x, TREE: gl.constexpr):
-        """max_j |x_ij| per row as a tree: the row's 16 in-thread values of a 64-column wgmma
-        tile (columns c + {0, 1} + 8 {0..7} of lane group c) in 4 levels instead of the
-        15-deep chain of gl.max, then the lanes' shuffles. ncu put 16 % of the dK/dV kernel's
-        warp samples on these chains (benchmarks/NOTES.md session 9)."""
-        C: gl.constexpr = x.shape[1]
-        y = gl.abs(x)
-        if TREE and C == 64:
-            y = _halve_cols(_halve_cols(_halve_cols(_halve_cols(y, True), True), True), False)
-            m = gl.convert_layout(gl.max(y, axis=1), gl.SliceLayout(1, x.type.layout))
-        else:
-            m = gl.max(y, axis=1)
-        return m
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -592,8 +560,7 @@ if HAVE_GLUON:
     def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
                     lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
-                    TREE: gl.constexpr):
+                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
         dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
@@ -612,7 +579,7 @@ if HAVE_GLUON:
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
-        c, inv = _pow2_scale_g(_row_amax(a, TREE), 8)
+        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
         a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
 
@@ -725,8 +692,7 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, TREE: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -784,7 +750,7 @@ if HAVE_GLUON:
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD, THR_MASK, TREE)
+                                      VEC_TMA, SYNC, FOLD, THR_MASK)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -798,7 +764,7 @@ if HAVE_GLUON:
             sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
                            need_mask, SHARED_MASK, THR_MASK)
-            c2, inv2 = _pow2_scale_g(_row_amax(b, TREE), 8)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
@@ -838,8 +804,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, TREE: gl.constexpr,
-        num_warps: gl.constexpr,
+        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -886,7 +851,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, TREE, num_warps)),
+                              LATE_DV, num_warps)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -903,7 +868,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, TREE, num_warps)
+                              LATE_DV, num_warps)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1356,7 +1321,7 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, TREE=cfg.tree_amax)
+                        LATE_DV=cfg.late_dv)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

@@ -17,6 +17,8 @@
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
 set -u
+# the caller vouches that the tree is that commit: the snapshot .git would call it dirty
+[ -n "${FLAMIA_GIT_COMMIT:-}" ] && export FLAMIA_GIT_DIRTY=${FLAMIA_GIT_DIRTY:-0}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

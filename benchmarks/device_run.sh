@@ -10,7 +10,8 @@
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
-# benchmarks/quant_dev.py), profile, profile-fwd, host (cProfile
+# benchmarks/quant_dev.py), profile, profile-fwd, gaps (GPU idle between kernels and host syncs
+# of back-to-back calls, GAP_WORKLOADS), host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
 # the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
@@ -89,6 +90,8 @@ for spec in "$@"; do
              --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
+    gaps) run_stage "$name" "$secs" python benchmarks/profile_call.py --gaps \
+             --only "${GAP_WORKLOADS:-doc32k,doc8k_x4,doc512_x64,d64_doc8k_x4}" ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;
     ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -98,6 +98,53 @@ def kernel_table(fn, calls=3):
     return sorted(((n, t / calls) for n, t in rows.items()), key=lambda r: -r[1])
 
 
+def idle_gaps(fn, calls=3, top=6):
+    """Where the GPU idles inside back-to-back calls: a chrome trace of `calls` calls, its
+    kernels sorted by start, and the gaps between one kernel's end and the next one's start
+    (the host not keeping up, or a host sync). Returns (busy span ms per call, kernel ms per
+    call, idle ms per call, the `top` largest gaps as (us, kernel before, kernel after))."""
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            trace = json.load(fh)
+    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                if e.get("cat") == "kernel" and "dur" in e)
+    if not ks:
+        return 0.0, 0.0, 0.0, []
+    gaps = [(b0 - a1, an, bn) for (_, a1, an), (b0, _, bn) in zip(ks, ks[1:]) if b0 > a1]
+    span = ks[-1][1] - ks[0][0]
+    kern = sum(b - a for a, b, _ in ks)
+    idle = sum(g for g, _, _ in gaps)
+    gaps.sort(key=lambda g: -g[0])
+    return span / 1000 / calls, kern / 1000 / calls, idle / 1000 / calls, gaps[:top]
+
+
+def sync_points(fn):
+    """The host syncs of one call (torch.cuda.set_sync_debug_mode('warn') warnings)."""
+    import warnings
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [str(w.message).splitlines()[0][:160] for w in caught
+            if "synchroniz" in str(w.message).lower()]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -105,6 +152,8 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--forward-only", action="store_true",
                     help="the training forward alone (inputs require grad, nothing backward)")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also: GPU idle gaps between kernels of back-to-back calls, host syncs")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     report = []
@@ -131,6 +180,15 @@ def main():
                   + ", ".join(f"{n} {t:.3f}" for n, t in parts.items()) + ")", flush=True)
             for name, t in table[:args.top]:
                 print(f"  {t:8.3f} ms  {100 * t / ms:5.1f} %  {name[:110]}")
+            if args.gaps:
+                span, kern, idle, top = idle_gaps(fn)
+                print(f"  back-to-back: GPU span {span:.3f} ms per call, kernels {kern:.3f}, "
+                      f"idle between kernels {idle:.3f} ms ({100 * idle / max(span, 1e-9):.1f} %)")
+                for g, a, b in top:
+                    print(f"    idle {g:8.1f} us after {a[:50]} before {b[:50]}")
+                syncs = sync_points(fn)
+                print(f"  host syncs in one call: {len(syncs)}"
+                      + "".join(f"\n    {m}" for m in syncs[:8]))
             report.append({"workload": w.name, "recipe": recipe, "what": what, "wall_ms": ms,
                            "kernels_ms": ksum, "host_ms": hms, "host_parts": parts,
                            "kernels": table[:40]})

@@ -80,6 +80,7 @@ for spec in "$@"; do
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-cands) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --no-usage \
              --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" --rounds "${FWD_ROUNDS:-3}" \
+             ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;

@@ -48,6 +48,7 @@ T0 = time.time()
 NO_USAGE = "--no-usage" in sys.argv    # skip the ptxas re-run that reports registers / C7515
 RESULTS: dict = {"env": {}, "correctness": [], "timing": [], "errors": [], "best": {}}
 ROUNDS = 1                  # --rounds: interleaved timing rounds per workload
+VT_ORDER_AB = False         # --vt-order-ab: also the default config on a token-order vt8
 
 
 def log(*a):
@@ -285,6 +286,12 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             fns[cfg_name(cfg)] = (cfg, functools.partial(
                 attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=cfg,
                 schedule=sch))
+        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order (quantize_qkv's old layout)
+            c = default_config(D, True, q.device)
+            qkv_tok = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
+            fns["default-vt-token-order"] = (None, functools.partial(
+                attention_forward, qkv_tok, cu, max(lengths), True, None, q.dtype, config=c,
+                schedule=build_schedule(cu, T, c.block_m, c.block_n, True)))
         times: dict = {n: [] for n in fns}
         for _ in range(ROUNDS):
             for n, (cfg, fn) in fns.items():
@@ -365,16 +372,20 @@ def main():
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new workloads after")
     ap.add_argument("--no-usage", action="store_true", help="skip the per-config ptxas report")
     ap.add_argument("--fp8-configs", default=None,
-                    help="FP8 candidates instead of the built-in sweep, e.g. 64x256w4s3,64x128w4s3r168 "
+                    help="FP8 candidates instead of the built-in sweep ('none': the default only), e.g. 64x256w4s3,64x128w4s3r168 "
                          "(the default config is timed first; bf16 is then not swept)")
+    ap.add_argument("--vt-order-ab", action="store_true",
+                    help="also time the default config on vt8 in token order (not wgmma order)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved timing rounds of the candidates (median reported)")
     ap.add_argument("--sweep", default="doc8k_x4,doc512_x64,d64_doc8k_x4",
                     help="workloads every candidate is timed on")
     args = ap.parse_args()
-    global ROUNDS
+    global ROUNDS, VT_ORDER_AB
     ROUNDS = max(1, args.rounds)
-    extra = parse_configs(args.fp8_configs) if args.fp8_configs else None
+    VT_ORDER_AB = args.vt_order_ab
+    extra = None if not args.fp8_configs else [] if args.fp8_configs == "none" else \
+        parse_configs(args.fp8_configs)
     smoke = args.cpu_smoke
     dev = "cpu" if smoke else "cuda"
     if not smoke and not torch.cuda.is_available():

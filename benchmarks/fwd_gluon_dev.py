@@ -176,7 +176,7 @@ def phase_agreement(cfgs, dev, quick):
             for family in (("mild", "outliers") if not quick else ("outliers",)):
                 q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, family, device=dev, seed=3)
                 for causal in (True, False):
-                    qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
+                    qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
                     try:
                         ref_o, ref_l = attention_forward(qkv, cu, max(lengths), causal, None, q.dtype,
                                                          poison=True)
@@ -262,7 +262,7 @@ def phase_properties(cfgs, dev):
         q, k, v, cu = make_qkv(lengths, 8, 2, D, "outliers", device=dev, seed=11)
         for cfg in cfgs:
             def run(q_, k_, v_, causal=True):
-                qkv = quantize_qkv(q_, k_, v_, cu, "fp8", causal, poison=True)
+                qkv = quantize_qkv(q_, k_, v_, cu, "fp8", causal, poison=True, vt_mma_order=False)
                 return G.attention_forward_gluon(qkv, cu, max(lengths), causal, None, q.dtype,
                                                  config=cfg, poison=True)
             try:
@@ -340,7 +340,8 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, w
             q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device=dev, seed=0)
             T = q.shape[0]
             flops = fwd_flops(lengths, Hq, D)
-            qkv = quantize_qkv(q, k, v, cu, "fp8", True)
+            qkv = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)   # Gluon: token order
+            qkv_t = quantize_qkv(q, k, v, cu, "fp8", True)                      # Triton: its default
         except Exception as e:   # noqa: BLE001
             record_error(f"timing setup {name}", e)
             continue
@@ -366,7 +367,7 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, w
             if not with_triton:
                 raise StopIteration
             rec("triton", "forward", timed(lambda: attention_forward(
-                qkv, cu, max(lengths), True, None, q.dtype, schedule=sch_t)))
+                qkv_t, cu, max(lengths), True, None, q.dtype, schedule=sch_t)))
             if not forward_only:
                 rec("triton", "quant+forward", timed(lambda: attention_forward(
                     quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None,
@@ -382,11 +383,11 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, w
                     qkv, cu, max(lengths), True, None, q.dtype, config=cfg, schedule=sch)))
                 if not forward_only:
                     rec(cfg.name, "quant+forward", timed(lambda: G.attention_forward_gluon(
-                        quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths), True, None,
-                        q.dtype, config=cfg)))
+                        quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False), cu,
+                        max(lengths), True, None, q.dtype, config=cfg)))
             except Exception as e:   # noqa: BLE001
                 record_error(f"timing {cfg.name} {name}", e)
-        q = k = v = qkv = None      # free before the next workload
+        q = k = v = qkv = qkv_t = None      # free before the next workload
         torch.cuda.empty_cache()
 
 

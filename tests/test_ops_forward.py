@@ -25,6 +25,7 @@ from flamia import reference  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
 from flamia.ops.forward import FwdConfig, attention_forward  # noqa: E402
+from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 from flamia.ops.schedule import build_schedule  # noqa: E402
 
@@ -78,8 +79,14 @@ def test_quantize_matches_reference(D, recipe, family, causal):
         assert torch.equal(s.t(), op.scale[..., 0]), name
     assert torch.equal(qkv.vcap, _ref_vcap(saved.v.scale[..., 0], cu, causal))
     T = q.shape[0]
-    assert torch.equal(qkv.vt8[:, :, :T].float(), qkv.v8.permute(1, 2, 0).float())
-    assert (qkv.vt8[:, :, T:].view(torch.uint8) == 0).all()      # padding: zeros, not poison
+    assert qkv.vt8_mma_order                  # column c of vt8 holds token mma_order16(c)
+    tok = mma_order16_host(torch.arange(qkv.vt8.shape[2]))
+    ok = tok < T
+    assert torch.equal(qkv.vt8[:, :, ok].float(), qkv.v8[tok[ok]].permute(1, 2, 0).float())
+    assert (qkv.vt8[:, :, ~ok].view(torch.uint8) == 0).all()     # padding: zeros, not poison
+    plain = quantize_qkv(q, k, v, cu, recipe, causal, poison=True, vt_mma_order=False)
+    assert not plain.vt8_mma_order
+    assert torch.equal(plain.vt8[:, :, :T].float(), qkv.v8.permute(1, 2, 0).float())
 
 
 def test_quantize_bf16_is_a_view():
@@ -179,6 +186,22 @@ def test_forward_fold_lr(recipe, D, family, causal, hkv, seed, scale):
     out0, lse0 = _run(q, k, v, cu, recipe, causal, CFG_TMA, scale)
     torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)
     assert (out.float() - out0.float()).abs().max() <= 0.05 * out0.float().abs().max()
+
+
+@pytest.mark.parametrize("cfg", [CFG_TMA, CFG_PTR], ids=["tma", "ptr"])
+def test_forward_vt8_mma_order_is_the_token_order_result(cfg):
+    """vt8 in wgmma key order (the default) against vt8 in token order: the PV GEMM sums the
+    same products in another order, so LSE is bitwise the same and O within a bf16 ulp."""
+    q, k, v, cu = make_qkv(LENGTHS, 4, 2, 64, "outliers", seed=7)
+    L = int((cu[1:] - cu[:-1]).max())
+    outs = []
+    for order in (True, False):
+        qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True, vt_mma_order=order)
+        assert qkv.vt8_mma_order == order
+        outs.append(attention_forward(qkv, cu, L, True, None, q.dtype, config=cfg, poison=True))
+    (o1, l1), (o0, l0) = outs
+    assert torch.equal(l1, l0)
+    assert (o1.float() - o0.float()).abs().max() <= 2 ** -7 * o0.float().abs().max()
 
 
 def test_forward_fp16_inputs_and_natural_v():

@@ -6,7 +6,7 @@ import torch
 
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
-from flamia.ops.kmajor import kmajor_copy, kmajor_layout, padded_columns
+from flamia.ops.kmajor import kmajor_copy, kmajor_layout, mma_order16_host, padded_columns
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
 
@@ -47,6 +47,32 @@ def test_plain_copy_zero_fills_past_T():
     kmajor_copy(src, dst, block_c=16)
     assert torch.equal(dst[:, :, :T], src.permute(1, 2, 0))
     assert (dst[:, :, T:] == 0).all()
+
+
+def test_mma_order_is_the_wgmma_register_permutation():
+    """mma_order16 maps an FP8 wgmma A-operand position to the key the fp32 accumulator of
+    S = Q K^T holds in the same thread and register byte: lane group c (of a quad) holds keys
+    2c, 2c+1 (+8, +16, +24) in the accumulator and A positions 4c..4c+3, 16+4c..19+4c."""
+    p = torch.arange(64)
+    key = mma_order16_host(p)
+    assert torch.equal(torch.sort(key).values, p)                  # a permutation
+    assert torch.equal(key // 16, p // 16)                          # inside 16-key groups
+    lane_of_a_pos = (p % 16) // 4                                   # A operand, 8-bit, k32
+    lane_of_key = (key % 8) // 2                                    # fp32 accumulator columns
+    assert torch.equal(lane_of_a_pos, lane_of_key)
+
+
+def test_plain_copy_in_mma_order():
+    T, H, D = 45, 2, 16
+    src = torch.randint(0, 256, (T, H, D), dtype=torch.uint8)
+    dst = torch.full((H, D, 64), 0xFF, dtype=torch.uint8)
+    kmajor_copy(src, dst, block_c=16, mma_order=True)
+    tok = mma_order16_host(torch.arange(64))
+    ok = tok < T
+    assert torch.equal(dst[:, :, ok], src[tok[ok]].permute(1, 2, 0))
+    assert (dst[:, :, ~ok] == 0).all()
+    with pytest.raises(ValueError, match="mma_order"):
+        kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), mma_order=True)
 
 
 def test_bad_arguments():

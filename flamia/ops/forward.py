@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .kmajor import mma_order16
 from .layout import QuantizedQKV
 from .schedule import Schedule, build_schedule, per_cu_seqlens
 
@@ -101,10 +102,17 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 K, V, SK, SV, stride_kt, stride_vn, stride_vd,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr):
-    """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles."""
+                V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr,
+                V_MMA_ORDER: tl.constexpr):
+    """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
+    V_MMA_ORDER: row p of a V tile (from vt8) is key mma_order16(p) of the tile (tiles start at
+    16-aligned tokens), and P is passed to the PV wgmma in that key order too."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    if V_MMA_ORDER:
+        offs_v0 = mma_order16(offs_n0)      # the key of each V row
+    else:
+        offs_v0 = offs_n0
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_n + offs_n0
         col_ok = (offs_n >= 0) & (offs_n < L)
@@ -152,19 +160,28 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
             else:
                 sv = tl.load(SV + offs_n)
             a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
+            if V_MMA_ORDER:
+                # column p of the A operand = key mma_order16(p): a permutation of the 4 low
+                # column bits, (p1 p3 p2 p0) -> (p3 p2 p1 p0), which leaves every value in the
+                # thread that holds it (kmajor module docstring)
+                BM_: tl.constexpr = a.shape[0]
+                a = tl.reshape(tl.permute(tl.reshape(a, [BM_, BLOCK_N // 16, 2, 2, 2, 2]),
+                                          (0, 1, 3, 4, 2, 5)), [BM_, BLOCK_N])
         else:
             a = p.to(tl.bfloat16)
+        offs_v = start_n + offs_v0
+        v_ok = (offs_v >= 0) & (offs_v < L)
         if USE_TMA:
             if FP8 and V_KMAJOR:
                 v = V.load([kvh * D, row0]).T
             else:
                 v = V.load([row0, kvh * D])
             if MASKED:   # rows past the document end belong to the next one: never let a NaN in
-                v = tl.where(col_ok[:, None], v, 0.0)
+                v = tl.where(v_ok[:, None], v, 0.0)
         else:
             v_ptrs = V + (tok0 + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
             if MASKED:
-                v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=v_ok[:, None], other=0.0)
             else:
                 v = tl.load(v_ptrs)
         acc = tl.dot(a, v, acc)
@@ -179,7 +196,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr):
+                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -239,17 +256,17 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, -shift, head_hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                 D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
-                                MASKED_STAGES)
+                                MASKED_STAGES, V_MMA_ORDER)
     n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
     n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                 D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
-                                FULL_STAGES)
+                                FULL_STAGES, V_MMA_ORDER)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                 D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
-                                MASKED_STAGES)
+                                MASKED_STAGES, V_MMA_ORDER)
     # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
@@ -329,7 +346,8 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
-        MASKED_STAGES=config.masked_stages or config.num_stages, num_warps=config.num_warps,
+        MASKED_STAGES=config.masked_stages or config.num_stages,
+        V_MMA_ORDER=bool(v_kmajor and qkv.vt8_mma_order), num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

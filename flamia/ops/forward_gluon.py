@@ -840,6 +840,9 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         raise NotImplementedError("the Gluon forward implements the fp8 recipes only")
     if qkv.vt8 is None:
         raise ValueError("the Gluon forward needs the K-major V copy (quantize_qkv(write_vt=True))")
+    if qkv.vt8_mma_order:
+        raise ValueError("the Gluon forward reads vt8 in token order: quantize_qkv(..., "
+                         "vt_mma_order=False)")
     T, Hq, Hkv, D = qkv.shape
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")

@@ -8,7 +8,16 @@ Column layout (`kmajor_layout`): document d occupies columns [pcu[d], pcu[d] + l
 pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA (16-byte
 aligned coordinates along the contiguous axis) can read every tile whatever cu_seqlens is.
 Columns that hold no token are zero. The forward's V copy uses the plain layout (column = token;
-`tok_of_col=None`).
+`tok_of_col=None`), optionally with the tokens of each 16-column group in wgmma order
+(`mma_order=True`, below).
+
+wgmma order. The FP8 wgmma A operand from registers (m64 k32) gives lane group c of a quad the
+keys 4c..4c+3 and 16+4c..16+4c+3 of each 32-key block; the fp32 accumulator that produced P
+gives it keys 2c, 2c+1 (+ 8, + 16, + 24). Read as an A operand as they are, P's registers hold
+in A position p (bits p3 p2 p1 p0) the key mma_order16(p) = (p1 p3 p2 p0): a permutation of
+bits 0-3, so within every 16-key group. Storing V^T with column p = that key makes the GEMM
+the same sum over keys, and the compiler's layout conversion of P an in-register byte shuffle
+instead of cross-lane shuffles (FlashAttention-3 reorders V for the same reason).
 
 `kmajor_copy` works in the destination's frame: each program owns a block of output columns,
 gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole
@@ -55,14 +64,27 @@ def kmajor_layout(cu: torch.Tensor, T: int):
 
 
 @triton.jit
+def mma_order16(c):
+    """The token held by column c of a wgmma-ordered copy: bits 0-3 of c = (p3 p2 p1 p0) ->
+    (p1 p3 p2 p0), bits 4 and up unchanged (module docstring)."""
+    return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
+
+
+def mma_order16_host(c: torch.Tensor) -> torch.Tensor:
+    """mma_order16 in torch (tests, reference layouts)."""
+    return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
+
+
+@triton.jit
 def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
-                        D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr):
+                        D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
+                        MMA_ORDER: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     if PLAIN:
-        tok = c
-        ok = c < T
+        tok = mma_order16(c) if MMA_ORDER else c
+        ok = tok < T
     else:
         tok = tl.load(tok_of_col + c, mask=c < Tp, other=-1)
         ok = tok >= 0
@@ -72,10 +94,11 @@ def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
 
 
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
-                block_c: int = 64) -> torch.Tensor:
+                block_c: int = 64, mma_order: bool = False) -> torch.Tensor:
     """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
-    dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T).
-    src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
+    dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T),
+    or with mma_order token mma_order16(c) (Tp a multiple of 16). src (T, heads, D) with
+    unit-stride heads and dims; both are moved as bytes."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
@@ -84,12 +107,16 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
         raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
                          "contiguous")
+    plain = tok_of_col is None
+    if mma_order and (not plain or Tp % 16):
+        raise ValueError(f"kmajor_copy: mma_order needs the plain layout and Tp % 16 == 0 "
+                         f"(Tp={Tp})")
     if Tp == 0 or H == 0:
         return dst
-    plain = tok_of_col is None
     _kmajor_copy_kernel[(triton.cdiv(Tp, block_c), H)](
         src.view(torch.uint8), dst.view(torch.uint8), dst if plain else tok_of_col, T, Tp,
-        src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, num_warps=4)
+        src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, MMA_ORDER=bool(mma_order),
+        num_warps=4)
     return dst
 
 

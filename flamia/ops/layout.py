@@ -22,6 +22,10 @@ class QuantizedQKV:
     vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
     vt8: torch.Tensor | None = None   # optional (Hkv, D, T_pad) K-major V copy for the PV GEMM
+    # vt8_mma_order: in each 16-column group of vt8, column c holds token mma_order16(c) of the
+    # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
+    # FP8 wgmma A operand; False: column = token.
+    vt8_mma_order: bool = False
 
     @property
     def shape(self):

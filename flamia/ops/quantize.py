@@ -157,12 +157,14 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
+                 vt_mma_order: bool = True,
                  block_t: int | None = None, sub: int | None = None, num_warps: int = 4,
                  poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 / fp8_mixed: rotated, per-(token, head) e4m3 values and fp32 power-of-two scales, vt8
-    (write_vt) and vcap. bf16: the inputs themselves (bf16; fp16 inputs are rounded to bf16 as
+    (write_vt; in wgmma order within 16-token groups unless vt_mma_order=False: flamia.ops.kmajor)
+    and vcap. bf16: the inputs themselves (bf16; fp16 inputs are rounded to bf16 as
     the reference does), no scales. block_t / sub / num_warps: tuning knobs (tokens per block,
     blocks per program). poison=True fills outputs with NaN first (tests: every element written).
     """
@@ -191,7 +193,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     if write_vt:
         vt8 = fill((Hkv, D, t_pad), f8)    # kmajor_copy writes every column (zeros past T)
     if T == 0:
-        return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8)
+        return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8,
+                            vt8_mma_order=vt8 is not None and vt_mma_order)
     rotate = bool(rec.rotate_qk)
     had = _hadamard_signs(D, q.dtype, dev) if rotate else q   # placeholder pointer when unused
     if block_t is None:
@@ -208,9 +211,10 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     if vt8 is not None:
         # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
         # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor)
-        kmajor_copy(v8, vt8)
+        kmajor_copy(v8, vt8, mma_order=vt_mma_order)
     compute_vcap(sv, cu_seqlens, causal, out=vcap)
-    return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8)
+    return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8,
+                        vt8_mma_order=vt8 is not None and vt_mma_order)
 
 
 def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops.forward import FwdConfig, attention_forward, default_config  # noqa: E402
+from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
 DEV = "cuda"
@@ -131,7 +132,12 @@ def test_quantize_matches_reference(D, family):
         sbad = (s.t() != op.scale[..., 0]).sum().item()
         assert sbad <= (s.numel() // 10000 if rot else 0), (name, sbad)
     T = q.shape[0]
-    assert torch.equal(qkv.vt8[:, :, :T], qkv.v8.permute(1, 2, 0))
+    assert qkv.vt8_mma_order                  # column c of vt8 holds token mma_order16(c)
+    tok = mma_order16_host(torch.arange(qkv.vt8.shape[2], device=qkv.vt8.device))
+    ok = tok < T
+    vt, v8 = qkv.vt8.view(torch.uint8), qkv.v8.view(torch.uint8)     # (fp8 indexing: bytes)
+    assert torch.equal(vt[:, :, ok], v8[tok[ok]].permute(1, 2, 0))
+    assert (vt[:, :, ~ok] == 0).all()
     sv, cap, c = qkv.sv, torch.empty_like(qkv.sv), cu.tolist()
     for a, b in zip(c[:-1], c[1:]):
         if b > a:

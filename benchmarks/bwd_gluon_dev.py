@@ -158,8 +158,6 @@ DQ_CONFIGS = {
     # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
     "r168s2": "stages=2,maxnreg=168",
     "r128s3": "stages=3,maxnreg=128",
-    # session 9 item 11: dS into the dQ GEMM in wgmma key order (kT8 copy in that order)
-    "keyorder": "vec_gather=True,key_order=True",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

@@ -75,19 +75,6 @@ def test_plain_copy_in_mma_order():
         kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), mma_order=True)
 
 
-def test_padded_copy_in_mma_order():
-    lengths = (37, 0, 1, 70)
-    T, H, D = sum(lengths), 2, 16
-    cu = cu_seqlens_from_lengths(lengths)
-    _, tok_of_col, Tp = kmajor_layout(cu, T)
-    src = torch.randint(0, 256, (T, H, D), dtype=torch.uint8)
-    ref = torch.zeros(H, D, Tp, dtype=torch.uint8)
-    kmajor_copy(src, ref, tok_of_col, block_c=16)
-    dst = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
-    kmajor_copy(src, dst, tok_of_col, block_c=16, mma_order=True)
-    assert torch.equal(dst, ref[:, :, mma_order16_host(torch.arange(Tp))])
-
-
 def test_bad_arguments():
     src = torch.zeros(8, 2, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="1-byte"):

@@ -164,11 +164,6 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # key_order: dS goes into the dQ GEMM as its registers already are an fp8 A operand, with
-    # kT8 in the matching key order (flamia.ops.kmajor.mma_order16; a copy of st.kT8 made once
-    # per state, _kT8_key_order), instead of the cross-lane conversion (constexpr KEY_ORDER).
-    # CPU: 603 -> 578 SASS per tile at D=128, 557 -> 532 at D=64 (benchmarks/NOTES.md s9 11).
-    key_order: bool = False
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -179,15 +174,6 @@ def default_dq_config(D: int) -> GluonDqConfig:
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
-
-    @gluon.jit
-    def _mma_key_order(x8):
-        """x8 (rows, k) with its columns in wgmma A order: column p = column mma_order16(p) of
-        x8 (flamia.ops.kmajor), which keeps every value in its thread."""
-        R: gl.constexpr = x8.shape[0]
-        K: gl.constexpr = x8.shape[1]
-        return gl.reshape(gl.permute(gl.reshape(x8, [R, K // 16, 2, 2, 2, 2]),
-                                     (0, 1, 3, 4, 2, 5)), [R, K])
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -286,17 +272,11 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
-    def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr,
-                        KEY_ORDER: gl.constexpr = False):
-        """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory
-        (KEY_ORDER: column c holds token mma_order16(c) of the tile)."""
+    def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+        """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory."""
         BLT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         x = x_s.load(BLT)
-        c = gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
-        if KEY_ORDER:   # kmajor.mma_order16
-            c = ((c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2
-                 | ((c >> 2) & 1) << 1 | (c & 1))
-        cols = i0 + c
+        cols = i0 + gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
         ok = gl.expand_dims(cols < L, 0)
         x = gl.where(ok, x, gl.zeros_like(x))
         x_s.store(x)
@@ -964,7 +944,7 @@ if HAVE_GLUON:
                  shift, T, qk_scale2,
                  D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                  VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 KEY_ORDER: gl.constexpr, num_warps: gl.constexpr):
+                 num_warps: gl.constexpr):
         """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
         accumulators (dQ half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -1009,7 +989,7 @@ if HAVE_GLUON:
                 dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
 
             if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
-                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps, KEY_ORDER)
+                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
                 fence_async_shared()
                 gl.thread_barrier()
 
@@ -1025,11 +1005,7 @@ if HAVE_GLUON:
             sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
             b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
             c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            if KEY_ORDER:
-                b8 = gl.convert_layout(
-                    _mma_key_order((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv)), AOP)
-            else:
-                b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
 
             # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
             if NCH == 2:
@@ -1056,7 +1032,7 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, KEY_ORDER: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
                          "ws needs VEC_TMA, async wgmma and one warpgroup")
@@ -1093,7 +1069,7 @@ if HAVE_GLUON:
                 (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, KEY_ORDER, num_warps)),
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                                 start, pstart, m0, h, hk, total)),
@@ -1105,7 +1081,7 @@ if HAVE_GLUON:
             accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
                             kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
                             pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, KEY_ORDER, num_warps)
+                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
         acc0, acc1 = accs
         _invalidate_barriers(ready, q_bar, rel, NS, WS)
 
@@ -1442,25 +1418,12 @@ def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
     return bad
 
 
-def _kT8_key_order(st):
-    """st.kT8 with its columns in wgmma key order (GluonDqConfig.key_order): a copy made by
-    one kmajor_copy launch the first time a state needs it, kept on the state."""
-    kt = getattr(st, "_kT8_key_order", None)
-    if kt is None:
-        from .kmajor import kmajor_copy
-        kt = torch.empty_like(st.kT8)
-        if kt.is_cuda:   # (compile_dq_sm90's CPU state: nothing is launched)
-            kmajor_copy(st.k8, kt, st.tok_of_col, mma_order=True)
-        st._kT8_key_order = kt
-    return kt
-
-
 def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
     D, BM, BN = st.D, cfg.bm, cfg.bn
     f8 = gl.float8e4nv
     return (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
             tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
-            kmajor_desc(_kT8_key_order(st) if cfg.key_order else st.kT8, BN),
+            kmajor_desc(st.kT8, BN),
             *_vec_descs(st, cfg, vecs, BN, 2, padded_kv_vectors, padded_kv_vectors_triton))
 
 
@@ -1472,8 +1435,7 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
     grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs,
-                                      KEY_ORDER=cfg.key_order)
+                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
     _check_dq_ws(cfg)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg

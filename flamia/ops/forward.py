@@ -82,7 +82,8 @@ def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
     session 9); pipelining the masked loops as well makes ptxas serialize every wgmma (C7515).
     H200, forward ms, default before -> now: doc8k_x4 3.95 -> 3.66, doc2k_x16 1.25 -> 1.17,
     longtail 3.23 -> 3.11, doc512_x64 0.58 -> 0.60, d64_doc8k_x4 3.03 -> 2.75, d64_longtail
-    2.38 -> 2.27 (session 9 item 2).
+    2.38 -> 2.27 (session 9 item 2); vt8 in wgmma key order (QuantizedQKV.vt8_mma_order) takes
+    another 4 % off (item 9).
     D=64 also caps registers at 168 so that three CTAs fit per SM: 12 warps to hide latency for
     120 B of spills, none in the unmasked-tile loop (session 8 item 2).
     """
@@ -161,9 +162,9 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 sv = tl.load(SV + offs_n)
             a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
             if V_MMA_ORDER:
-                # column p of the A operand = key mma_order16(p): a permutation of the 4 low
-                # column bits, (p1 p3 p2 p0) -> (p3 p2 p1 p0), which leaves every value in the
-                # thread that holds it (kmajor module docstring)
+                # column p (bits p3 p2 p1 p0) of the A operand = P's column mma_order16(p)
+                # (bits p1 p3 p2 p0): a permutation of the 4 low column bits that leaves every
+                # value in the thread holding it (flamia.ops.kmajor's module docstring)
                 BM_: tl.constexpr = a.shape[0]
                 a = tl.reshape(tl.permute(tl.reshape(a, [BM_, BLOCK_N // 16, 2, 2, 2, 2]),
                                           (0, 1, 3, 4, 2, 5)), [BM_, BLOCK_N])

@@ -63,16 +63,14 @@ def kmajor_layout(cu: torch.Tensor, T: int):
     return pcu.to(torch.int32), tok_of_col, Tp
 
 
-@triton.jit
-def mma_order16(c):
+def mma_order16_host(c):
     """The token held by column c of a wgmma-ordered copy: bits 0-3 of c = (p3 p2 p1 p0) ->
-    (p1 p3 p2 p0), bits 4 and up unchanged (module docstring)."""
+    (p1 p3 p2 p0), bits 4 and up unchanged (module docstring). Plain operators, so the same
+    function serves torch tensors / ints here and Triton tensors as `mma_order16`."""
     return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
 
 
-def mma_order16_host(c: torch.Tensor) -> torch.Tensor:
-    """mma_order16 in torch (tests, reference layouts)."""
-    return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
+mma_order16 = triton.jit(mma_order16_host)     # the kernels' copy of the one definition
 
 
 @triton.jit

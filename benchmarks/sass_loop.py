@@ -5,13 +5,15 @@
     python benchmarks/sass_loop.py --kernel fwd             # the Triton forward (FwdConfig --set)
     python benchmarks/sass_loop.py --set fold_sdo=True      # a GluonDkdvConfig field changed
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
+    python benchmarks/sass_loop.py --common                 # histogram of the common path
 
 Compiles for sm_90a with the bundled ptxas (flamia.ops._interp: nothing runs), disassembles
-with the bundled cuobjdump, and takes the largest loop (the longest span between a backward
-branch and its target, which is the query-block loop of dK/dV and the kv loop of dQ). Prints
-the total, the opcode histogram of that span (largest first), and the local-memory (spill)
-operations. The count per loop iteration is the instruction stream each warp issues per tile:
-the dK/dV kernel is bound by it (benchmarks/NOTES.md, session 4, item 4).
+with the bundled cuobjdump, and takes the main loop (flamia.ops.sass.main_loop: the innermost
+loop that issues wgmmas, the query-block loop of dK/dV, the kv loop of dQ and the forward's
+unmasked-tile loop). Prints the total, the loop's length and its "common path" (minus what a
+forward branch inside it can skip: what every tile issues, the count benchmarks/NOTES.md
+quotes), the opcode histogram (largest first) and the local-memory (spill) operations. The
+dK/dV kernel's time tracks that per-tile stream (benchmarks/NOTES.md, session 4, item 4).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the inter
 from flamia.ops import backward_gluon as G  # noqa: E402
 from flamia.ops import backward_gluon_mixed as M  # noqa: E402
 from flamia.ops._interp import resource_usage  # noqa: E402
-from flamia.ops.sass import local_memory_ops, main_loop, parse, sass_of  # noqa: E402
+from flamia.ops.sass import common_path, local_memory_ops, main_loop, parse, sass_of  # noqa: E402
 
 def with_sets(cfg, sets: list[str]):
     """cfg with the --set field=value overrides (values as Python literals, cast to the field's
@@ -79,6 +81,7 @@ def main():
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--common", action="store_true", help="histogram of the common path only")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
     args = ap.parse_args()
     kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
@@ -89,11 +92,14 @@ def main():
     usage = resource_usage(kern)
     instrs = parse(sass)
     loop = main_loop(instrs)
-    hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+    common = common_path(loop)
+    hist = collections.Counter(op.split(".")[0] for _, op, _ in (common if args.common else loop))
     local = local_memory_ops(loop)
     print(f"{args.kernel} {args.recipe} D={args.D} causal={not args.no_causal} {cfg}")
     print(f"kernel {len(instrs)} SASS instructions; main loop {len(loop)} "
           f"(local memory ops {local}); regs/spills {usage['regs']}/{usage['spill_stores']} B")
+    print(f"common path (every tile, branches skipped): {len(common)} "
+          f"(local memory ops {local_memory_ops(common)})")
     for op, n in hist.most_common(args.top):
         print(f"  {op:10s} {n:5d}")
 

@@ -44,6 +44,21 @@ def main_loop(instrs):
     return best or []
 
 
+def common_path(loop):
+    """The loop's instructions minus those a forward branch inside it can skip (the masked
+    tiles' predicates, the tail zeroing, the once-per-program paths): what every tile issues.
+    This is the per-tile count benchmarks/NOTES.md quotes as "common path"."""
+    if not loop:
+        return []
+    hi = loop[-1][0]
+    skipped = set()
+    for addr, op, args in loop:
+        t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if t and addr < int(t.group(1), 16) <= hi:
+            skipped.update(x[0] for x in loop if addr < x[0] < int(t.group(1), 16))
+    return [x for x in loop if x[0] not in skipped]
+
+
 def local_memory_ops(instrs) -> int:
     """Local-memory (spill) loads and stores among the instructions."""
     return sum(1 for _, op, _ in instrs if op.startswith(("LDL", "STL")))

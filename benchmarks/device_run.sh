@@ -33,6 +33,9 @@ fi
 python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
       torch.cuda.get_device_name())' 2>&1 | tee "$OUT/env.txt"
 
+# Nsight Compute (stages ncu, ncu-src): on PATH or in its default install directory
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+
 summary="$OUT/summary.txt"
 : >"$summary"
 run_stage() {  # name seconds command...
@@ -95,7 +98,6 @@ for spec in "$@"; do
              --only "${GAP_WORKLOADS:-doc32k,doc8k_x4,doc512_x64,d64_doc8k_x4}" ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;
     ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py
       "$NCU" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
@@ -104,7 +106,6 @@ for spec in "$@"; do
       python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" --memory-columns "$OUT/ncu-memory.txt" \
         | tee "$OUT/ncu-summary.txt" ;;
     ncu-src) # per-SASS-instruction warp-state samples of the three big kernels, doc8k_x4 fp8
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --section SourceCounters --section SpeedOfLight --section WarpStateStats \
         -k 'regex:attn_fwd|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \

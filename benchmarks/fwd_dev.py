@@ -372,8 +372,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop timing new workloads after")
     ap.add_argument("--no-usage", action="store_true", help="skip the per-config ptxas report")
     ap.add_argument("--fp8-configs", default=None,
-                    help="FP8 candidates instead of the built-in sweep ('none': the default only), e.g. 64x256w4s3,64x128w4s3r168 "
-                         "(the default config is timed first; bf16 is then not swept)")
+                    help="FP8 candidates instead of the built-in sweep ('none': the default "
+                         "only), e.g. 64x256w4s3,64x128w4s3r168m1 (the default config is timed "
+                         "first; bf16 is then not swept)")
     ap.add_argument("--vt-order-ab", action="store_true",
                     help="also time the default config on vt8 in token order (not wgmma order)")
     ap.add_argument("--rounds", type=int, default=1,

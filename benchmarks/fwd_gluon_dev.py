@@ -20,10 +20,11 @@ specialization into the Triton cache) run 4 at a time, then the timing children 
 subprocess with a timeout (--child-timeout), so a hang, a CUDA error or a corrupted context in one
 config costs only that config; the parent merges the children's results into one table / JSON.
 
-Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG][-pp][-f][-k][-eN]; -wsN is the
+Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG][-pp][-f][-k][-eN][-PN][-m]; -wsN is the
 warp-specialized kernel with N consumer warpgroups (BM = 64 N), a 1-warp producer with PREGS
 registers, the second consumer (N = 2) with CREGS; -pp ping-pong (ws2), -f folded exponent,
--k lazy rescale, -eN one exp2 in N by polynomial (see forward_gluon.GluonFwdConfig).
+-k lazy rescale, -eN one exp2 in N by polynomial, -PN persistent with N CTAs per SM (ws1),
+-m vt8 in wgmma key order (see forward_gluon.GluonFwdConfig).
 
 Phases (each config / kernel in its own try/except: one failure never stops the table):
 1. Resources: registers, spills, shared memory, C7515, PTX counts (wgmma, waits, barriers...)
@@ -105,16 +106,17 @@ def parse_configs(spec: str):
             cfgs += [G.CONFIGS[NEXTFWD_BEST]] + list(G.NEXT_FWD)
             continue
         m = re.fullmatch(r"g(\d+)x(\d+)w(\d+)s(\d+)(?:-ws(\d)-p(\d+)(?:-c(\d+))?)?(?:-r(\d+))?"
-                         r"(-pp)?(-f)?(-k)?(?:-e(\d))?", name)
+                         r"(-pp)?(-f)?(-k)?(?:-e(\d))?(?:-P(\d))?(-m)?", name)
         if not m:
             sys.exit(f"unknown config {name!r}: use gBMxBNwWARPSsSTAGES[-wsN-pP[-cC]][-rMAXNREG]"
-                     "[-pp][-f][-k][-eN], e.g. g64x128w4s2 or g64x128w4s2-ws1-p24-r128-f-k")
-        bm, bn, w, s, ws, p, c, r, pp, f, k, e = m.groups()
+                     "[-pp][-f][-k][-eN][-PN][-m], e.g. g64x128w4s2 or g64x128w4s2-ws1-p24-r128-f-k")
+        bm, bn, w, s, ws, p, c, r, pp, f, k, e, pers, mo = m.groups()
         cfg = G.GluonFwdConfig(int(bm), int(bn), int(w), int(s), int(r) if r else None)
         if ws:
             cfg = cfg.with_(ws=int(ws), producer_regs=int(p),
                             **({"consumer_regs": int(c)} if c else {}))
-        cfg = cfg.with_(pingpong=bool(pp), fold=bool(f), lazy=bool(k), poly=int(e or 0))
+        cfg = cfg.with_(pingpong=bool(pp), fold=bool(f), lazy=bool(k), poly=int(e or 0),
+                        persistent=int(pers or 0), mma_order=bool(mo))
         G._check_config(cfg, 128)
         cfgs.append(cfg)
     return cfgs
@@ -177,6 +179,8 @@ def phase_agreement(cfgs, dev, quick):
                 q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, family, device=dev, seed=3)
                 for causal in (True, False):
                     qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
+                    qkv_m = (quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
+                             if any(c.mma_order for c in cfgs) else None)   # -m: key-ordered vt8
                     try:
                         ref_o, ref_l = attention_forward(qkv, cu, max(lengths), causal, None, q.dtype,
                                                          poison=True)
@@ -197,7 +201,8 @@ def phase_agreement(cfgs, dev, quick):
                     for cfg in cfgs:
                         where = f"gluon {cfg.name} D={D} T={sum(lengths)} {family} causal={causal}"
                         try:
-                            o, lse = G.attention_forward_gluon(qkv, cu, max(lengths), causal, None,
+                            o, lse = G.attention_forward_gluon(qkv_m if cfg.mma_order else qkv,
+                                                               cu, max(lengths), causal, None,
                                                                q.dtype, config=cfg, poison=True)
                             torch.cuda.synchronize()
                             if (cfg.name, D) not in seen_usage:
@@ -262,7 +267,8 @@ def phase_properties(cfgs, dev):
         q, k, v, cu = make_qkv(lengths, 8, 2, D, "outliers", device=dev, seed=11)
         for cfg in cfgs:
             def run(q_, k_, v_, causal=True):
-                qkv = quantize_qkv(q_, k_, v_, cu, "fp8", causal, poison=True, vt_mma_order=False)
+                qkv = quantize_qkv(q_, k_, v_, cu, "fp8", causal, poison=True,
+                                   vt_mma_order=cfg.mma_order)
                 return G.attention_forward_gluon(qkv, cu, max(lengths), causal, None, q.dtype,
                                                  config=cfg, poison=True)
             try:
@@ -380,10 +386,11 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, w
             try:
                 sch = build_schedule(cu, T, cfg.block_m, cfg.block_n, True)
                 rec(cfg.name, "forward", timed(lambda: G.attention_forward_gluon(
-                    qkv, cu, max(lengths), True, None, q.dtype, config=cfg, schedule=sch)))
+                    qkv_t if cfg.mma_order else qkv, cu, max(lengths), True, None, q.dtype,
+                    config=cfg, schedule=sch)))
                 if not forward_only:
                     rec(cfg.name, "quant+forward", timed(lambda: G.attention_forward_gluon(
-                        quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False), cu,
+                        quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=cfg.mma_order), cu,
                         max(lengths), True, None, q.dtype, config=cfg)))
             except Exception as e:   # noqa: BLE001
                 record_error(f"timing {cfg.name} {name}", e)

@@ -110,3 +110,33 @@ def test_gluon_forward_next_variants_compile():
         assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
         # part of the exp2 went to the FMA pipe: fewer MUFU ex2 than S elements per tile
         assert u["ex2"] > 0, tag
+
+
+def test_gluon_persistent_forward_compiles():
+    """The persistent kernel (a CTA walks the work list; the producer warp runs ahead across
+    items) compiles clean for sm_90a in both vt8 orders; with key-ordered vt8 the conversion of
+    P to the PV wgmma's A operand needs far fewer shuffles; the launcher refuses a vt8 in the
+    other order, and configs it does not implement."""
+    from flamia.ops import forward_gluon as G
+    names = [c.name for c in G.PERSISTENT_FWD]
+    assert names == ["g64x128w4s2-ws1-p24-r128-f-P2", "g64x128w4s2-ws1-p24-r128-f-P2-m"]
+    with pytest.raises(ValueError):
+        G._check_config(G.CONFIGS[names[0]].with_(lazy=True), 128)
+    with pytest.raises(ValueError):
+        G._check_config(G.CONFIGS["g64x128w4s2"].with_(mma_order=True), 128)
+    qkv = G._fake_qkv(64, 2, 1, 64, mma_order=False)
+    with pytest.raises(ValueError, match="vt_mma_order=True"):
+        G.attention_forward_gluon(qkv, torch.tensor([0, 64], dtype=torch.int32), 64, True, None,
+                                  torch.bfloat16, config=G.CONFIGS[names[1]])
+    shfl = {}
+    for u in _compile([(names[0], 128, True), (names[1], 128, True), (names[1], 64, False)]):
+        tag = f"{u['name']} D={u['D']}"
+        assert u["regs"] is not None and u["regs"] <= 255, tag
+        assert (u["spill_stores"] or 0) <= SPILL_BOUND, f"{tag}: {u['spill_stores']} B spilled"
+        assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
+        assert u["local"] == 0, tag
+        assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
+        # two Q buffers + two ring stages: two CTAs fit in the H200's 228 KB per SM
+        assert 2 * u["shared"] <= 227 * 1024, tag
+        shfl[(u["name"], u["D"])] = u["shfl"]
+    assert shfl[(names[1], 128)] < shfl[(names[0], 128)] / 2

@@ -54,6 +54,7 @@ try:   # Gluon ships with triton >= 3.5; keep this module importable without it
 except Exception:   # pragma: no cover - older triton
     HAVE_GLUON = False
 
+from .kmajor import mma_order16_host
 from .layout import QuantizedQKV
 from .schedule import Schedule, build_schedule, per_cu_seqlens
 
@@ -82,6 +83,13 @@ class GluonFwdConfig:
                             #     (no row max changed): bitwise the same result
     poly: int = 0           # -eN: 1 of every N exp2 of unmasked tiles on the FMA pipe (degree-5
                             #     polynomial, ~2e-7 relative like MUFU); N in (2, 4, 8)
+    # -PN, ws=1 only: persistent, N CTAs per SM, each walking the work list with stride grid
+    # size; the producer warp loads the next item's Q and first K / V tiles while the consumer
+    # finishes the current one (_attn_fwd_gluon_persistent_kernel)
+    persistent: int = 0
+    # -m: vt8 stored in wgmma key order (QuantizedQKV.vt8_mma_order): P's accumulator registers
+    # are the PV wgmma's A operand as they are (flamia.ops.kmajor)
+    mma_order: bool = False
 
     def with_(self, **kw) -> "GluonFwdConfig":
         return replace(self, **kw)
@@ -97,7 +105,9 @@ class GluonFwdConfig:
         s += "-pp" if self.pingpong else ""
         s += "-f" if self.fold else ""
         s += "-k" if self.lazy else ""
-        return s + (f"-e{self.poly}" if self.poly else "")
+        s += f"-e{self.poly}" if self.poly else ""
+        s += f"-P{self.persistent}" if self.persistent else ""
+        return s + ("-m" if self.mma_order else "")
 
 
 # Named variants for benchmarks (--configs) and the compile test.
@@ -136,6 +146,12 @@ NEXT_FWD = [
     _WS2.with_(pingpong=True, fold=True, lazy=True, poly=4),
 ]
 CONFIGS.update({c.name: c for c in NEXT_FWD})
+# persistent (two CTAs per SM, as ws1's maxnreg 128 allows), token- and key-ordered vt8
+# (ws1 at two stages: the second Q buffer would not leave room for two CTAs at three)
+_WS1S2 = CONFIGS["g64x128w4s2-ws1-p24-r128"]
+PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
+                  _WS1S2.with_(fold=True, persistent=2, mma_order=True)]
+CONFIGS.update({c.name: c for c in PERSISTENT_FWD})
 
 
 def default_gluon_config(head_dim: int) -> GluonFwdConfig:
@@ -152,6 +168,10 @@ def _check_config(cfg: GluonFwdConfig, D: int):
         raise ValueError(f"{cfg}: block_m must be 16 * num_warps (64 rows per warpgroup)")
     if cfg.pingpong and cfg.ws != 2:
         raise ValueError(f"{cfg}: ping-pong needs two consumer warpgroups (ws=2)")
+    if cfg.persistent and (cfg.ws != 1 or cfg.lazy or cfg.poly):
+        raise ValueError(f"{cfg}: the persistent kernel is ws=1 without lazy / poly")
+    if cfg.mma_order and not cfg.persistent:
+        raise ValueError(f"{cfg}: vt8 in wgmma key order is read by the persistent kernel only")
     if cfg.poly not in (0, 2, 4, 8):
         raise ValueError(f"{cfg}: poly is 0 or one exp2 in 2, 4 or 8 on the FMA pipe")
     if cfg.block_n not in (64, 128) or cfg.stages < 2:
@@ -298,6 +318,25 @@ if HAVE_GLUON:
                                         j < n_tiles)
 
     @gluon.jit
+    def _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, st, row, kvh):
+        """_load_k into ring stage st from absolute token row `row` (the persistent kernel's
+        tile sequence does not start at the document)."""
+        D: gl.constexpr = k_smem.type.shape[2]
+        bk = k_ready.index(st)
+        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st))
+        tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st))
+        tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st))
+
+    @gluon.jit
+    def _load_v_at(v_desc, v_smem, v_ready, st, row, kvh):
+        """_load_v into ring stage st from absolute token column `row` of vt8."""
+        D: gl.constexpr = v_smem.type.shape[1]
+        bv = v_ready.index(st)
+        mbarrier.expect(bv, v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kvh * D, row], bv, v_smem.index(st))
+
+    @gluon.jit
     def _issue_qk(q_tile, k_tile, s_layout: gl.constexpr):
         """S = Q K^T of one KV tile, as an async wgmma into a fresh accumulator."""
         BM: gl.constexpr = q_tile.type.shape[0]
@@ -326,10 +365,23 @@ if HAVE_GLUON:
                                              "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
                                              dtype=gl.float32, is_pure=True, pack=8)
 
+    _mma_order16_g = gluon.jit(mma_order16_host)     # the kernels' copy of kmajor's definition
+
+    @gluon.jit
+    def _mma_key_order(x8):
+        """x8 (rows, k) with its columns in wgmma A order: column p = column mma_order16(p) of
+        x8 (flamia.ops.kmajor); a permutation of the 4 low column bits that keeps every value
+        in its thread, so the conversion to the A operand layout moves no data."""
+        R: gl.constexpr = x8.shape[0]
+        K: gl.constexpr = x8.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(x8, [R, K // 16, 2, 2, 2, 2]),
+                                     (0, 1, 3, 4, 2, 5)), [R, K])
+
     @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         MASKED: gl.constexpr, CAUSAL: gl.constexpr, o_layout: gl.constexpr,
-                        FOLD: gl.constexpr = False, POLY: gl.constexpr = 0):
+                        FOLD: gl.constexpr = False, POLY: gl.constexpr = 0,
+                        MMA_ORDER: gl.constexpr = False):
         """Online softmax of one S tile, written like forward._attn_inner (log2 units, lr riding
         on the subtracted max) -> (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
 
@@ -364,13 +416,15 @@ if HAVE_GLUON:
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
+        if MMA_ORDER:
+            a = _mma_key_order(a)
         a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
         return a, m_new, l_i, alpha
 
     @gluon.jit
     def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
                       CAUSAL: gl.constexpr, o_layout: gl.constexpr, FOLD: gl.constexpr,
-                      POLY: gl.constexpr):
+                      POLY: gl.constexpr, MMA_ORDER: gl.constexpr = False):
         """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
         stage st: masked where the tile reaches outside the document or past full_end, the
         FOLD / POLY variants elsewhere."""
@@ -379,10 +433,10 @@ if HAVE_GLUON:
         sv_s = _scale_view(sv_smem, st, BN)
         if (n0 < 0) | (n0 + BN > full_end):
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                                 True, CAUSAL, o_layout)
+                                                 True, CAUSAL, o_layout, False, 0, MMA_ORDER)
         else:
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                                 False, CAUSAL, o_layout, FOLD, POLY)
+                                                 False, CAUSAL, o_layout, FOLD, POLY, MMA_ORDER)
         return a, m_i, l_i, alpha
 
     @gluon.jit
@@ -399,7 +453,7 @@ if HAVE_GLUON:
         return acc * gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout)), 1)
 
     @gluon.jit
-    def _zero_v_outside(v_tile, n0, L, num_warps: gl.constexpr):
+    def _zero_v_outside(v_tile, n0, L, num_warps: gl.constexpr, MMA_ORDER: gl.constexpr = False):
         """Zero the V^T columns (keys) of a ring stage that lie outside the document, in place.
 
         Their P is 0, but 0 * NaN is NaN in the MMA: keys of a neighbouring document (head tile,
@@ -409,7 +463,10 @@ if HAVE_GLUON:
         TPW_N: gl.constexpr = BN // 16
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
         v = v_tile.load(blk)
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, blk))
+        c = gl.arange(0, BN, layout=gl.SliceLayout(0, blk))
+        if MMA_ORDER:       # column c holds key mma_order16(c) of the tile (tiles 16-aligned)
+            c = _mma_order16_g(c)
+        cols = n0 + c
         ok = gl.expand_dims((cols >= 0) & (cols < L), 0)
         v = gl.where(ok, v, gl.zeros_like(v))
         v_tile.store(v)
@@ -417,14 +474,15 @@ if HAVE_GLUON:
         gl.thread_barrier()       # every thread's columns written before any warp issues PV
 
     @gluon.jit
-    def _wait_v(v_smem, v_ready, st, j, n0, L, num_warps: gl.constexpr):
+    def _wait_v(v_smem, v_ready, st, j, n0, L, num_warps: gl.constexpr,
+                MMA_ORDER: gl.constexpr = False):
         """Wait for V^T tile j (ring stage st, keys from n0) and zero its keys outside the
         document if it is an edge tile, before the PV wgmma reads it."""
         STAGES: gl.constexpr = v_smem.type.shape[0]
         BN: gl.constexpr = v_smem.type.shape[2]
         mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
         if (n0 < 0) | (n0 + BN > L):
-            _zero_v_outside(v_smem.index(st), n0, L, num_warps)
+            _zero_v_outside(v_smem.index(st), n0, L, num_warps, MMA_ORDER)
 
     @gluon.jit
     def _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows, row_ok,
@@ -775,6 +833,181 @@ if HAVE_GLUON:
             mbarrier.invalidate(turn.index(1))
 
 
+    # -----------------------------------------------------------------------------------------
+    # Persistent variant (GluonFwdConfig.persistent = CTAs per SM, ws=1): each CTA walks work
+    # indices w = pid, pid + G, ... (G = grid size; w = item * HQ + head, the one-program-per-
+    # item kernels' order) with one producer warp and one consumer warpgroup. A short item (a
+    # 512-token document: 1-4 KV tiles per 64-row block) otherwise pays, per program, a chain of
+    # dependent latencies (work list -> cu_seqlens -> Q / K by TMA -> ... -> V) with the tensor
+    # cores idle in between; here the producer runs ahead across item boundaries.
+    #
+    # Ring protocol, in one tile sequence g = 0, 1, ... over all items of the CTA: K_g and V_g
+    # go to stage g % STAGES; the consumer's release r_g (after S_g and PV_{g-1} are done) frees
+    # K_g and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_{g-1} with it (V_{g-1}
+    # needs V_{g-1-STAGES} free: r_{g-STAGES}). PV of an item's last tile is waited on before
+    # the next item starts, so V of that tile is free by the next release. Q is double
+    # buffered: item i's Q goes to buffer i % 2 after the consumer's q_free for item i - 2.
+    # -----------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _pers_item(ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM: gl.constexpr, BN: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """(doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles) of work index w; doc < 0:
+        a padding item (no work)."""
+        head = w % HQ
+        item = w // HQ
+        doc = gl.load(ITEMS + item)
+        dsafe = gl.maximum(doc, 0)
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(CU + dsafe)
+        L = gl.load(CU + dsafe + 1) - start
+        q_lo = blk * BM
+        shift = start % 16
+        full_end, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
+        return doc, head, head // GROUP, start, L, q_lo, shift, full_end, n_tiles
+
+    @gluon.jit
+    def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
+                       sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS, CU,
+                       N_ITEMS, HQ, GROUP, W, BM: gl.constexpr, BN: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        D: gl.constexpr = k_smem.type.shape[2]
+        g = 0               # tiles loaded so far (the CTA-wide tile sequence)
+        it = 0              # items started so far
+        for w in range(gl.program_id(0), W, gl.num_programs(0)):
+            doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles = _pers_item(
+                ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM, BN, CAUSAL)
+            if doc >= 0:
+                qb = it % 2
+                mbarrier.wait(q_free.index(qb), ((it // 2) + 1) & 1, pred=it >= 2)
+                mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D],
+                                                q_ready.index(qb), q_smem.index(qb))
+                row = start - shift
+                for t in range(n_tiles):
+                    st = g % STAGES
+                    # K_g after r_{g-STAGES} (K_{g-STAGES} read); V_g after r_{g-STAGES+1}
+                    # (V_{g-STAGES} read), which K_{g+1} needs anyway. Re-waiting r_{g+1-STAGES}
+                    # at the next tile is safe: its barrier cannot complete again before K_{g+1}.
+                    mbarrier.wait(rel.index(st), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+                    _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                               row, kvh)
+                    mbarrier.wait(rel.index((g + 1) % STAGES), (((g + 1) // STAGES) + 1) & 1,
+                                  pred=g + 1 >= STAGES)
+                    _load_v_at(v_desc, v_smem, v_ready, st, row, kvh)
+                    row += BN
+                    g += 1
+                it += 1
+
+    @gluon.jit
+    def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
+                       v_ready, rel, ITEMS, CU, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
+                       stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
+                       FOLD: gl.constexpr, MMA_ORDER: gl.constexpr):
+        """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence."""
+        BM: gl.constexpr = 16 * NW
+        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
+        o_layout: gl.constexpr = _wgmma_layout(D, NW)
+        g = 0
+        it = 0
+        for w in range(gl.program_id(0), W, gl.num_programs(0)):
+            doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles = _pers_item(
+                ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM, BN, CAUSAL)
+            if doc >= 0:
+                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L,
+                                                            head, kvh, BM, s_layout)
+                m_i = gl.full_like(row_f, float("-inf"))
+                l_i = gl.zeros_like(row_f)
+                qb = it % 2
+                q_tile = q_smem.index(qb)
+
+                # ---- tile 0 of the item (global g) ----
+                n0 = -shift
+                st = g % STAGES
+                mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+                mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
+                s = _issue_qk(q_tile, k_smem.index(st), s_layout)
+                s = warpgroup_mma_wait(0, deps=[s])
+                a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
+                                                   rows, n0, L, full_end, CAUSAL, o_layout, FOLD,
+                                                   0, MMA_ORDER)
+                _ws_release(rel, st)            # r_g: K_g read (V_{g-1}: the previous item's
+                acc = gl.zeros([BM, D], gl.float32, o_layout)       # last PV was waited on)
+                g += 1
+
+                for j in range(1, n_tiles):
+                    st = g % STAGES
+                    pst = (g - 1) % STAGES
+                    n0_prev = n0
+                    n0 = j * BN - shift
+                    mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
+                    s = _issue_qk(q_tile, k_smem.index(st), s_layout)
+                    _wait_v(v_smem, v_ready, pst, g - 1, n0_prev, L, NW, MMA_ORDER)
+                    acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=[s])
+                    a_new, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i,
+                                                           row_f, lr, rows, n0, L, full_end,
+                                                           CAUSAL, o_layout, FOLD, 0, MMA_ORDER)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    _ws_release(rel, st)        # r_g: K_g and V_{g-1} are free
+                    acc = _mul_rows(acc, alpha)
+                    a = a_new
+                    g += 1
+
+                # every QK^T of the item is done: its Q buffer may take item it + 2
+                mbarrier.arrive(q_free.index(qb), count=1)
+                lst = (g - 1) % STAGES
+                _wait_v(v_smem, v_ready, lst, g - 1, n0, L, NW, MMA_ORDER)
+                acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows,
+                           row_ok, L, head)
+                it += 1
+
+    @gluon.jit
+    def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O,
+                                          LSE, ITEMS, CU, stride_ot, stride_oh, T, N_ITEMS, HQ,
+                                          GROUP, qk_scale, D: gl.constexpr, BM: gl.constexpr,
+                                          BN: gl.constexpr, STAGES: gl.constexpr,
+                                          CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                          FOLD: gl.constexpr, MMA_ORDER: gl.constexpr,
+                                          num_warps: gl.constexpr):
+        W = N_ITEMS * HQ
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, D], q_desc.layout)
+        k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
+                                                          STAGES, BN, D)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        rel = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(rel.index(i), count=1)
+        gl.warp_specialize([
+            (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
+                              v_ready, rel, ITEMS, CU, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
+                              stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
+                              num_warps, FOLD, MMA_ORDER)),
+            (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
+                              sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS, CU,
+                              N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL)),
+        ], [1], [PRODUCER_REGS])
+        for i in gl.static_range(2):
+            mbarrier.invalidate(q_ready.index(i))
+            mbarrier.invalidate(q_free.index(i))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(rel.index(i))
+
+
 _LAYOUTS: dict = {}
 
 
@@ -840,14 +1073,15 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         raise NotImplementedError("the Gluon forward implements the fp8 recipes only")
     if qkv.vt8 is None:
         raise ValueError("the Gluon forward needs the K-major V copy (quantize_qkv(write_vt=True))")
-    if qkv.vt8_mma_order:
-        raise ValueError("the Gluon forward reads vt8 in token order: quantize_qkv(..., "
-                         "vt_mma_order=False)")
     T, Hq, Hkv, D = qkv.shape
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     cfg = config or default_gluon_config(D)
     _check_config(cfg, D)
+    if bool(qkv.vt8_mma_order) != cfg.mma_order:
+        want = "vt_mma_order=True" if cfg.mma_order else "vt_mma_order=False"
+        raise ValueError(f"{cfg.name} reads vt8 in {'wgmma key' if cfg.mma_order else 'token'} "
+                         f"order: quantize_qkv(..., {want})")
     dev = qkv.q8.device
     for name, x in (("q", qkv.q8), ("k", qkv.k8)):
         if x.stride(2) != 1 or x.stride(1) != D:
@@ -873,7 +1107,15 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
             out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E)
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     global LAST_KERNEL
-    if cfg.ws:
+    if cfg.persistent:
+        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count \
+            if dev.type == "cuda" else 132          # compile-only on the CPU: the H200's count
+        grid = (max(1, min(n_items * Hq, cfg.persistent * n_sm)),)
+        LAST_KERNEL = _attn_fwd_gluon_persistent_kernel[grid](
+            *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
+            PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,
+            num_warps=cfg.num_warps, **extra)
+    elif cfg.ws:
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,
             PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs,
@@ -908,13 +1150,13 @@ PTX_COUNTS = {
 }
 
 
-def _fake_qkv(T: int, Hq: int, Hkv: int, D: int) -> QuantizedQKV:
+def _fake_qkv(T: int, Hq: int, Hkv: int, D: int, mma_order: bool = False) -> QuantizedQKV:
     f8 = torch.float8_e4m3fn
     z = lambda *s: torch.zeros(*s, dtype=f8)            # noqa: E731
     tp = (T + 15) // 16 * 16
     return QuantizedQKV("fp8", z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
                         torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=True,
-                        vt8=z(Hkv, D, tp))
+                        vt8=z(Hkv, D, tp), vt8_mma_order=mma_order)
 
 
 def compile_report(cfg: GluonFwdConfig, D: int, causal: bool = True, T: int = 4096, Hq: int = 8,
@@ -923,7 +1165,7 @@ def compile_report(cfg: GluonFwdConfig, D: int, causal: bool = True, T: int = 40
     from ._interp import compile_only, resource_usage
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_report needs TRITON_INTERPRET unset (run it in a subprocess)")
-    qkv = _fake_qkv(T, Hq, Hkv, D)
+    qkv = _fake_qkv(T, Hq, Hkv, D, cfg.mma_order)
     cu = torch.tensor([0, T], dtype=torch.int32)
     with compile_only() as built:
         attention_forward_gluon(qkv, cu, T, causal, None, torch.bfloat16, config=cfg)

@@ -119,10 +119,12 @@ def test_schedule_covers_each_block_once_heaviest_first(causal):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     BM, BN = 64, 32
     sch = build_schedule(cu, sum(lengths), BM, BN, causal)
-    doc, blk = sch.items.tolist()
+    doc, blk, start, length = sch.items.tolist()
     real = [(d, b) for d, b in zip(doc, blk) if d >= 0]
     expect = [(d, b) for d, L in enumerate(lengths) for b in range(-(-L // BM))]
     assert sorted(real) == sorted(expect)
+    for i, d in enumerate(doc[:len(real)]):            # each item's document span, inline
+        assert (start[i], length[i]) == (cu[d].item(), lengths[d])
     assert all(d < 0 for d in doc[len(real):])           # padding items at the end
 
     def cost(d, b):

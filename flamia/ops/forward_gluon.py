@@ -850,25 +850,23 @@ if HAVE_GLUON:
     # -----------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _pers_item(ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM: gl.constexpr, BN: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-        """(doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles) of work index w; doc < 0:
-        a padding item (no work)."""
+    def _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w):
+        """(doc, head, kvh, start, L, blk) of work index w, straight from the work list (rows
+        document, block, first token, length: no dependent cu_seqlens load); doc < 0 for a
+        padding item or w >= W. Independent loads: issued one item ahead, they arrive while
+        the current item computes."""
+        ok = w < W
         head = w % HQ
         item = w // HQ
-        doc = gl.load(ITEMS + item)
-        dsafe = gl.maximum(doc, 0)
-        blk = gl.load(ITEMS + N_ITEMS + item)
-        start = gl.load(CU + dsafe)
-        L = gl.load(CU + dsafe + 1) - start
-        q_lo = blk * BM
-        shift = start % 16
-        full_end, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
-        return doc, head, head // GROUP, start, L, q_lo, shift, full_end, n_tiles
+        doc = gl.load(ITEMS + item, mask=ok, other=-1)
+        blk = gl.load(ITEMS + N_ITEMS + item, mask=ok, other=0)
+        start = gl.load(ITEMS + 2 * N_ITEMS + item, mask=ok, other=0)
+        L = gl.load(ITEMS + 3 * N_ITEMS + item, mask=ok, other=0)
+        return doc, head, head // GROUP, start, L, blk
 
     @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
-                       sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS, CU,
+                       sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                        N_ITEMS, HQ, GROUP, W, BM: gl.constexpr, BN: gl.constexpr,
                        CAUSAL: gl.constexpr):
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -876,9 +874,11 @@ if HAVE_GLUON:
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
         it = 0              # items started so far
         for w in range(gl.program_id(0), W, gl.num_programs(0)):
-            doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles = _pers_item(
-                ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM, BN, CAUSAL)
+            doc, head, kvh, start, L, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w)
             if doc >= 0:
+                q_lo = blk * BM
+                shift = start % 16
+                _, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
                 qb = it % 2
                 mbarrier.wait(q_free.index(qb), ((it // 2) + 1) & 1, pred=it >= 2)
                 mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
@@ -902,7 +902,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
-                       v_ready, rel, ITEMS, CU, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
+                       v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
                        FOLD: gl.constexpr, MMA_ORDER: gl.constexpr):
@@ -912,14 +912,23 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = _wgmma_layout(D, NW)
         g = 0
         it = 0
-        for w in range(gl.program_id(0), W, gl.num_programs(0)):
-            doc, head, kvh, start, L, q_lo, shift, full_end, n_tiles = _pers_item(
-                ITEMS, CU, N_ITEMS, HQ, GROUP, w, BM, BN, CAUSAL)
-            if doc >= 0:
-                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L,
-                                                            head, kvh, BM, s_layout)
-                m_i = gl.full_like(row_f, float("-inf"))
-                l_i = gl.zeros_like(row_f)
+        # The work list entries and per-row vectors of the next item are loaded one item ahead
+        # (loop-carried), so an item starts without a dependent global load on its path.
+        G = gl.num_programs(0)
+        doc, head, kvh, start, L, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W,
+                                                   gl.program_id(0))
+        tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, blk * BM, L,
+                                                    head, kvh, BM, s_layout)
+        for w in range(gl.program_id(0), W, G):
+            c_doc, c_head, c_start, c_L, c_blk = doc, head, start, L, blk
+            c_tok0, c_rows, c_row_ok, c_row_f, c_lr = tok0, rows, row_ok, row_f, lr
+            doc, head, kvh, start, L, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
+            if c_doc >= 0:
+                q_lo = c_blk * BM
+                shift = c_start % 16
+                full_end, n_tiles = _kv_tiles(q_lo, c_L, shift, BM, BN, CAUSAL)
+                m_i = gl.full_like(c_row_f, float("-inf"))
+                l_i = gl.zeros_like(c_row_f)
                 qb = it % 2
                 q_tile = q_smem.index(qb)
 
@@ -930,9 +939,9 @@ if HAVE_GLUON:
                 mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
                 s = _issue_qk(q_tile, k_smem.index(st), s_layout)
                 s = warpgroup_mma_wait(0, deps=[s])
-                a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
-                                                   rows, n0, L, full_end, CAUSAL, o_layout, FOLD,
-                                                   0, MMA_ORDER)
+                a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, c_row_f,
+                                                   c_lr, c_rows, n0, c_L, full_end, CAUSAL,
+                                                   o_layout, FOLD, 0, MMA_ORDER)
                 _ws_release(rel, st)            # r_g: K_g read (V_{g-1}: the previous item's
                 acc = gl.zeros([BM, D], gl.float32, o_layout)       # last PV was waited on)
                 g += 1
@@ -944,11 +953,11 @@ if HAVE_GLUON:
                     n0 = j * BN - shift
                     mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
                     s = _issue_qk(q_tile, k_smem.index(st), s_layout)
-                    _wait_v(v_smem, v_ready, pst, g - 1, n0_prev, L, NW, MMA_ORDER)
+                    _wait_v(v_smem, v_ready, pst, g - 1, n0_prev, c_L, NW, MMA_ORDER)
                     acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
                     s = warpgroup_mma_wait(1, deps=[s])
                     a_new, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i,
-                                                           row_f, lr, rows, n0, L, full_end,
+                                                           c_row_f, c_lr, c_rows, n0, c_L, full_end,
                                                            CAUSAL, o_layout, FOLD, 0, MMA_ORDER)
                     acc = warpgroup_mma_wait(0, deps=[acc])
                     _ws_release(rel, st)        # r_g: K_g and V_{g-1} are free
@@ -958,13 +967,18 @@ if HAVE_GLUON:
 
                 # every QK^T of the item is done: its Q buffer may take item it + 2
                 mbarrier.arrive(q_free.index(qb), count=1)
+                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
+                                                            blk * BM, L, head, kvh, BM, s_layout)
                 lst = (g - 1) % STAGES
-                _wait_v(v_smem, v_ready, lst, g - 1, n0, L, NW, MMA_ORDER)
+                _wait_v(v_smem, v_ready, lst, g - 1, n0, c_L, NW, MMA_ORDER)
                 acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
-                _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows,
-                           row_ok, L, head)
+                _store_out(acc, m_i, l_i, c_lr, O, LSE, stride_ot, stride_oh, T, c_tok0, q_lo,
+                           c_rows, c_row_ok, c_L, c_head)
                 it += 1
+            else:
+                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
+                                                            blk * BM, L, head, kvh, BM, s_layout)
 
     @gluon.jit
     def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O,
@@ -992,11 +1006,11 @@ if HAVE_GLUON:
             mbarrier.init(rel.index(i), count=1)
         gl.warp_specialize([
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
-                              v_ready, rel, ITEMS, CU, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
+                              v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                               stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
                               num_warps, FOLD, MMA_ORDER)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
-                              sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS, CU,
+                              sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                               N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL)),
         ], [1], [PRODUCER_REGS])
         for i in gl.static_range(2):

@@ -2,7 +2,8 @@
 
 A kernel over packed documents launches one program per (work item, query head). A work item is
 one query block of BLOCK_M rows inside one document, so no program straddles a document and the
-kernel reads its document and block directly (no per-tile search). Items are sorted by cost --
+kernel reads its document, block, first token and length directly (no per-tile search, and no
+dependent cu_seqlens load before its first tile). Items are sorted by cost --
 the number of KV tiles the block visits (causal: up to its diagonal) -- longest first, so the
 long diagonal-heavy blocks of long documents start first and short ones fill the tail (LPT).
 
@@ -48,7 +49,8 @@ def per_cu_seqlens(cu_seqlens: torch.Tensor, key, build):
 
 @dataclass
 class Schedule:
-    items: torch.Tensor     # (2, n_items) int32: row 0 document (-1: no work), row 1 query block
+    items: torch.Tensor     # (4, n_items) int32: rows document (-1: no work), query block, and
+                            # the document's first token and length (no cu_seqlens lookup)
     n_items: int            # host-side upper bound on the number of real items
     block_m: int
     block_n: int
@@ -66,7 +68,7 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     n_docs = cu_seqlens.numel() - 1
     n = max(max_items(total_tokens, n_docs, block_m), 1)
     if n_docs <= 0:
-        items = torch.full((2, n), -1, dtype=torch.int32, device=dev)
+        items = torch.full((4, n), -1, dtype=torch.int32, device=dev)
         return Schedule(items, n, block_m, block_n, causal)
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
@@ -86,5 +88,6 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     # Ties keep packed order (lower index first): neighbouring blocks share KV tiles in L2.
     key = cost * (1 << 20) - idx.clamp(max=(1 << 20) - 1)
     order = torch.argsort(key, descending=True)
-    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order]])
+    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order],
+                         cu[:-1][d][order], L[order]])
     return Schedule(items.to(torch.int32).contiguous(), n, block_m, block_n, causal)

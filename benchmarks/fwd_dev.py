@@ -73,8 +73,6 @@ def cfg_name(c: FwdConfig | None) -> str:
         s += "-foldlr"
     if c.masked_stages:
         s += f"-m{c.masked_stages}"
-    if c.item_span:
-        s += "-span"
     return s
 
 
@@ -89,14 +87,13 @@ def parse_configs(spec: str) -> list[FwdConfig]:
     default; mN: masked_stages=N)."""
     out = []
     for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?(?:m(\d+))?(i)?", item)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?(?:m(\d+))?", item)
         if not m:
             raise SystemExit(f"--fp8-configs: cannot parse {item!r} "
-                             "(BMxBNwWARPSsSTAGES[rMAXNREG][mMASKED_STAGES][i])")
-        bm, bn, w, st, r, ms, i = m.groups()
+                             "(BMxBNwWARPSsSTAGES[rMAXNREG][mMASKED_STAGES])")
+        bm, bn, w, st, r, ms = m.groups()
         out.append(FwdConfig(int(bm), int(bn), int(w), int(st), maxnreg=int(r) if r else None,
-                             fold_lr=True, masked_stages=int(ms) if ms else None,
-                             item_span=bool(i)))
+                             fold_lr=True, masked_stages=int(ms) if ms else None))
     return out
 
 

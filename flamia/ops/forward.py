@@ -65,11 +65,6 @@ class FwdConfig:
     # loops pipelined too, ptxas serializes every wgmma of the kernel (C7515, non-wgmma code
     # defining accumulator registers inside a pipeline stage).
     masked_stages: int | None = None
-    # item_span: the program reads its document's first token and length from the work list
-    # (Schedule.items rows 2-3) instead of cu_seqlens[doc], cu_seqlens[doc + 1]: one dependent
-    # global load fewer before the Q / K loads can be issued (every program of a short-document
-    # workload pays that latency with little work to hide it).
-    item_span: bool = False
 
     def with_(self, **kw) -> "FwdConfig":
         return replace(self, **kw)
@@ -202,8 +197,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
-                     ITEM_SPAN: tl.constexpr = False):
+                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -213,12 +207,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     if doc < 0:
         return
     blk = tl.load(ITEMS + N_ITEMS + item)
-    if ITEM_SPAN:
-        start = tl.load(ITEMS + 2 * N_ITEMS + item)
-        L = tl.load(ITEMS + 3 * N_ITEMS + item)
-    else:
-        start = tl.load(CU + doc)
-        L = tl.load(CU + doc + 1) - start
+    start = tl.load(CU + doc)
+    L = tl.load(CU + doc + 1) - start
     kvh = head // GROUP
     q_lo = blk * BLOCK_M
     offs_m = q_lo + tl.arange(0, BLOCK_M)          # doc-local rows
@@ -358,8 +348,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(v_kmajor and qkv.vt8_mma_order),
-        **({"ITEM_SPAN": True} if config.item_span else {}), num_warps=config.num_warps,
+        V_MMA_ORDER=bool(v_kmajor and qkv.vt8_mma_order), num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

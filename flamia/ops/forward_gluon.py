@@ -150,8 +150,15 @@ CONFIGS.update({c.name: c for c in NEXT_FWD})
 # (ws1 at two stages: the second Q buffer would not leave room for two CTAs at three)
 _WS1S2 = CONFIGS["g64x128w4s2-ws1-p24-r128"]
 PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
-                  _WS1S2.with_(fold=True, persistent=2, mma_order=True)]
+                  _WS1S2.with_(fold=True, persistent=2, mma_order=True),
+                  _WS1.with_(fold=True, persistent=2)]
 CONFIGS.update({c.name: c for c in PERSISTENT_FWD})
+
+
+def persistent_q_buffers(cfg: GluonFwdConfig) -> int:
+    """Q buffers of the persistent kernel: two (the next item's Q loads during this item) unless
+    three or more ring stages leave no room for them at two CTAs per SM (228 KB)."""
+    return 2 if cfg.stages <= 2 else 1
 
 
 def default_gluon_config(head_dim: int) -> GluonFwdConfig:
@@ -846,7 +853,9 @@ if HAVE_GLUON:
     # K_g and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_{g-1} with it (V_{g-1}
     # needs V_{g-1-STAGES} free: r_{g-STAGES}). PV of an item's last tile is waited on before
     # the next item starts, so V of that tile is free by the next release. Q is double
-    # buffered: item i's Q goes to buffer i % 2 after the consumer's q_free for item i - 2.
+    # buffered at two ring stages (item i's Q goes to buffer i % 2 after the consumer's q_free
+    # for item i - 2) and single at three, where two buffers would leave room for one CTA per SM
+    # only; one buffer is still refilled before the item ends (after its last QK^T).
     # -----------------------------------------------------------------------------------------
 
     @gluon.jit
@@ -868,7 +877,7 @@ if HAVE_GLUON:
     def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                        sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                        N_ITEMS, HQ, GROUP, W, BM: gl.constexpr, BN: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+                       CAUSAL: gl.constexpr, QBUF: gl.constexpr):
         STAGES: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[2]
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
@@ -879,8 +888,8 @@ if HAVE_GLUON:
                 q_lo = blk * BM
                 shift = start % 16
                 _, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
-                qb = it % 2
-                mbarrier.wait(q_free.index(qb), ((it // 2) + 1) & 1, pred=it >= 2)
+                qb = it % QBUF
+                mbarrier.wait(q_free.index(qb), ((it // QBUF) + 1) & 1, pred=it >= QBUF)
                 mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D],
                                                 q_ready.index(qb), q_smem.index(qb))
@@ -905,7 +914,7 @@ if HAVE_GLUON:
                        v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
-                       FOLD: gl.constexpr, MMA_ORDER: gl.constexpr):
+                       FOLD: gl.constexpr, MMA_ORDER: gl.constexpr, QBUF: gl.constexpr):
         """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence."""
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
@@ -929,13 +938,13 @@ if HAVE_GLUON:
                 full_end, n_tiles = _kv_tiles(q_lo, c_L, shift, BM, BN, CAUSAL)
                 m_i = gl.full_like(c_row_f, float("-inf"))
                 l_i = gl.zeros_like(c_row_f)
-                qb = it % 2
+                qb = it % QBUF
                 q_tile = q_smem.index(qb)
 
                 # ---- tile 0 of the item (global g) ----
                 n0 = -shift
                 st = g % STAGES
-                mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+                mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
                 mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
                 s = _issue_qk(q_tile, k_smem.index(st), s_layout)
                 s = warpgroup_mma_wait(0, deps=[s])
@@ -965,7 +974,7 @@ if HAVE_GLUON:
                     a = a_new
                     g += 1
 
-                # every QK^T of the item is done: its Q buffer may take item it + 2
+                # every QK^T of the item is done: its Q buffer may take item it + QBUF
                 mbarrier.arrive(q_free.index(qb), count=1)
                 tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
                                                             blk * BM, L, head, kvh, BM, s_layout)
@@ -987,17 +996,17 @@ if HAVE_GLUON:
                                           BN: gl.constexpr, STAGES: gl.constexpr,
                                           CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                           FOLD: gl.constexpr, MMA_ORDER: gl.constexpr,
-                                          num_warps: gl.constexpr):
+                                          QBUF: gl.constexpr, num_warps: gl.constexpr):
         W = N_ITEMS * HQ
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
                                                           STAGES, BN, D)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         rel = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(QBUF):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)
         for i in gl.static_range(STAGES):
@@ -1008,12 +1017,12 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                               v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                               stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, FOLD, MMA_ORDER)),
+                              num_warps, FOLD, MMA_ORDER, QBUF)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                               sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
-                              N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL)),
+                              N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL, QBUF)),
         ], [1], [PRODUCER_REGS])
-        for i in gl.static_range(2):
+        for i in gl.static_range(QBUF):
             mbarrier.invalidate(q_ready.index(i))
             mbarrier.invalidate(q_free.index(i))
         for i in gl.static_range(STAGES):
@@ -1128,7 +1137,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         LAST_KERNEL = _attn_fwd_gluon_persistent_kernel[grid](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
             PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,
-            num_warps=cfg.num_warps, **extra)
+            QBUF=persistent_q_buffers(cfg), num_warps=cfg.num_warps, **extra)
     elif cfg.ws:
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,

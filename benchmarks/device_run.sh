@@ -8,7 +8,7 @@
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv, mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
-# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward), fwd-cands (Triton forward FP8 configs
+# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward; correctness at head dims FWD_DIMS, 128), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
 # benchmarks/quant_dev.py), profile, profile-fwd, gaps (GPU idle between kernels and host syncs
 # of back-to-back calls, GAP_WORKLOADS), host (cProfile
@@ -88,7 +88,7 @@ for spec in "$@"; do
     fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
              --configs nextfwd ;;
     fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
-             --configs "${FWD_CONFIGS:-nextfwd}" --dims 128 --forward-only --parallel 4 \
+             --configs "${FWD_CONFIGS:-nextfwd}" --dims "${FWD_DIMS:-128}" --forward-only --parallel 4 \
              --only "${FWD_WORKLOADS:-doc32k,doc8k_x4,doc2k_x16,longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
              --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;

@@ -323,9 +323,18 @@ def cuda_time(fn, reps: int, warmup: int = 5) -> float:
     return bench_cuda_time(lambda _: fn(), 1, settings).median_ms
 
 
-def load_workloads():
+def load_workloads(names=()):
+    """The suite's workloads by name, plus synthetic ones named in `names` as docN_xM (M
+    documents of N tokens, the suite's heads: Hq 32, Hkv 8, D 128), e.g. doc1k_x32 = doc1024_x32."""
     with open(os.path.join(ROOT, "flamia", "data", "workloads.json")) as f:
-        return {w["name"]: w for w in json.load(f)["workloads"]}
+        wls = {w["name"]: w for w in json.load(f)["workloads"]}
+    for name in names:
+        m = re.fullmatch(r"doc(\d+)(k?)_x(\d+)", name)
+        if name not in wls and m:
+            n = int(m.group(1)) * (1024 if m.group(2) else 1)
+            wls[name] = {"name": name, "heads_q": 32, "heads_kv": 8, "head_dim": 128,
+                         "doc_lengths": [n] * int(m.group(3))}
+    return wls
 
 
 def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, warm_only=False):
@@ -335,7 +344,7 @@ def phase_timing(cfgs, dev, names, reps, with_triton=True, forward_only=False, w
     from flamia.ops.quantize import quantize_qkv
     from flamia.ops.schedule import build_schedule
     print("\n=== timing (causal, median of CUDA events) ===")
-    wls = load_workloads()
+    wls = load_workloads(names)
     for name in names:
         if name not in wls:
             log(f"unknown workload {name}")

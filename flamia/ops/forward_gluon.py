@@ -34,7 +34,9 @@ warps, named barrier) and only two per steady-state tile. ws=2: two consumer war
 the tile grid and op order are those of g64x128w4s2, so outputs are expected bitwise equal.
 
 bf16 recipe: not implemented here (raise NotImplementedError; callers fall back to forward.py).
-Not wired into the public API: GPU-validate first (benchmarks/fwd_gluon_dev.py).
+Wired into the public API: the persistent kernel (below, PERSISTENT_FWD[0]) for batches of short
+documents (forward.short_document_forward); the other variants are measured by
+benchmarks/fwd_gluon_dev.py and lose to the Triton kernel.
 """
 from __future__ import annotations
 

@@ -75,6 +75,24 @@ def test_plain_copy_in_mma_order():
         kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), mma_order=True)
 
 
+def test_padded_copy_in_mma_order():
+    """The padded layout in key order (the dK/dV kernel's qT8 / doT8 with key_order): column c
+    holds what column mma_order16(c) holds in token order, pads zero, no group leaves its
+    document (documents start at multiples of 16)."""
+    lengths = (37, 0, 16, 1, 50)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, D = sum(lengths), 2, 16
+    pcu, tok_of_col, Tp = kmajor_layout(cu, T)
+    src = torch.randint(1, 256, (T, H, D), dtype=torch.uint8)
+    plain = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
+    keyed = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
+    kmajor_copy(src, plain, tok_of_col, block_c=16)
+    kmajor_copy(src, keyed, tok_of_col, block_c=16, mma_order=True)
+    assert torch.equal(keyed, plain[:, :, mma_order16_host(torch.arange(Tp))])
+    doc_of_col = torch.bucketize(torch.arange(Tp), pcu[1:].long(), right=True)
+    assert torch.equal(doc_of_col, doc_of_col[mma_order16_host(torch.arange(Tp))])
+
+
 def test_bad_arguments():
     src = torch.zeros(8, 2, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="1-byte"):

@@ -85,6 +85,8 @@ try:   # Gluon ships with triton >= 3.5; keep the module importable where it doe
 except ImportError:   # pragma: no cover
     HAVE_GLUON = False
 
+from .kmajor import mma_order16_host
+
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
 
@@ -125,6 +127,12 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
+    # key_order: the A operands a8 = P^T sdo and b8 = dS^T go into the dV / dK GEMMs as their
+    # registers already are an fp8 wgmma A operand (queries, the reduction dim, in
+    # kmajor.mma_order16 order within 16-query groups), with qT8 / doT8 copies in the same
+    # column order (_key_order_copies), instead of a cross-lane conversion (constexpr
+    # KEY_ORDER). CPU: D=64 692 -> 643 SASS per tile without spills; D=128 spills (NOTES s9 11).
+    key_order: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -174,6 +182,7 @@ def default_dq_config(D: int) -> GluonDqConfig:
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
+    _mma_order16_g = gluon.jit(mma_order16_host)     # the kernels' copy of kmajor's definition
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -272,11 +281,26 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
-    def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
-        """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory."""
+    def _mma_key_order(x8):
+        """x8 (rows, k) with its columns in wgmma A order: column p = column mma_order16(p) of
+        x8 (flamia.ops.kmajor), a permutation of the 4 low column bits that keeps every value
+        in its thread (the conversion to the A operand layout then moves no data)."""
+        R: gl.constexpr = x8.shape[0]
+        K: gl.constexpr = x8.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(x8, [R, K // 16, 2, 2, 2, 2]),
+                                     (0, 1, 3, 4, 2, 5)), [R, K])
+
+    @gluon.jit
+    def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr,
+                        KEY_ORDER: gl.constexpr = False):
+        """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory
+        (KEY_ORDER: column c holds token mma_order16(c) of the tile, tiles 16-aligned)."""
         BLT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         x = x_s.load(BLT)
-        cols = i0 + gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
+        c = gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
+        if KEY_ORDER:
+            c = _mma_order16_g(c)
+        cols = i0 + c
         ok = gl.expand_dims(cols < L, 0)
         x = gl.where(ok, x, gl.zeros_like(x))
         x_s.store(x)
@@ -560,7 +584,8 @@ if HAVE_GLUON:
     def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
                     lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr):
+                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
+                    KEY_ORDER: gl.constexpr = False):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
         dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
@@ -580,7 +605,11 @@ if HAVE_GLUON:
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
         c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-        a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+        if KEY_ORDER:
+            a8 = gl.convert_layout(_mma_key_order((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv)),
+                                   AOP)
+        else:
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
 
     @gluon.jit
@@ -692,7 +721,8 @@ if HAVE_GLUON:
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr):
+                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
+                   KEY_ORDER: gl.constexpr = False):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -743,14 +773,14 @@ if HAVE_GLUON:
             dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
-                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps)
-                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
+                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps, KEY_ORDER)
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps, KEY_ORDER)
                 fence_async_shared()
                 gl.thread_barrier()
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD, THR_MASK)
+                                      VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -765,7 +795,11 @@ if HAVE_GLUON:
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
                            need_mask, SHARED_MASK, THR_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+            if KEY_ORDER:
+                b8 = gl.convert_layout(
+                    _mma_key_order((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
+            else:
+                b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -805,6 +839,7 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
+        KEY_ORDER: gl.constexpr = False,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -851,7 +886,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps)),
+                              LATE_DV, num_warps, KEY_ORDER)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -868,7 +903,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps)
+                              LATE_DV, num_warps, KEY_ORDER)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1279,7 +1314,9 @@ def _descs(st, cfg: GluonDkdvConfig, vecs=None):
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM), *vec_descs)
+            *(kmajor_desc(x, BM) for x in (_key_order_copies(st) if cfg.key_order
+                                            else (st.qT8, st.doT8))),
+            *vec_descs)
 
 
 def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1321,7 +1358,22 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv)
+                        LATE_DV=cfg.late_dv, **({"KEY_ORDER": True} if cfg.key_order else {}))
+
+
+def _key_order_copies(st):
+    """(qT8, doT8) with the columns of every 16-column group in wgmma key order
+    (GluonDkdvConfig.key_order; kmajor_copy(mma_order=True) of the padded layout), made by two
+    launches the first time a state needs them and kept on the state."""
+    copies = getattr(st, "_key_order_copies", None)
+    if copies is None:
+        from .kmajor import kmajor_copy
+        copies = (torch.empty_like(st.qT8), torch.empty_like(st.doT8))
+        if st.qT8.is_cuda:   # (compile_sm90's CPU state: nothing is launched)
+            kmajor_copy(st.q8, copies[0], st.tok_of_col, mma_order=True)
+            kmajor_copy(st.do8, copies[1], st.tok_of_col, mma_order=True)
+        st._key_order_copies = copies
+    return copies
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

@@ -84,7 +84,7 @@ def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
         tok = mma_order16(c) if MMA_ORDER else c
         ok = tok < T
     else:
-        tok = tl.load(tok_of_col + c, mask=c < Tp, other=-1)
+        tok = tl.load(tok_of_col + (mma_order16(c) if MMA_ORDER else c), mask=c < Tp, other=-1)
         ok = tok >= 0
     x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None], mask=ok[None, :],
                 other=0)
@@ -94,9 +94,10 @@ def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
                 block_c: int = 64, mma_order: bool = False) -> torch.Tensor:
     """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
-    dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T),
-    or with mma_order token mma_order16(c) (Tp a multiple of 16). src (T, heads, D) with
-    unit-stride heads and dims; both are moved as bytes."""
+    dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T).
+    mma_order=True: column c holds what column mma_order16(c) would (Tp a multiple of 16; the
+    padded layout's documents start at multiples of 16, so every 16-column group stays in its
+    document). src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
@@ -106,9 +107,8 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
         raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
                          "contiguous")
     plain = tok_of_col is None
-    if mma_order and (not plain or Tp % 16):
-        raise ValueError(f"kmajor_copy: mma_order needs the plain layout and Tp % 16 == 0 "
-                         f"(Tp={Tp})")
+    if mma_order and Tp % 16:
+        raise ValueError(f"kmajor_copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
     if Tp == 0 or H == 0:
         return dst
     _kmajor_copy_kernel[(triton.cdiv(Tp, block_c), H)](

@@ -656,6 +656,10 @@ class BwdState:
     # None for bf16.
     pcu: torch.Tensor | None = None       # (n_docs + 1,) int32
     tok_of_col: torch.Tensor | None = None    # (Tp,) int32
+    # qT8 / doT8 with each 16-column group in wgmma key order (kmajor.mma_order16), as the
+    # Gluon dK/dV kernel with GluonDkdvConfig.key_order reads them; set by launch_preprocess
+    # when that kernel will run (fp8, D=64 default), never for the Triton kernels
+    kmajor_key_order: bool = False
     # fp8_mixed on the Gluon kernels: bf16 dO, V, K (backward_gluon_mixed.mixed_operands), built
     # once for the dK/dV and the dQ launch
     mixed_ops: tuple | None = None
@@ -735,10 +739,12 @@ def launch_preprocess(st: BwdState) -> None:
         num_warps=cfg.pre_warps)
     if st.recipe != 2:
         # K-major copies (every column written, pads zero): dO's from the bytes just stored,
-        # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized)
-        kmajor_copy(st.do8, st.doT8, st.tok_of_col)
+        # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized); qT8 / doT8 in
+        # the key order of the dK/dV kernel that will read them
+        st.kmajor_key_order = _dkdv_key_order(st)
+        kmajor_copy(st.do8, st.doT8, st.tok_of_col, mma_order=st.kmajor_key_order)
         if st.recipe == 0:
-            kmajor_copy(st.q8, st.qT8, st.tok_of_col)
+            kmajor_copy(st.q8, st.qT8, st.tok_of_col, mma_order=st.kmajor_key_order)
             kmajor_copy(st.k8, st.kT8, st.tok_of_col)
 
 
@@ -777,6 +783,15 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     return backward_gluon.HAVE_GLUON and st.D in (64, 128)
 
 
+def _dkdv_key_order(st: BwdState) -> bool:
+    """Will launch_dkdv run the Gluon fp8 dK/dV kernel with GluonDkdvConfig.key_order (which
+    reads qT8 / doT8 in wgmma key order)?"""
+    if st.recipe != RECIPE_IDS["fp8"] or not _gluon_applies(st, st.cfg.gluon_dkdv):
+        return False
+    from .backward_gluon import default_gluon_config
+    return default_gluon_config(st.D).key_order
+
+
 def _mixed_operands(st: BwdState) -> tuple:
     """fp8_mixed's bf16 GEMM operands, converted once per backward call (dK/dV and dQ share
     dO and V; K's copy is made with them, for the dQ launch)."""
@@ -803,11 +818,30 @@ def launch_dkdv(st: BwdState) -> None:
         _launch_dkdv(st, cfg.kv_bm, True, True)
 
 
+def qT_doT_in_order(st: BwdState, key_order: bool):
+    """(qT8, doT8) with their columns in token order (key_order False: the Triton dK/dV kernel)
+    or in wgmma key order (the Gluon kernel with GluonDkdvConfig.key_order): the state's own
+    when launch_preprocess wrote them in that order, else copies in it (kmajor_copy of q8 /
+    do8), made once per state and kept on it (A/Bs of both kernels on one state)."""
+    if key_order == st.kmajor_key_order:
+        return st.qT8, st.doT8
+    copies = getattr(st, "_qT_doT_other_order", None)
+    if copies is None:
+        copies = (torch.empty_like(st.qT8), torch.empty_like(st.doT8))
+        if st.qT8.is_cuda:   # (compile-only CPU states launch nothing)
+            if st.recipe == 0:
+                kmajor_copy(st.q8, copies[0], st.tok_of_col, mma_order=key_order)
+            kmajor_copy(st.do8, copies[1], st.tok_of_col, mma_order=key_order)
+        st._qT_doT_other_order = copies
+    return copies
+
+
 def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
     cfg = st.cfg
     tma = _use_tma(st)
-    doT8 = _kmajor_desc(st.doT8, bm) if tma else st.doT8
-    qT8 = _kmajor_desc(st.qT8, bm) if tma and st.recipe == 0 else st.qT8
+    qT8, doT8 = qT_doT_in_order(st, False)
+    doT8 = _kmajor_desc(doT8, bm) if tma else doT8
+    qT8 = _kmajor_desc(qT8, bm) if tma and st.recipe == 0 else qT8
     grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.kv_bn))
     _bwd_dkdv[grid](
         st.q8, st.k8, st.v8, qT8, st.kT8, st.dout, st.do8, doT8, st.sq, st.sk, st.sv,

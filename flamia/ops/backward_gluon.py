@@ -130,7 +130,8 @@ class GluonDkdvConfig:
     # key_order: the A operands a8 = P^T sdo and b8 = dS^T go into the dV / dK GEMMs as their
     # registers already are an fp8 wgmma A operand (queries, the reduction dim, in
     # kmajor.mma_order16 order within 16-query groups), with qT8 / doT8 copies in the same
-    # column order (_key_order_copies), instead of a cross-lane conversion (constexpr
+    # column order (launch_preprocess writes them so when this kernel runs), instead
+    # of a cross-lane conversion (constexpr
     # KEY_ORDER). CPU: D=64 692 -> 643 SASS per tile without spills; D=128 spills (NOTES s9 11).
     key_order: bool = False
 
@@ -146,10 +147,11 @@ def default_gluon_config(D: int) -> GluonDkdvConfig:
     D=128, doc8k_x4 at D=64): D=128 fold_sdo + pack_vecs + late_dv + threshold_mask 8.10 / 8.11
     / 32.30 (with shared_mask as well, the session-6 default: 8.36 / 8.34 / 31.95; without the
     last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94, session 6); D=64 FA3's layout
-    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35)."""
+    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35), + key_order
+    (session 10): d64_doc8k_x4 6.36 -> 5.95, d64_longtail 5.06 -> 4.76."""
     if D <= 64:
         return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
-                                   fold_sdo=True, pack_vecs=True)
+                                   fold_sdo=True, pack_vecs=True, key_order=True)
     return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, pack_vecs=True,
                                late_dv=True, threshold_mask=True)
 
@@ -1314,9 +1316,7 @@ def _descs(st, cfg: GluonDkdvConfig, vecs=None):
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            *(kmajor_desc(x, BM) for x in (_key_order_copies(st) if cfg.key_order
-                                            else (st.qT8, st.doT8))),
-            *vec_descs)
+            *(kmajor_desc(x, BM) for x in _qT_doT(st, cfg.key_order)), *vec_descs)
 
 
 def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1361,19 +1361,10 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
                         LATE_DV=cfg.late_dv, **({"KEY_ORDER": True} if cfg.key_order else {}))
 
 
-def _key_order_copies(st):
-    """(qT8, doT8) with the columns of every 16-column group in wgmma key order
-    (GluonDkdvConfig.key_order; kmajor_copy(mma_order=True) of the padded layout), made by two
-    launches the first time a state needs them and kept on the state."""
-    copies = getattr(st, "_key_order_copies", None)
-    if copies is None:
-        from .kmajor import kmajor_copy
-        copies = (torch.empty_like(st.qT8), torch.empty_like(st.doT8))
-        if st.qT8.is_cuda:   # (compile_sm90's CPU state: nothing is launched)
-            kmajor_copy(st.q8, copies[0], st.tok_of_col, mma_order=True)
-            kmajor_copy(st.do8, copies[1], st.tok_of_col, mma_order=True)
-        st._key_order_copies = copies
-    return copies
+def _qT_doT(st, key_order: bool):
+    """(qT8, doT8) in the column order a dK/dV config reads (backward.qT_doT_in_order)."""
+    from .backward import qT_doT_in_order
+    return qT_doT_in_order(st, key_order)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

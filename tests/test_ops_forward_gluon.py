@@ -32,6 +32,18 @@ def _compile(jobs):
     return compile_report(_SCRIPT, json.dumps(jobs))
 
 
+def _assert_clean_ws(u) -> str:
+    """A warp-specialized build is clean: registers within the file, spills bounded, no wgmma
+    serialization, no local memory, the producer at 24 registers and a consumer at >= 232."""
+    tag = f"{u['name']} D={u['D']}"
+    assert u["regs"] is not None and u["regs"] <= 255, tag
+    assert (u["spill_stores"] or 0) <= SPILL_BOUND, f"{tag}: {u['spill_stores']} B spilled"
+    assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
+    assert u["local"] == 0, tag
+    assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
+    return tag
+
+
 pytestmark = pytest.mark.skipif(not gluon_available(), reason="triton.experimental.gluon missing")
 
 
@@ -102,12 +114,7 @@ def test_gluon_forward_next_variants_compile():
     with pytest.raises(ValueError):
         G._check_config(G.CONFIGS["g64x128w4s2"].with_(poly=3), 128)
     for u in _compile([(pp_all, 128, True), (ws1_all, 64, False)]):
-        tag = f"{u['name']} D={u['D']}"
-        assert u["regs"] is not None and u["regs"] <= 255, tag
-        assert (u["spill_stores"] or 0) <= SPILL_BOUND, f"{tag}: {u['spill_stores']} B spilled"
-        assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
-        assert u["local"] == 0, tag
-        assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
+        tag = _assert_clean_ws(u)
         # part of the exp2 went to the FMA pipe: fewer MUFU ex2 than S elements per tile
         assert u["ex2"] > 0, tag
 
@@ -133,12 +140,7 @@ def test_gluon_persistent_forward_compiles():
     shfl = {}
     for u in _compile([(names[0], 128, True), (names[1], 128, True), (names[1], 64, False),
                        (names[2], 128, True)]):
-        tag = f"{u['name']} D={u['D']}"
-        assert u["regs"] is not None and u["regs"] <= 255, tag
-        assert (u["spill_stores"] or 0) <= SPILL_BOUND, f"{tag}: {u['spill_stores']} B spilled"
-        assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
-        assert u["local"] == 0, tag
-        assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
+        tag = _assert_clean_ws(u)
         # two Q buffers + two ring stages, or one + three: two CTAs fit in 228 KB per SM
         assert 2 * u["shared"] <= 227 * 1024, tag
         shfl[(u["name"], u["D"])] = u["shfl"]

@@ -1,6 +1,7 @@
 """Which key order does a Gluon forward variant with wgmma-ordered V^T (-m) actually apply to P?
 
     python benchmarks/fwd_mma_order_diag.py [CONFIG]     # H200; default the persistent -m config
+    python benchmarks/fwd_mma_order_diag.py --quick CONFIG,CONFIG   # each vs the Triton forward
 
 Runs the kernel on one 256-token document with vt8 rebuilt under each of the 24 permutations of
 the 4 low column bits (column c of a 16-column group holds token perm(c)) and prints the largest
@@ -25,7 +26,27 @@ from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
 
+def quick(names):
+    """Each config on its own vt8 order (quantize_qkv), against the Triton forward on the same
+    inputs: one aligned document and packed unaligned ones (edge tiles), causal."""
+    from flamia.inputs import rel_err
+    for lengths in ((256,), (37, 0, 1, 70, 19, 260), (700, 1, 0, 300, 17, 129, 1000)):
+        q, k, v, cu = make_qkv(lengths, 8, 2, 128, "mild", device="cuda", seed=3)
+        ref, ref_l = attention_forward(quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths),
+                                       True, None, torch.bfloat16)
+        for name in names:
+            cfg = G.CONFIGS[name]
+            qkv = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=cfg.mma_order)
+            o, lse = G.attention_forward_gluon(qkv, cu, max(lengths), True, None, torch.bfloat16,
+                                               config=cfg, poison=True)
+            print(f"{name:40s} docs {lengths}: O max |d| {(o.float() - ref.float()).abs().max():.3e}"
+                  f" rel {rel_err(o, ref):.2e} | LSE max |d| {(lse - ref_l).abs().max():.2e}",
+                  flush=True)
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--quick":
+        return quick(sys.argv[2].split(","))
     name = sys.argv[1] if len(sys.argv) > 1 else G.PERSISTENT_FWD[1].name
     cfg = G.CONFIGS[name]
     T = 256

@@ -92,6 +92,9 @@ class GluonFwdConfig:
     # -m: vt8 stored in wgmma key order (QuantizedQKV.vt8_mma_order): P's accumulator registers
     # are the PV wgmma's A operand as they are (flamia.ops.kmajor)
     mma_order: bool = False
+    # -w, persistent only (diagnostics): each PV wgmma waited for at once, so P's registers are
+    # dead before the next tile's softmax (no PV / softmax overlap)
+    pv_sync: bool = False
 
     def with_(self, **kw) -> "GluonFwdConfig":
         return replace(self, **kw)
@@ -109,7 +112,8 @@ class GluonFwdConfig:
         s += "-k" if self.lazy else ""
         s += f"-e{self.poly}" if self.poly else ""
         s += f"-P{self.persistent}" if self.persistent else ""
-        return s + ("-m" if self.mma_order else "")
+        s += "-m" if self.mma_order else ""
+        return s + ("-w" if self.pv_sync else "")
 
 
 # Named variants for benchmarks (--configs) and the compile test.
@@ -154,7 +158,10 @@ _WS1S2 = CONFIGS["g64x128w4s2-ws1-p24-r128"]
 PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
                   _WS1S2.with_(fold=True, persistent=2, mma_order=True),
                   _WS1.with_(fold=True, persistent=2)]
-CONFIGS.update({c.name: c for c in PERSISTENT_FWD})
+# diagnostics of -m (benchmarks/fwd_mma_order_diag.py): the PV wgmma waited for at once
+PERSISTENT_DIAG = [_WS1S2.with_(fold=True, persistent=2, pv_sync=True),
+                   _WS1S2.with_(fold=True, persistent=2, mma_order=True, pv_sync=True)]
+CONFIGS.update({c.name: c for c in PERSISTENT_FWD + PERSISTENT_DIAG})
 
 
 def persistent_q_buffers(cfg: GluonFwdConfig) -> int:
@@ -179,7 +186,7 @@ def _check_config(cfg: GluonFwdConfig, D: int):
         raise ValueError(f"{cfg}: ping-pong needs two consumer warpgroups (ws=2)")
     if cfg.persistent and (cfg.ws != 1 or cfg.lazy or cfg.poly):
         raise ValueError(f"{cfg}: the persistent kernel is ws=1 without lazy / poly")
-    if cfg.mma_order and not cfg.persistent:
+    if (cfg.mma_order or cfg.pv_sync) and not cfg.persistent:
         raise ValueError(f"{cfg}: vt8 in wgmma key order is read by the persistent kernel only")
     if cfg.poly not in (0, 2, 4, 8):
         raise ValueError(f"{cfg}: poly is 0 or one exp2 in 2, 4 or 8 on the FMA pipe")
@@ -916,7 +923,8 @@ if HAVE_GLUON:
                        v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
-                       FOLD: gl.constexpr, MMA_ORDER: gl.constexpr, QBUF: gl.constexpr):
+                       FOLD: gl.constexpr, MMA_ORDER: gl.constexpr, QBUF: gl.constexpr,
+                       PV_SYNC: gl.constexpr):
         """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence."""
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
@@ -966,7 +974,10 @@ if HAVE_GLUON:
                     s = _issue_qk(q_tile, k_smem.index(st), s_layout)
                     _wait_v(v_smem, v_ready, pst, g - 1, n0_prev, c_L, NW, MMA_ORDER)
                     acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=[s])
+                    if PV_SYNC:
+                        acc, s = warpgroup_mma_wait(0, deps=[acc, s])
+                    else:
+                        s = warpgroup_mma_wait(1, deps=[s])
                     a_new, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i,
                                                            c_row_f, c_lr, c_rows, n0, c_L, full_end,
                                                            CAUSAL, o_layout, FOLD, 0, MMA_ORDER)
@@ -998,7 +1009,8 @@ if HAVE_GLUON:
                                           BN: gl.constexpr, STAGES: gl.constexpr,
                                           CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                           FOLD: gl.constexpr, MMA_ORDER: gl.constexpr,
-                                          QBUF: gl.constexpr, num_warps: gl.constexpr):
+                                          QBUF: gl.constexpr, num_warps: gl.constexpr,
+                                          PV_SYNC: gl.constexpr = False):
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
@@ -1019,7 +1031,7 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                               v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                               stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, FOLD, MMA_ORDER, QBUF)),
+                              num_warps, FOLD, MMA_ORDER, QBUF, PV_SYNC)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                               sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                               N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL, QBUF)),
@@ -1139,7 +1151,8 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         LAST_KERNEL = _attn_fwd_gluon_persistent_kernel[grid](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
             PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,
-            QBUF=persistent_q_buffers(cfg), num_warps=cfg.num_warps, **extra)
+            QBUF=persistent_q_buffers(cfg), num_warps=cfg.num_warps,
+            **({"PV_SYNC": True} if cfg.pv_sync else {}), **extra)
     elif cfg.ws:
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,

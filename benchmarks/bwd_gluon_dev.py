@@ -136,6 +136,9 @@ CONFIGS = {
     # session 7 item 7: the D=128 default without shared_mask (with threshold_mask the shared
     # predicate is what the compiler hoists onto every tile: 969 -> 929 SASS, spills 72 -> 64 B)
     "lathns": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True",
+    # session 10 item 7, prepared (CPU): the D=128 default with dS^T / qT8 in wgmma key order
+    # (929 -> 902 SASS per tile, spills 64 -> 60 B); = "default+key_order_dk=True" at D=128
+    "lathnskeydk": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,key_order_dk=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -172,6 +172,28 @@ def test_preprocess_scale_is_exact_at_powers_of_two():
     torch.testing.assert_close(vals * st.sdo.T[..., None], dout, rtol=2 ** -4, atol=0)
 
 
+def test_kmajor_copies_in_the_order_a_kernel_reads():
+    """launch_preprocess writes qT8 / doT8 in token order where the Triton dK/dV kernel runs
+    (here: the interpreter); qT_doT_in_order gives either one in wgmma key order as a copy made
+    once and kept on the state: column c = the token-order column mma_order16(c)."""
+    from flamia.ops.kmajor import mma_order16_host
+    D = 64
+    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=9)
+    out, lse, saved = _forward(q, k, v, cu, "fp8")
+    qkv = B.quantized_qkv_from_reference(saved, "fp8", cu)
+    st = B.make_state(_dout(out.shape, 4), out, lse, qkv, cu, 70, True, None, CFG)
+    B.launch_preprocess(st)
+    assert (st.qT8_key_order, st.doT8_key_order) == (False, False)
+    assert B.qT_doT_in_order(st, False, False) == (st.qT8, st.doT8)
+    perm = mma_order16_host(torch.arange(st.Tp))
+    qk, do_tok = B.qT_doT_in_order(st, True, False)
+    assert do_tok is st.doT8
+    assert torch.equal(qk.view(torch.uint8), st.qT8.view(torch.uint8)[:, :, perm])
+    assert B.qT_doT_in_order(st, True, True)[0] is qk           # kept on the state
+    dok = B.qT_doT_in_order(st, False, True)[1]
+    assert torch.equal(dok.view(torch.uint8), st.doT8.view(torch.uint8)[:, :, perm])
+
+
 def test_preprocess_quantizes_do_like_reference():
     """do8 / sdo bitwise equal to the reference's token quantization of dO; Delta close."""
     D = 64

@@ -657,9 +657,10 @@ class BwdState:
     pcu: torch.Tensor | None = None       # (n_docs + 1,) int32
     tok_of_col: torch.Tensor | None = None    # (Tp,) int32
     # qT8 / doT8 with each 16-column group in wgmma key order (kmajor.mma_order16), as the
-    # Gluon dK/dV kernel with GluonDkdvConfig.key_order reads them; set by launch_preprocess
-    # when that kernel will run (fp8, D=64 default), never for the Triton kernels
-    kmajor_key_order: bool = False
+    # Gluon dK/dV kernel with GluonDkdvConfig.key_order_dk / key_order_dv reads them; set by
+    # launch_preprocess when that kernel will run (fp8, D=64 default), never for Triton's
+    qT8_key_order: bool = False
+    doT8_key_order: bool = False
     # fp8_mixed on the Gluon kernels: bf16 dO, V, K (backward_gluon_mixed.mixed_operands), built
     # once for the dK/dV and the dQ launch
     mixed_ops: tuple | None = None
@@ -741,10 +742,10 @@ def launch_preprocess(st: BwdState) -> None:
         # K-major copies (every column written, pads zero): dO's from the bytes just stored,
         # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized); qT8 / doT8 in
         # the key order of the dK/dV kernel that will read them
-        st.kmajor_key_order = _dkdv_key_order(st)
-        kmajor_copy(st.do8, st.doT8, st.tok_of_col, mma_order=st.kmajor_key_order)
+        st.qT8_key_order, st.doT8_key_order = _dkdv_key_order(st)
+        kmajor_copy(st.do8, st.doT8, st.tok_of_col, mma_order=st.doT8_key_order)
         if st.recipe == 0:
-            kmajor_copy(st.q8, st.qT8, st.tok_of_col, mma_order=st.kmajor_key_order)
+            kmajor_copy(st.q8, st.qT8, st.tok_of_col, mma_order=st.qT8_key_order)
             kmajor_copy(st.k8, st.kT8, st.tok_of_col)
 
 
@@ -783,13 +784,14 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     return backward_gluon.HAVE_GLUON and st.D in (64, 128)
 
 
-def _dkdv_key_order(st: BwdState) -> bool:
-    """Will launch_dkdv run the Gluon fp8 dK/dV kernel with GluonDkdvConfig.key_order (which
-    reads qT8 / doT8 in wgmma key order)?"""
+def _dkdv_key_order(st: BwdState) -> tuple[bool, bool]:
+    """(qT8, doT8) in wgmma key order for the dK/dV kernel launch_dkdv will run? (The Gluon
+    fp8 kernel's GluonDkdvConfig.key_order_dk / key_order_dv; token order otherwise.)"""
     if st.recipe != RECIPE_IDS["fp8"] or not _gluon_applies(st, st.cfg.gluon_dkdv):
-        return False
+        return False, False
     from .backward_gluon import default_gluon_config
-    return default_gluon_config(st.D).key_order
+    cfg = default_gluon_config(st.D)
+    return cfg.key_order_dk, cfg.key_order_dv
 
 
 def _mixed_operands(st: BwdState) -> tuple:
@@ -818,28 +820,32 @@ def launch_dkdv(st: BwdState) -> None:
         _launch_dkdv(st, cfg.kv_bm, True, True)
 
 
-def qT_doT_in_order(st: BwdState, key_order: bool):
-    """(qT8, doT8) with their columns in token order (key_order False: the Triton dK/dV kernel)
-    or in wgmma key order (the Gluon kernel with GluonDkdvConfig.key_order): the state's own
-    when launch_preprocess wrote them in that order, else copies in it (kmajor_copy of q8 /
-    do8), made once per state and kept on it (A/Bs of both kernels on one state)."""
-    if key_order == st.kmajor_key_order:
-        return st.qT8, st.doT8
-    copies = getattr(st, "_qT_doT_other_order", None)
-    if copies is None:
-        copies = (torch.empty_like(st.qT8), torch.empty_like(st.doT8))
-        if st.qT8.is_cuda:   # (compile-only CPU states launch nothing)
-            if st.recipe == 0:
-                kmajor_copy(st.q8, copies[0], st.tok_of_col, mma_order=key_order)
-            kmajor_copy(st.do8, copies[1], st.tok_of_col, mma_order=key_order)
-        st._qT_doT_other_order = copies
-    return copies
+def qT_doT_in_order(st: BwdState, q_key_order: bool, do_key_order: bool):
+    """(qT8, doT8), each with its columns in token order (False: the Triton dK/dV kernel) or in
+    wgmma key order (the Gluon kernel with GluonDkdvConfig.key_order_dk / key_order_dv): the
+    state's own when launch_preprocess wrote it in that order, else a copy in it (kmajor_copy
+    of q8 / do8) made once per state and kept on it (A/Bs of kernels on one state)."""
+    return (_kmajor_in_order(st, "qT8", st.q8, q_key_order),
+            _kmajor_in_order(st, "doT8", st.do8, do_key_order))
+
+
+def _kmajor_in_order(st: BwdState, name: str, src: torch.Tensor, key_order: bool):
+    own = getattr(st, name)
+    if key_order == getattr(st, name + "_key_order") or (name == "qT8" and st.recipe != 0):
+        return own           # (qT8 is a placeholder outside the fp8 recipe)
+    copy = getattr(st, "_" + name + "_other_order", None)
+    if copy is None:
+        copy = torch.empty_like(own)
+        if own.is_cuda or interpreting():   # (compile-only CPU states launch nothing)
+            kmajor_copy(src, copy, st.tok_of_col, mma_order=key_order)
+        setattr(st, "_" + name + "_other_order", copy)
+    return copy
 
 
 def _launch_dkdv(st: BwdState, bm: int, do_dk: bool, do_dv: bool) -> None:
     cfg = st.cfg
     tma = _use_tma(st)
-    qT8, doT8 = qT_doT_in_order(st, False)
+    qT8, doT8 = qT_doT_in_order(st, False, False)
     doT8 = _kmajor_desc(doT8, bm) if tma else doT8
     qT8 = _kmajor_desc(qT8, bm) if tma and st.recipe == 0 else qT8
     grid = (st.n_docs * st.Hkv, triton.cdiv(st.max_seqlen, cfg.kv_bn))

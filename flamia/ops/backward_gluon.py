@@ -127,13 +127,15 @@ class GluonDkdvConfig:
     # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
     threshold_mask: bool = False
     late_dv: bool = False
-    # key_order: the A operands a8 = P^T sdo and b8 = dS^T go into the dV / dK GEMMs as their
-    # registers already are an fp8 wgmma A operand (queries, the reduction dim, in
-    # kmajor.mma_order16 order within 16-query groups), with qT8 / doT8 copies in the same
-    # column order (launch_preprocess writes them so when this kernel runs), instead
-    # of a cross-lane conversion (constexpr
-    # KEY_ORDER). CPU: D=64 692 -> 643 SASS per tile without spills; D=128 spills (NOTES s9 11).
-    key_order: bool = False
+    # key_order_dv / key_order_dk: the A operand a8 = P^T sdo of the dV GEMM / b8 = dS^T of the
+    # dK GEMM goes in as its registers already are an fp8 wgmma A operand (queries, the
+    # reduction dim, in kmajor.mma_order16 order within 16-query groups), with doT8 / qT8 in the
+    # same column order (launch_preprocess writes them so when this kernel runs), instead of a
+    # cross-lane conversion (constexpr KEY_ORDER_DV / KEY_ORDER_DK). CPU, SASS per tile: D=64
+    # both 692 -> 643, no spills (the default since session 10); D=128 dk only 929 -> 902 and
+    # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
+    key_order_dv: bool = False
+    key_order_dk: bool = False
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -147,11 +149,12 @@ def default_gluon_config(D: int) -> GluonDkdvConfig:
     D=128, doc8k_x4 at D=64): D=128 fold_sdo + pack_vecs + late_dv + threshold_mask 8.10 / 8.11
     / 32.30 (with shared_mask as well, the session-6 default: 8.36 / 8.34 / 31.95; without the
     last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94, session 6); D=64 FA3's layout
-    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35), + key_order
+    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35), + key_order_dv/dk
     (session 10): d64_doc8k_x4 6.36 -> 5.95, d64_longtail 5.06 -> 4.76."""
     if D <= 64:
         return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
-                                   fold_sdo=True, pack_vecs=True, key_order=True)
+                                   fold_sdo=True, pack_vecs=True, key_order_dv=True,
+                                   key_order_dk=True)
     return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, pack_vecs=True,
                                late_dv=True, threshold_mask=True)
 
@@ -724,7 +727,7 @@ if HAVE_GLUON:
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
                    THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
-                   KEY_ORDER: gl.constexpr = False):
+                   KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
@@ -775,14 +778,14 @@ if HAVE_GLUON:
             dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
-                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps, KEY_ORDER)
-                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps, KEY_ORDER)
+                _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps, KEY_ORDER_DK)
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps, KEY_ORDER_DV)
                 fence_async_shared()
                 gl.thread_barrier()
 
             p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
                                       need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER)
+                                      VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER_DV)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -797,7 +800,7 @@ if HAVE_GLUON:
             b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
                            need_mask, SHARED_MASK, THR_MASK)
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            if KEY_ORDER:
+            if KEY_ORDER_DK:
                 b8 = gl.convert_layout(
                     _mma_key_order((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
             else:
@@ -841,7 +844,7 @@ if HAVE_GLUON:
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
-        KEY_ORDER: gl.constexpr = False,
+        KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -888,7 +891,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER)),
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -905,7 +908,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER)
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1316,7 +1319,8 @@ def _descs(st, cfg: GluonDkdvConfig, vecs=None):
         vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
     return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            *(kmajor_desc(x, BM) for x in _qT_doT(st, cfg.key_order)), *vec_descs)
+            *(kmajor_desc(x, BM) for x in _qT_doT(st, cfg.key_order_dk, cfg.key_order_dv)),
+            *vec_descs)
 
 
 def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
@@ -1358,13 +1362,15 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv, **({"KEY_ORDER": True} if cfg.key_order else {}))
+                        LATE_DV=cfg.late_dv,
+                        **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
+                        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}))
 
 
-def _qT_doT(st, key_order: bool):
-    """(qT8, doT8) in the column order a dK/dV config reads (backward.qT_doT_in_order)."""
+def _qT_doT(st, q_key_order: bool, do_key_order: bool):
+    """(qT8, doT8) in the column orders a dK/dV config reads (backward.qT_doT_in_order)."""
     from .backward import qT_doT_in_order
-    return qT_doT_in_order(st, key_order)
+    return qT_doT_in_order(st, q_key_order, do_key_order)
 
 
 def _check_dq_ws(cfg: GluonDqConfig) -> None:

@@ -859,9 +859,10 @@ if HAVE_GLUON:
     #
     # Ring protocol, in one tile sequence g = 0, 1, ... over all items of the CTA: K_g and V_g
     # go to stage g % STAGES; the consumer's release r_g (after S_g and PV_{g-1} are done) frees
-    # K_g and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_{g-1} with it (V_{g-1}
-    # needs V_{g-1-STAGES} free: r_{g-STAGES}). PV of an item's last tile is waited on before
-    # the next item starts, so V of that tile is free by the next release. Q is double
+    # K_g and V_{g-1}; the producer loads K_g after r_{g-STAGES} (K_{g-STAGES} read) and V_g
+    # after r_{g-STAGES+1} (V_{g-STAGES} read), the release K_{g+1} waits for anyway. PV of an
+    # item's last tile is waited on before the next item starts, so V of that tile is free by
+    # the next release. Q is double
     # buffered at two ring stages (item i's Q goes to buffer i % 2 after the consumer's q_free
     # for item i - 2) and single at three, where two buffers would leave room for one CTA per SM
     # only; one buffer is still refilled before the item ends (after its last QK^T).

@@ -6,7 +6,8 @@ import torch
 
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
-from flamia.ops.kmajor import kmajor_copy, kmajor_layout, mma_order16_host, padded_columns
+from flamia.ops.kmajor import (kmajor_copy, kmajor_layout, mma_key_order_host, mma_order16_host,
+                               padded_columns)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
 
@@ -60,6 +61,13 @@ def test_mma_order_is_the_wgmma_register_permutation():
     lane_of_a_pos = (p % 16) // 4                                   # A operand, 8-bit, k32
     lane_of_key = (key % 8) // 2                                    # fp32 accumulator columns
     assert torch.equal(lane_of_a_pos, lane_of_key)
+
+
+def test_mma_key_order_puts_column_mma_order16_p_at_p():
+    """The one reshape / permute the kernels apply to an A operand (kmajor.mma_key_order): column
+    p of the result is column mma_order16(p) of the input, in every 16-column group."""
+    x = torch.arange(3 * 64).reshape(3, 64)
+    assert torch.equal(mma_key_order_host(x), x[:, mma_order16_host(torch.arange(64))])
 
 
 def test_plain_copy_in_mma_order():

@@ -85,7 +85,7 @@ try:   # Gluon ships with triton >= 3.5; keep the module importable where it doe
 except ImportError:   # pragma: no cover
     HAVE_GLUON = False
 
-from .kmajor import mma_order16_host
+from .kmajor import mma_key_order_gluon, mma_order16_gluon
 
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
@@ -187,7 +187,6 @@ def default_dq_config(D: int) -> GluonDqConfig:
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
-    _mma_order16_g = gluon.jit(mma_order16_host)     # the kernels' copy of kmajor's definition
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -286,16 +285,6 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
-    def _mma_key_order(x8):
-        """x8 (rows, k) with its columns in wgmma A order: column p = column mma_order16(p) of
-        x8 (flamia.ops.kmajor), a permutation of the 4 low column bits that keeps every value
-        in its thread (the conversion to the A operand layout then moves no data)."""
-        R: gl.constexpr = x8.shape[0]
-        K: gl.constexpr = x8.shape[1]
-        return gl.reshape(gl.permute(gl.reshape(x8, [R, K // 16, 2, 2, 2, 2]),
-                                     (0, 1, 3, 4, 2, 5)), [R, K])
-
-    @gluon.jit
     def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr,
                         KEY_ORDER: gl.constexpr = False):
         """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory
@@ -304,7 +293,7 @@ if HAVE_GLUON:
         x = x_s.load(BLT)
         c = gl.arange(0, BM, layout=gl.SliceLayout(0, BLT))
         if KEY_ORDER:
-            c = _mma_order16_g(c)
+            c = mma_order16_gluon(c)
         cols = i0 + c
         ok = gl.expand_dims(cols < L, 0)
         x = gl.where(ok, x, gl.zeros_like(x))
@@ -611,8 +600,8 @@ if HAVE_GLUON:
             a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
         c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
         if KEY_ORDER:
-            a8 = gl.convert_layout(_mma_key_order((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv)),
-                                   AOP)
+            a8 = gl.convert_layout(
+                mma_key_order_gluon((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv)), AOP)
         else:
             a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
         return p, a, c, a8
@@ -802,7 +791,7 @@ if HAVE_GLUON:
             c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
             if KEY_ORDER_DK:
                 b8 = gl.convert_layout(
-                    _mma_key_order((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
+                    mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
             else:
                 b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:

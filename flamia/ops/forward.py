@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .kmajor import mma_order16
+from .kmajor import mma_key_order, mma_order16
 from .layout import QuantizedQKV
 from .schedule import Schedule, build_schedule, per_cu_seqlens
 
@@ -194,12 +194,9 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 sv = tl.load(SV + offs_n)
             a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
             if V_MMA_ORDER:
-                # column p (bits p3 p2 p1 p0) of the A operand = P's column mma_order16(p)
-                # (bits p1 p3 p2 p0): a permutation of the 4 low column bits that leaves every
-                # value in the thread holding it (flamia.ops.kmajor's module docstring)
-                BM_: tl.constexpr = a.shape[0]
-                a = tl.reshape(tl.permute(tl.reshape(a, [BM_, BLOCK_N // 16, 2, 2, 2, 2]),
-                                          (0, 1, 3, 4, 2, 5)), [BM_, BLOCK_N])
+                # column p of the A operand = P's column mma_order16(p): every value stays in
+                # the thread holding it (flamia.ops.kmajor's module docstring)
+                a = mma_key_order(a)
         else:
             a = p.to(tl.bfloat16)
         offs_v = start_n + offs_v0

@@ -56,7 +56,7 @@ try:   # Gluon ships with triton >= 3.5; keep this module importable without it
 except Exception:   # pragma: no cover - older triton
     HAVE_GLUON = False
 
-from .kmajor import mma_order16_host
+from .kmajor import mma_key_order_gluon, mma_order16_gluon
 from .layout import QuantizedQKV
 from .schedule import Schedule, build_schedule, per_cu_seqlens
 
@@ -381,18 +381,6 @@ if HAVE_GLUON:
                                              "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
                                              dtype=gl.float32, is_pure=True, pack=8)
 
-    _mma_order16_g = gluon.jit(mma_order16_host)     # the kernels' copy of kmajor's definition
-
-    @gluon.jit
-    def _mma_key_order(x8):
-        """x8 (rows, k) with its columns in wgmma A order: column p = column mma_order16(p) of
-        x8 (flamia.ops.kmajor); a permutation of the 4 low column bits that keeps every value
-        in its thread, so the conversion to the A operand layout moves no data."""
-        R: gl.constexpr = x8.shape[0]
-        K: gl.constexpr = x8.shape[1]
-        return gl.reshape(gl.permute(gl.reshape(x8, [R, K // 16, 2, 2, 2, 2]),
-                                     (0, 1, 3, 4, 2, 5)), [R, K])
-
     @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         MASKED: gl.constexpr, CAUSAL: gl.constexpr, o_layout: gl.constexpr,
@@ -433,7 +421,7 @@ if HAVE_GLUON:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
         if MMA_ORDER:
-            a = _mma_key_order(a)
+            a = mma_key_order_gluon(a)
         a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
         return a, m_new, l_i, alpha
 
@@ -481,7 +469,7 @@ if HAVE_GLUON:
         v = v_tile.load(blk)
         c = gl.arange(0, BN, layout=gl.SliceLayout(0, blk))
         if MMA_ORDER:       # column c holds key mma_order16(c) of the tile (tiles 16-aligned)
-            c = _mma_order16_g(c)
+            c = mma_order16_gluon(c)
         cols = n0 + c
         ok = gl.expand_dims((cols >= 0) & (cols < L), 0)
         v = gl.where(ok, v, gl.zeros_like(v))

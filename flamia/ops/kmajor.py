@@ -70,7 +70,25 @@ def mma_order16_host(c):
     return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
 
 
-mma_order16 = triton.jit(mma_order16_host)     # the kernels' copy of the one definition
+def mma_key_order_host(x8):
+    """x8 (rows, k) with its columns put in wgmma A order: column p of the result is column
+    mma_order16(p) of x8. A reshape / permute of the 4 low column bits, which keeps every value
+    in the thread holding it when x8 is an MMA accumulator's (fp8) image, so converting the
+    result to the A operand layout moves no data. Tensor methods only, so the same function
+    serves torch tensors here and Triton / Gluon tensors as `mma_key_order(_gluon)`."""
+    return x8.reshape([x8.shape[0], x8.shape[1] // 16, 2, 2, 2, 2]) \
+             .permute((0, 1, 3, 4, 2, 5)).reshape([x8.shape[0], x8.shape[1]])
+
+
+# The kernels' copies of the two definitions above (Triton, and Gluon where it is available)
+mma_order16 = triton.jit(mma_order16_host)
+mma_key_order = triton.jit(mma_key_order_host)
+try:
+    from triton.experimental import gluon as _gluon
+    mma_order16_gluon = _gluon.jit(mma_order16_host)
+    mma_key_order_gluon = _gluon.jit(mma_key_order_host)
+except ImportError:   # pragma: no cover - triton without Gluon
+    mma_order16_gluon = mma_key_order_gluon = None
 
 
 @triton.jit

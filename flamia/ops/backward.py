@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -661,6 +661,8 @@ class BwdState:
     # launch_preprocess when that kernel will run (fp8, D=64 default), never for Triton's
     qT8_key_order: bool = False
     doT8_key_order: bool = False
+    # copies of qT8 / doT8 in the other column order, made on demand (qT_doT_in_order)
+    kmajor_reordered: dict = field(default_factory=dict)
     # fp8_mixed on the Gluon kernels: bf16 dO, V, K (backward_gluon_mixed.mixed_operands), built
     # once for the dK/dV and the dQ launch
     mixed_ops: tuple | None = None
@@ -830,15 +832,15 @@ def qT_doT_in_order(st: BwdState, q_key_order: bool, do_key_order: bool):
 
 
 def _kmajor_in_order(st: BwdState, name: str, src: torch.Tensor, key_order: bool):
-    own = getattr(st, name)
-    if key_order == getattr(st, name + "_key_order") or (name == "qT8" and st.recipe != 0):
+    own, own_order = (st.qT8, st.qT8_key_order) if name == "qT8" else (st.doT8, st.doT8_key_order)
+    if key_order == own_order or (name == "qT8" and st.recipe != 0):
         return own           # (qT8 is a placeholder outside the fp8 recipe)
-    copy = getattr(st, "_" + name + "_other_order", None)
+    copy = st.kmajor_reordered.get(name)
     if copy is None:
         copy = torch.empty_like(own)
         if own.is_cuda or interpreting():   # (compile-only CPU states launch nothing)
             kmajor_copy(src, copy, st.tok_of_col, mma_order=key_order)
-        setattr(st, "_" + name + "_other_order", copy)
+        st.kmajor_reordered[name] = copy
     return copy
 
 

@@ -187,7 +187,8 @@ def _check_config(cfg: GluonFwdConfig, D: int):
     if cfg.persistent and (cfg.ws != 1 or cfg.lazy or cfg.poly):
         raise ValueError(f"{cfg}: the persistent kernel is ws=1 without lazy / poly")
     if (cfg.mma_order or cfg.pv_sync) and not cfg.persistent:
-        raise ValueError(f"{cfg}: vt8 in wgmma key order is read by the persistent kernel only")
+        raise ValueError(f"{cfg}: mma_order (-m) and pv_sync (-w) exist in the persistent kernel "
+                         "only")
     if cfg.poly not in (0, 2, 4, 8):
         raise ValueError(f"{cfg}: poly is 0 or one exp2 in 2, 4 or 8 on the FMA pipe")
     if cfg.block_n not in (64, 128) or cfg.stages < 2:

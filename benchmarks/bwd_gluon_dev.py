@@ -161,6 +161,11 @@ DQ_CONFIGS = {
     # (168 regs, 212 B spills, 66.6 KB shared), D=64 4 CTAs (128 regs, 128 B, 46.6 KB)
     "r168s2": "stages=2,maxnreg=168",
     "r128s3": "stages=3,maxnreg=128",
+    # session 11: persistent CTAs walking the work list (2 per SM), the ws producer running
+    # ahead across items; q8 / do8 single-buffered at the default ring depth (D=128 100 KB
+    # shared), or double-buffered with a 2-deep ring (91 KB)
+    "pers": "ws=True,maxnreg=128,persistent=2,qbuf=1",
+    "pers2s2": "ws=True,maxnreg=128,persistent=2,qbuf=2,stages=2",
 }
 DQ_LADDER = ["safe", "sync", "vecload", "default", "ns2", "w8"]
 DQ_NEXT = ["default", "torchvec", "ws"]

@@ -87,6 +87,9 @@ except ImportError:   # pragma: no cover
 
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 
+if HAVE_GLUON:   # the persistent forward's work-list reader, shared by the persistent dQ
+    from .forward_gluon import _pers_meta
+
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
 
@@ -177,6 +180,11 @@ class GluonDqConfig:
     # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
     maxnreg: int = 0
     vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
+    # persistent: that many CTAs per SM walk the forward's work list (flamia.ops.schedule), the
+    # ws producer running ahead across items (_dq_fp8_persistent_kernel); needs ws. qbuf: q8 /
+    # do8 buffers (2: the next item's pair loads during this item)
+    persistent: int = 0
+    qbuf: int = 2
 
 
 def default_dq_config(D: int) -> GluonDqConfig:
@@ -307,18 +315,30 @@ if HAVE_GLUON:
         matrix, stored as bf16/fp16/fp32 (dst's dtype). Like backward._rotate: each chunk is split
         x = hi + lo into two bf16 operands, GEMMs in bf16 with fp32 accumulation (H is exact in
         bf16). H_128 = [[H64, H64], [H64, -H64]]: one 64 x 64 block of hmat in shared memory."""
-        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, CH, 16])
-        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        h_s = _hadamard_tile(hmat, D, num_warps)
+        fence_async_shared()
+        gl.thread_barrier()
+        _rotate_store_h(x0, x1, h_s, dst, rows_ok, row_off, out_scale, BN, NCH, LACC, num_warps)
+
+    @gluon.jit
+    def _hadamard_tile(hmat, D: gl.constexpr, num_warps: gl.constexpr):
+        """The 64 x 64 block H_64 of hmat (+-1, exact in bf16) in shared memory (the caller
+        fences and syncs before a wgmma reads it)."""
         BLH: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         hr = gl.arange(0, CH, layout=gl.SliceLayout(1, BLH))
         hc = gl.arange(0, CH, layout=gl.SliceLayout(0, BLH))
         hv = gl.load(hmat + gl.expand_dims(hr, 1) * D + gl.expand_dims(hc, 0))
-        h_s = gl.allocate_shared_memory(gl.bfloat16, [CH, CH],
-                                        gl.NVMMASharedLayout.get_default_for([CH, CH], gl.bfloat16),
-                                        hv)
-        fence_async_shared()
-        gl.thread_barrier()
+        return gl.allocate_shared_memory(gl.bfloat16, [CH, CH],
+                                         gl.NVMMASharedLayout.get_default_for([CH, CH],
+                                                                              gl.bfloat16), hv)
+
+    @gluon.jit
+    def _rotate_store_h(x0, x1, h_s, dst, rows_ok, row_off, out_scale, BN: gl.constexpr,
+                        NCH: gl.constexpr, LACC: gl.constexpr, num_warps: gl.constexpr):
+        """_rotate_store with H_64 already in shared memory (h_s, _hadamard_tile)."""
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
         hi0 = x0.to(gl.bfloat16)
         lo0 = (x0 - hi0.to(gl.float32)).to(gl.bfloat16)
         hi0 = gl.convert_layout(hi0, AOPB)
@@ -918,8 +938,14 @@ if HAVE_GLUON:
         """TMA loads of kv tile `jt` (keys j0 = jt * BN of the document) into ring slot jt % NS:
         k8_j, v8_j (token-major), kT8_j (K-major, padded columns) and with VEC_TMA sk_j, sv_j
         ((1, BN) boxes of the padded (Hkv, Tp) copies)."""
-        j0 = jt * BN
-        s = jt % NS
+        _issue_kv_at(jt * BN, jt % NS, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
+                     sv_desc, k_s, v_s, kT_s, sk_s, sv_s, ready, pred, D, VEC_TMA)
+
+    @gluon.jit
+    def _issue_kv_at(j0, s, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                     k_s, v_s, kT_s, sk_s, sv_s, ready, pred, D: gl.constexpr,
+                     VEC_TMA: gl.constexpr):
+        """_issue_kv of the tile at key j0 into ring slot s."""
         bar = ready.index(s)
         if VEC_TMA:
             NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
@@ -1122,6 +1148,211 @@ if HAVE_GLUON:
         acc1 = acc1 * gl.expand_dims(f, 1)
         row_off = (start + m_idx) * stride_dqt + h * D
         _store_out(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, ROTATE, D, BM, NCH, L, num_warps)
+
+
+    # ------------------------------------------------------------------------------------------
+    # Persistent dQ (GluonDqConfig.persistent = CTAs per SM; _dq_fp8_persistent_kernel). Batches
+    # of short documents pay, per one-item program, a chain of dependent latencies (cu_seqlens ->
+    # q8 / do8 and the first kv tiles by TMA -> ... -> the epilogue's rotation and stores) with
+    # the tensor cores idle in between: doc512_x64 spends about half of its dQ time outside
+    # the tile loop (benchmarks/NOTES.md, session 11). Here each CTA walks work indices
+    # w = pid, pid + G, ... of the forward's work list (w = item * HQ + head: flamia.ops.schedule,
+    # heaviest first) with a 1-warp TMA producer that runs ahead across item boundaries:
+    #   - kv ring over the CTA-wide tile sequence g = 0, 1, ...: tile g in slot g % NS, loaded
+    #     after the consumer's release of tile g - NS (the dQ ws protocol, _release_slot);
+    #   - q8_i / do8_i double buffered (QBUF = 2): item `it`'s pair in buffer it % 2, loaded
+    #     after the consumer's q_free arrival for item it - 2 (every S / dP wgmma of it done);
+    #   - the consumer reads the next item's work-list entry and query vectors one item ahead
+    #     (loop-carried), and the Hadamard tile of the rotate-back once per CTA.
+    # Per tile the numerics are _dq_loop's, op for op: results expected bitwise equal.
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dq_item(ITEMS, N_ITEMS, HQ, GROUP, W, w, pcu):
+        """forward_gluon._pers_meta of work index w plus the document's padded start."""
+        doc, head, hk, start, L, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w)
+        pstart = gl.load(pcu + doc, mask=doc >= 0, other=0)
+        return doc, head, hk, start, L, blk, pstart
+
+    @gluon.jit
+    def _dq_item_rows(lse, sq, delta, sdo, h, T, start, blk, L_doc, sm_scale, qk_scale2,
+                      BM: gl.constexpr, ROW: gl.constexpr):
+        """_query_scales of an item and its epilogue factor sdo_i * sm_scale (loaded early)."""
+        m_idx, m_ok, lse2, rowf, dl_i = _query_scales(lse, sq, delta, h, T, start, blk * BM,
+                                                      L_doc, qk_scale2, BM, ROW)
+        f = gl.load(sdo + h * T + start + m_idx, mask=m_ok, other=0.0) * sm_scale
+        return m_idx, m_ok, lse2, rowf, dl_i, f
+
+    @gluon.jit
+    def _dq_pers_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                          q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready, q_free,
+                          ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL: gl.constexpr):
+        NS: gl.constexpr = k_s.type.shape[0]
+        BN: gl.constexpr = k_s.type.shape[1]
+        D: gl.constexpr = k_s.type.shape[2]
+        QBUF: gl.constexpr = q_s.type.shape[0]
+        BM: gl.constexpr = q_s.type.shape[1]
+        g = 0       # kv tiles loaded so far (the CTA-wide tile sequence)
+        it = 0      # items started so far
+        for w in range(gl.program_id(0), W, gl.num_programs(0)):
+            doc, h, hk, start, L_doc, blk, pstart = _dq_item(ITEMS, N_ITEMS, HQ, GROUP, W, w,
+                                                             pcu)
+            if doc >= 0:
+                m0 = blk * BM
+                _, _, total = _dq_bounds(m0, L_doc, BM, BN, CAUSAL)
+                qb = it % QBUF
+                mbarrier.wait(q_free.index(qb), ((it // QBUF) + 1) & 1, pred=it >= QBUF)
+                mbarrier.expect(q_ready.index(qb),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_ready.index(qb),
+                                                q_s.index(qb))
+                tma.async_copy_global_to_shared(do_desc, [start + m0, h * D],
+                                                q_ready.index(qb), do_s.index(qb))
+                for jt in range(total):
+                    s = g % NS
+                    mbarrier.wait(rel.index(s), ((g // NS) + 1) & 1, pred=g >= NS)
+                    _issue_kv_at(jt * BN, s, start, pstart, hk, k_desc, v_desc, kT_desc,
+                                 sk_desc, sv_desc, k_s, v_s, kT_s, sk_s, sv_s, ready, True, D,
+                                 True)
+                    g += 1
+                it += 1
+
+    @gluon.jit
+    def _dq_pers_consumer(q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, h_s, ready, rel, q_ready,
+                          q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta, sq, sdo, sk,
+                          sv, dq, T, stride_dqt, sm_scale, qk_scale2, out_scale,
+                          D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                          NS: gl.constexpr, QBUF: gl.constexpr, CAUSAL: gl.constexpr,
+                          ROTATE: gl.constexpr, num_warps: gl.constexpr):
+        NCH: gl.constexpr = D // CH
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per key (columns of S)
+        zero = gl.zeros([BM, CH], gl.float32, L)
+        G = gl.num_programs(0)
+        g = 0
+        it = 0
+        doc, h, hk, start, L_doc, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W,
+                                                   gl.program_id(0))
+        m_idx, m_ok, lse2, rowf, dl_i, f = _dq_item_rows(lse, sq, delta, sdo, h, T, start, blk,
+                                                         L_doc, sm_scale, qk_scale2, BM, ROW)
+        for w in range(gl.program_id(0), W, G):
+            c_doc, c_h, c_hk, c_start, c_L, c_blk = doc, h, hk, start, L_doc, blk
+            c_m_idx, c_m_ok, c_lse2, c_rowf, c_dl, c_f = m_idx, m_ok, lse2, rowf, dl_i, f
+            doc, h, hk, start, L_doc, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
+            if c_doc >= 0:
+                mask_from, shift, total = _dq_bounds(c_blk * BM, c_L, BM, BN, CAUSAL)
+                acc0 = gl.zeros([BM, CH], gl.float32, L)
+                acc1 = gl.zeros([BM, CH], gl.float32, L)
+                qb = it % QBUF
+                qs = q_s.index(qb)
+                dos = do_s.index(qb)
+                mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
+                for jt in range(total):
+                    s = g % NS
+                    kTs = kT_s.index(s)
+                    j0, end, need_mask, n_idx = _kv_tile(jt, c_L, mask_from, BN, COL)
+                    mbarrier.wait(ready.index(s), (g // NS) & 1)
+                    s_tok = _mma(qs, k_s.index(s).permute((1, 0)), zero, False)
+                    dp_tok = _mma(dos, v_s.index(s).permute((1, 0)), zero, False)
+                    if end:   # once per item: kT8 columns past the document end
+                        _zero_tail_cols(kTs, j0, c_L, D, BN, num_warps)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                    sk_j = _row_vec(sk_s, s, sk, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
+                    sc = _mma_wait(s_tok, 1, False)
+                    p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(c_rowf, 1)
+                                - gl.expand_dims(c_lse2, 1))
+                    sv_j = _row_vec(sv_s, s, sv, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
+                    dp = _mma_wait(dp_tok, 0, False)
+                    t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(c_dl, 1)
+                    sk_j2 = _row_vec(sk_s, s, sk, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
+                    b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, c_m_idx, shift, c_L,
+                                 need_mask)
+                    c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+                    b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+                    if NCH == 2:
+                        d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, False)
+                        d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, False)
+                        d0 = _mma_wait(d0_tok, 1, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                        d1 = _mma_wait(d1_tok, 0, False)
+                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+                    else:
+                        d0_tok = _mma(b8, kTs.permute((1, 0)), zero, False)
+                        d0 = _mma_wait(d0_tok, 0, False)
+                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                    _release_slot(rel, s)   # (its barrier: every S / dP of the item waited too)
+                    g += 1
+                # q8_i / do8_i are read: the buffer may take item it + QBUF
+                mbarrier.arrive(q_free.index(qb), count=1)
+                m_idx, m_ok, lse2, rowf, dl_i, f = _dq_item_rows(lse, sq, delta, sdo, h, T,
+                                                                 start, blk, L_doc, sm_scale,
+                                                                 qk_scale2, BM, ROW)
+                # --- epilogue: * sdo_i * sm_scale, rotate back, cast (as _dq_fp8_kernel's) ---
+                acc0 = acc0 * gl.expand_dims(c_f, 1)
+                acc1 = acc1 * gl.expand_dims(c_f, 1)
+                row_off = (c_start + c_m_idx) * stride_dqt + c_h * D
+                if ROTATE:
+                    _rotate_store_h(acc0, acc1, h_s, dq, c_m_ok, row_off, out_scale, BM, NCH,
+                                    L, num_warps)
+                else:
+                    _store_pair(acc0, acc1, dq, c_m_ok, row_off, NCH, L)
+                it += 1
+            else:
+                m_idx, m_ok, lse2, rowf, dl_i, f = _dq_item_rows(lse, sq, delta, sdo, h, T,
+                                                                 start, blk, L_doc, sm_scale,
+                                                                 qk_scale2, BM, ROW)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV", "N_ITEMS"])
+    def _dq_fp8_persistent_kernel(
+        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+        lse, delta, sq, sdo, sk, sv, dq, hmat, ITEMS, pcu,
+        T, stride_dqt, sm_scale, qk_scale2, out_scale, N_ITEMS,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
+        QBUF: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        gl.static_assert(num_warps == 4, "one consumer warpgroup")
+        gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
+        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
+        gl.static_assert(BM == 16 * num_warps, "one m64 wgmma row block per warpgroup")
+        W = N_ITEMS * HQ
+        GROUP = HQ // HKV
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [QBUF, BM, D], q_desc.layout)
+        do_s = gl.allocate_shared_memory(do_desc.dtype, [QBUF, BM, D], do_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
+        v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
+        kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
+        sk_s = _vec_ring(sk_desc, k_s, NS, BN, True)
+        sv_s = _vec_ring(sv_desc, k_s, NS, BN, True)
+        if ROTATE:   # H_64 once per CTA (the one-item kernels load it in every epilogue)
+            h_s = _hadamard_tile(hmat, D, num_warps)
+        else:
+            h_s = k_s    # placeholder, never read
+        ready, once, rel = _init_barriers(NS, True)
+        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(QBUF):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_dq_pers_consumer, (q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, h_s, ready, rel,
+                                 q_ready, q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta,
+                                 sq, sdo, sk, sv, dq, T, stride_dqt, sm_scale, qk_scale2,
+                                 out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps)),
+            (_dq_pers_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
+                                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready,
+                                 q_free, ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL)),
+        ], [1], [PRODUCER_REGS])
+        for i in gl.static_range(QBUF):
+            mbarrier.invalidate(q_ready.index(i))
+            mbarrier.invalidate(q_free.index(i))
+        _invalidate_barriers(ready, once, rel, NS, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1477,7 +1708,35 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
     _check_dq_ws(cfg)
     if cfg.maxnreg:
         kwargs["maxnreg"] = cfg.maxnreg
+    if cfg.persistent:
+        grid, args, kwargs = _persistent_dq_args(st, cfg, args, kwargs)
     return grid, args, kwargs
+
+
+def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
+    """_dq_args of the one-item kernel rewritten for _dq_fp8_persistent_kernel: the work list
+    (memoized per cu_seqlens, like the forward's) instead of cu, a grid of `persistent` CTAs
+    per SM."""
+    from .schedule import build_schedule, per_cu_seqlens
+    if not cfg.ws or cfg.num_warps != 4 or cfg.qbuf not in (1, 2):
+        raise ValueError(f"persistent dQ needs ws, one consumer warpgroup and qbuf 1 or 2: {cfg}")
+    key = ("schedule", st.T, cfg.bm, cfg.bn, st.causal)
+    sched = per_cu_seqlens(st.cu, key,
+                           lambda: build_schedule(st.cu, st.T, cfg.bm, cfg.bn, st.causal))
+    n_items = sched.items.shape[1]
+    dev = st.dq.device
+    n_sm = (torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda" else 132)          # compile-only on the CPU: the H200's count
+    grid = (max(1, min(n_items * st.Hq, cfg.persistent * n_sm)),)
+    # (descriptors, tensors, hmat, cu, pcu, scalars): the work list in cu's place, its length last
+    args = (*args[:15], sched.items, *args[16:], n_items)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("VEC_TMA", "SYNC", "WS")}
+    kwargs["QBUF"] = cfg.qbuf
+    return grid, args, kwargs
+
+
+def _dq_kernel(cfg: GluonDqConfig):
+    return _dq_fp8_persistent_kernel if cfg.persistent else _dq_fp8_kernel
 
 
 def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
@@ -1490,7 +1749,7 @@ def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
     if _no_tokens(st, st.dq):
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs)
-    _dq_fp8_kernel[grid](*args, **kwargs)
+    _dq_kernel(cfg)[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1509,7 +1768,7 @@ def compile_dq_sm90(st, config: GluonDqConfig | None = None):
     """compile_sm90 for the dQ kernel."""
     cfg = config or default_dq_config(st.D)
     _, args, kwargs = _dq_args(st, cfg, vecs="torch")
-    return _compile_sm90(_dq_fp8_kernel, args, kwargs)
+    return _compile_sm90(_dq_kernel(cfg), args, kwargs)
 
 
 def _compile_sm90(fn, args, kwargs):

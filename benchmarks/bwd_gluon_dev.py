@@ -149,7 +149,8 @@ DQ_CONFIGS = {
     "safe": "stages=1,vec_tma=False,sync_mma=True",      # no prefetch, sk / sv by gl.load, sync MMA
     "sync": "stages=2,vec_tma=False,sync_mma=True",      # + kv TMA ring prefetch
     "vecload": "vec_tma=False",                          # + async wgmma (default stages)
-    "default": None,                                     # default_dq_config: + sk / sv TMA boxes
+    "default": None,                                     # default_dq_config (persistent)
+    "plain": None,                                       # plain_dq_config: one item per program
     "ns2": "stages=2",
     "w8safe": "bm=128,num_warps=8,stages=1,vec_tma=False,sync_mma=True",
     "w8": "bm=128,num_warps=8",                          # BM = 128: 2 warpgroups share K / V
@@ -307,12 +308,13 @@ def make_cfg(name: str, D: int):
         cls = M.MixedDqConfig if dq else M.MixedDkdvConfig
     else:
         # dK/dV: variants start from the plain config (no opt-ins), "default" is the default
-        base = G.default_dq_config(D) if dq else G.plain_gluon_config(D)
+        base = G.plain_dq_config(D) if dq else G.plain_gluon_config(D)
         cls = G.GluonDqConfig if dq else G.GluonDkdvConfig
-        if name == "default" and not dq:
-            return G.default_gluon_config(D)
-        if name.startswith("default+") and not dq:   # the per-D default with these overrides
-            base, name = G.default_gluon_config(D), name[len("default+"):]
+        default = G.default_dq_config if dq else G.default_gluon_config
+        if name == "default":
+            return default(D)
+        if name.startswith("default+"):   # the per-D default with these overrides
+            base, name = default(D), name[len("default+"):]
     spec = kernel_configs().get(name, name)   # unknown names are parsed as key=value lists
     if not spec:
         return base

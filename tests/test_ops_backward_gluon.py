@@ -128,6 +128,7 @@ DQ_LADDER = {
     "sync": dict(stages=2, vec_tma=False, sync_mma=True),
     "vecload": dict(vec_tma=False),
     "w8": dict(bm=128, num_warps=8),
+    "plain": dict(),     # the one-item-per-program kernel (the default is the persistent one)
 }
 
 _DQ_SCRIPT = r"""
@@ -143,7 +144,7 @@ for D in (128, 64):
         out.append(dict(D=D, causal=causal, config="default", **r))
 for name, kw in LADDER.items():
     st = G.fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
-    cfg = G.GluonDqConfig(**{**G.default_dq_config(128).__dict__, **kw})
+    cfg = G.GluonDqConfig(**{**G.plain_dq_config(128).__dict__, **kw})
     r = G.resource_report(G.compile_dq_sm90(st, cfg))
     out.append(dict(D=128, causal=True, config=name, **r))
 print("REPORT" + json.dumps(out))
@@ -252,7 +253,7 @@ out = {}
 for name, (kern, D, kw, _) in VARIANTS.items():
     st = G.fake_state(D, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
     if kern == "dq":
-        k = G.compile_dq_sm90(st, G.GluonDqConfig(**{**G.default_dq_config(D).__dict__, **kw}))
+        k = G.compile_dq_sm90(st, G.GluonDqConfig(**{**G.plain_dq_config(D).__dict__, **kw}))
     else:
         k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.plain_gluon_config(D).__dict__, **kw}))
     r = G.resource_report(k)
@@ -329,7 +330,7 @@ def test_variant_routing_and_validation():
         with pytest.raises(ValueError):
             G._args(st, bad)
     # dQ: one kernel, the options are constexprs; maxnreg only when set; no overlap schedule
-    kw = G._dq_args(st, G.default_dq_config(64))[2]
+    kw = G._dq_args(st, G.plain_dq_config(64))[2]
     assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
     assert not {"XO", "maxnreg"} & kw.keys()
     kw = G._dq_args(st, G.GluonDqConfig(ws=True, maxnreg=128, producer_regs=32))[2]
@@ -342,6 +343,16 @@ def test_variant_routing_and_validation():
     for bad in (G.GluonDqConfig(ws=True, bm=128, num_warps=8),
                 G.GluonDqConfig(ws=True, vec_tma=False), G.GluonDqConfig(ws=True, sync_mma=True),
                 G.GluonDqConfig(ws=True, producer_regs=16)):
+        with pytest.raises(ValueError):
+            G._dq_args(st, bad)
+    # the persistent default: the work list in cu's place, at most 2 CTAs per SM, no one-item
+    # constexprs; it needs the ws producer and one consumer warpgroup
+    grid, args, kw = G._dq_args(st, G.default_dq_config(64))
+    assert G._dq_kernel(G.default_dq_config(64)) is G._dq_fp8_persistent_kernel
+    assert len(grid) == 1 and 1 <= grid[0] <= 2 * 132
+    assert kw["QBUF"] == 1 and not {"WS", "VEC_TMA", "SYNC"} & kw.keys()
+    assert len(args) + len(kw) - 1 == len(G._dq_fp8_persistent_kernel.arg_names)   # - maxnreg
+    for bad in (G.GluonDqConfig(persistent=2), G.GluonDqConfig(persistent=2, ws=True, qbuf=3)):
         with pytest.raises(ValueError):
             G._dq_args(st, bad)
 

@@ -187,10 +187,20 @@ class GluonDqConfig:
     qbuf: int = 2
 
 
-def default_dq_config(D: int) -> GluonDqConfig:
-    """sk / sv gathered by one Triton launch (vec_gather; bitwise the torch gathers, and the
-    same kernel: timed alike on the H200, session 5) to spare the host 4 small torch ops."""
+def plain_dq_config(D: int) -> GluonDqConfig:
+    """One program per (document, query head, query block): the base the dev ladders and
+    variants start from. sk / sv gathered by one Triton launch (vec_gather; bitwise the torch
+    gathers, and the same kernel: timed alike on the H200, session 5) to spare the host 4 small
+    torch ops."""
     return GluonDqConfig(stages=4 if D <= 64 else 3, vec_gather=True)
+
+
+def default_dq_config(D: int) -> GluonDqConfig:
+    """The persistent kernel, two CTAs per SM, q8 / do8 single-buffered at the plain ring depth
+    (benchmarks/NOTES.md session 11 item 2; bitwise the plain kernel's results). H200, ms, plain
+    -> persistent, same process: doc512_x64 0.72 -> 0.62, doc2k_x16 1.67 -> 1.54, longtail
+    4.54 -> 4.17, doc8k_x4 5.74 -> 5.27, d64_doc8k_x4 4.22 -> 4.07."""
+    return dataclasses.replace(plain_dq_config(D), ws=True, maxnreg=128, persistent=2, qbuf=1)
 
 
 if HAVE_GLUON:

@@ -142,6 +142,7 @@ CONFIGS = {
     # session 11: the D=128 default as the persistent kernel (at D=64 on the one-warpgroup
     # layout: the D=64 default is ws, which the persistent dK/dV kernel does not take)
     "lathnspers": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,persistent=2",
+    "lathnspers1": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,persistent=1",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

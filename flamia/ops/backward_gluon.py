@@ -1039,20 +1039,21 @@ if HAVE_GLUON:
                              lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, hk, start, L_doc, blk,
                              pcu, doc, GROUP, T, D, BM, BN, NS, CAUSAL, VEC_TMA)
         for w in range(gl.program_id(0), W, G):
-            c_doc, c_hk, c_start, c_L, c_blk = doc, hk, start, L_doc, blk
-            doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, w + G)
-            if c_doc >= 0:
-                n0 = c_blk * BN
-                c_pstart = gl.load(pcu + c_doc)
-                lo, nb, total = _dkdv_bounds(n0, c_L, GROUP, BM, CAUSAL)
+            if doc >= 0:
+                n0 = blk * BN
+                pstart = gl.load(pcu + doc)
+                lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
                 acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_loop(
                     q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
                     k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
-                    kv_bar, lse, delta, sq, sdo, sk, sv, c_start, c_pstart, c_L, n0, c_hk, lo,
+                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo,
                     nb, total, GROUP, T, qk_scale2, D, BM, BN, NS, CAUSAL, VEC_TMA, SYNC, False,
                     FOLD, SHARED_MASK, THR_MASK, LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)
                 _rearm_barriers(ready, kv_bar, NS)
-                if doc >= 0:   # the next item's loads run under this item's epilogue
+                # the next item (read here, not one item ahead: nothing more live in the loop)
+                c_hk, c_start, c_L = hk, start, L_doc
+                doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, w + G)
+                if doc >= 0:   # its loads run under this item's epilogue
                     _dkdv_item_loads(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                      lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                      qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, hk,
@@ -1070,6 +1071,8 @@ if HAVE_GLUON:
                                     L, num_warps)
                 else:
                     _store_pair(acc_dk0, acc_dk1, dk, n_ok, row_off, NCH, L)
+            else:
+                doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, w + G)
         _invalidate_barriers(ready, kv_bar, rel, NS, False)
 
     @gluon.jit

@@ -367,8 +367,8 @@ def test_variant_routing_and_validation():
     grid, args, kw = G._args(st, cfg)
     assert G._dkdv_kernel(cfg) is G._dkdv_fp8_persistent_kernel
     assert len(grid) == 1 and 1 <= grid[0] <= 2 * 132 and not {"WS", "PRODUCER_REGS"} & kw.keys()
-    names = G._dkdv_fp8_persistent_kernel.arg_names          # (KEY_ORDER_DV / _DK defaulted)
-    assert set(kw) <= set(names) and len(args) + len(kw) == len(names) - 2
+    names = G._dkdv_fp8_persistent_kernel.arg_names   # (KEY_ORDER_DV / _DK, STAGGER defaulted)
+    assert set(kw) <= set(names) and len(args) + len(kw) == len(names) - 3
     for bad in (dataclasses.replace(cfg, ws=True, bn=128, num_warps=8),):
         with pytest.raises(ValueError):
             G._args(st, bad)

@@ -139,13 +139,6 @@ CONFIGS = {
     # session 10 item 7, prepared (CPU): the D=128 default with dS^T / qT8 in wgmma key order
     # (929 -> 902 SASS per tile, spills 64 -> 60 B); = "default+key_order_dk=True" at D=128
     "lathnskeydk": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,key_order_dk=True",
-    # session 11: the D=128 default as the persistent kernel (at D=64 on the one-warpgroup
-    # layout: the D=64 default is ws, which the persistent dK/dV kernel does not take)
-    "lathnspers": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,persistent=2",
-    "lathnspers1": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,persistent=1",
-    # lathnspers with half the CTAs started 1 us late (the two CTAs of an SM out of phase)
-    "lathnsperz": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,persistent=2,"
-                  "stagger=1000",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

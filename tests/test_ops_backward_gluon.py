@@ -243,12 +243,6 @@ VARIANTS = {
                                             pack_vecs=True), 64),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
-    # the persistent kernels (session 11; dQ's is the default): dQ 0 B, dK/dV 124 B (the
-    # one-item kernel with the same options: 64 B)
-    "dq_persistent": ("dq", 128, dict(ws=True, maxnreg=128, persistent=2, qbuf=1), 0),
-    "dq_persistent_d64": ("dq", 64, dict(ws=True, maxnreg=128, persistent=2, qbuf=1), 0),
-    "dkdv_persistent": ("dkdv", 128, dict(fold_sdo=True, pack_vecs=True, late_dv=True,
-                                          threshold_mask=True, persistent=2), 200),
 }
 
 _VAR_SCRIPT = r"""
@@ -361,17 +355,6 @@ def test_variant_routing_and_validation():
     for bad in (G.GluonDqConfig(persistent=2), G.GluonDqConfig(persistent=2, ws=True, qbuf=3)):
         with pytest.raises(ValueError):
             G._dq_args(st, bad)
-    # persistent dK/dV: the key-block work list in cu's place, one warpgroup without ws
-    cfg = dataclasses.replace(G.default_gluon_config(128), persistent=2)
-    st = G.fake_state(128, T=64, Hq=2, Hkv=1)
-    grid, args, kw = G._args(st, cfg)
-    assert G._dkdv_kernel(cfg) is G._dkdv_fp8_persistent_kernel
-    assert len(grid) == 1 and 1 <= grid[0] <= 2 * 132 and not {"WS", "PRODUCER_REGS"} & kw.keys()
-    names = G._dkdv_fp8_persistent_kernel.arg_names   # (KEY_ORDER_DV / _DK, STAGGER defaulted)
-    assert set(kw) <= set(names) and len(args) + len(kw) == len(names) - 3
-    for bad in (dataclasses.replace(cfg, ws=True, bn=128, num_warps=8),):
-        with pytest.raises(ValueError):
-            G._args(st, bad)
 
 
 def test_fold_sdo_vectors():

@@ -113,15 +113,12 @@ def test_quantize_nonfinite_and_extreme_tokens():
 
 # ------------------------------------------------------------------------------------------ schedule
 
-@pytest.mark.parametrize("keys", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_schedule_covers_each_block_once_heaviest_first(causal, keys):
-    """keys=False: query blocks (forward, dQ), cost = key tiles up to the diagonal; keys=True:
-    key blocks (dK/dV), cost = query tiles from the block's first key to the document end."""
+def test_schedule_covers_each_block_once_heaviest_first(causal):
     lengths = (130, 0, 1, 64, 65, 300)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     BM, BN = 64, 32
-    sch = build_schedule(cu, sum(lengths), BM, BN, causal, keys=keys)
+    sch = build_schedule(cu, sum(lengths), BM, BN, causal)
     doc, blk, start, length = sch.items.tolist()
     real = [(d, b) for d, b in zip(doc, blk) if d >= 0]
     expect = [(d, b) for d, L in enumerate(lengths) for b in range(-(-L // BM))]
@@ -132,11 +129,8 @@ def test_schedule_covers_each_block_once_heaviest_first(causal, keys):
 
     def cost(d, b):
         L = lengths[d]
-        if keys:
-            span = L - b * BM if causal else L
-        else:
-            span = min((b + 1) * BM, L) if causal else L
-        return -(-span // BN)
+        hi = min((b + 1) * BM, L) if causal else L
+        return -(-hi // BN)
     costs = [cost(d, b) for d, b in real]
     assert costs == sorted(costs, reverse=True)
 

@@ -88,7 +88,7 @@ except ImportError:   # pragma: no cover
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 
 if HAVE_GLUON:   # the persistent forward's work-list reader, shared by the persistent dQ
-    from .forward_gluon import _pers_meta, _stagger
+    from .forward_gluon import _pers_meta
 
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
@@ -139,11 +139,6 @@ class GluonDkdvConfig:
     # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
     key_order_dv: bool = False
     key_order_dk: bool = False
-    # persistent: that many CTAs per SM walk the key-block work list, the next item's K / V and
-    # first query tiles loaded under this item's epilogue (_dkdv_fp8_persistent_kernel; one
-    # warpgroup, not ws)
-    persistent: int = 0
-    stagger: int = 0      # persistent only: forward_gluon._stagger's sleep (ns) in half the CTAs
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -943,154 +938,6 @@ if HAVE_GLUON:
                        stride_dkt, sm_scale, out_scale, ROTATE, D, BN, NCH, L, num_warps)
 
     # ------------------------------------------------------------------------------------------
-    # Persistent dK/dV (GluonDkdvConfig.persistent = CTAs per SM; one warpgroup, no ws:
-    # _dkdv_fp8_persistent_kernel). Each CTA walks work indices w = pid, pid + G, ... of the
-    # key-block work list (w = item * HKV + kv head; flamia.ops.schedule with keys=True, the
-    # longest query ranges first) and runs each item as _dkdv_fp8_kernel does, loop for loop
-    # (_dkdv_loop, bitwise the same results). Between items, once the ring is drained (every
-    # tile consumed, every wgmma waited for), its barriers are re-armed and the next item's K_j,
-    # V_j and first NS - 1 query tiles are issued *before* this item's epilogue (the dV / dK
-    # stores and the rotate-back GEMMs), which covers their latency; the next item's work-list
-    # entry is read one item ahead and the Hadamard tile once per CTA. A short document's
-    # one-item programs pay those latencies in sequence (doc512_x64: ~0.2 of its 0.76 ms).
-    # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _rearm_barriers(ready, kv_bar, NS: gl.constexpr):
-        """The drained ring's barriers back to phase 0 for the next item (no TMA in flight)."""
-        gl.thread_barrier()
-        for si in gl.static_range(NS):
-            mbarrier.invalidate(ready.index(si))
-            mbarrier.init(ready.index(si), count=1)
-        mbarrier.invalidate(kv_bar)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _dkdv_item_loads(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc,
-                         sq_desc, sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
-                         sdo_s, ready, kv_bar, hk, start, L_doc, blk, pcu, doc, GROUP, T,
-                         D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                         CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr):
-        """An item's K_j, V_j and first NS - 1 query tiles (the one-item kernel's prologue)."""
-        n0 = blk * BN
-        pstart = gl.load(pcu + doc)
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
-        tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
-        lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
-        for pi in gl.static_range(NS - 1):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s, lse_s,
-                        dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, VEC_TMA)
-
-    @gluon.jit(do_not_specialize=["T", "HQ", "HKV", "N_ITEMS"])
-    def _dkdv_fp8_persistent_kernel(
-        k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-        lse_desc, dl_desc, sq_desc, sdo_desc,
-        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, ITEMS, pcu,
-        T, stride_dkt, sm_scale, qk_scale2, out_scale, N_ITEMS,
-        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
-        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, FOLD: gl.constexpr,
-        SHARED_MASK: gl.constexpr, THR_MASK: gl.constexpr, LATE_DV: gl.constexpr,
-        num_warps: gl.constexpr, KEY_ORDER_DV: gl.constexpr = False,
-        KEY_ORDER_DK: gl.constexpr = False, STAGGER: gl.constexpr = 0,
-    ):
-        gl.static_assert(not FOLD or VEC_TMA, "FOLD needs VEC_TMA (the folded padded vector)")
-        gl.static_assert(BM == CH, "the S^T / dP^T tiles share the chunk layout (BM == 64)")
-        gl.static_assert(D % CH == 0 and D <= 2 * CH, "D must be 64 or 128")
-        gl.static_assert(BN == 16 * num_warps, "one m64 wgmma row block per warpgroup")
-        GROUP = HQ // HKV
-        W = N_ITEMS * HKV
-        G = gl.num_programs(0)
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key (rows of S^T)
-
-        # --- shared memory (the one-item kernel's, plus H_64) --------------------------------
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
-        v_s = gl.allocate_shared_memory(v_desc.dtype, [BN, D], v_desc.layout)
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
-        do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
-        qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
-        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
-        lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
-        if lse_desc.block_type.shape[0] > 1:   # pack_vecs: one ring, rows lse, Delta, sq, sdo
-            dl_s = lse_s
-            sq_s = lse_s
-            sdo_s = lse_s
-        else:
-            dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
-            sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
-            sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
-        if ROTATE:
-            h_s = _hadamard_tile(hmat, D, num_warps)
-        else:
-            h_s = k_s    # placeholder, never read
-        ready, kv_bar, rel = _init_barriers(NS, False)
-        gl.thread_barrier()
-
-        doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, gl.program_id(0))
-        if doc >= 0:
-            _dkdv_item_loads(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc, lse_desc,
-                             dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s,
-                             lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, hk, start, L_doc, blk,
-                             pcu, doc, GROUP, T, D, BM, BN, NS, CAUSAL, VEC_TMA)
-        if STAGGER:
-            _stagger(STAGGER, num_warps)
-        for w in range(gl.program_id(0), W, G):
-            if doc >= 0:
-                n0 = blk * BN
-                pstart = gl.load(pcu + doc)
-                lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
-                acc_dv0, acc_dv1, acc_dk0, acc_dk1 = _dkdv_loop(
-                    q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                    k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
-                    kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo,
-                    nb, total, GROUP, T, qk_scale2, D, BM, BN, NS, CAUSAL, VEC_TMA, SYNC, False,
-                    FOLD, SHARED_MASK, THR_MASK, LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)
-                _rearm_barriers(ready, kv_bar, NS)
-                # the next item (read here, not one item ahead: nothing more live in the loop)
-                c_hk, c_start, c_L = hk, start, L_doc
-                doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, w + G)
-                if doc >= 0:   # its loads run under this item's epilogue
-                    _dkdv_item_loads(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                                     lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
-                                     qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, kv_bar, hk,
-                                     start, L_doc, blk, pcu, doc, GROUP, T, D, BM, BN, NS, CAUSAL,
-                                     VEC_TMA)
-                # --- epilogue (_dkdv_epilogue with H_64 resident) ---------------------------
-                n_idx = n0 + gl.arange(0, BN, layout=ROW)
-                n_ok = n_idx < c_L
-                row_off = (c_start + n_idx) * stride_dkt + c_hk * D
-                _store_pair(acc_dv0, acc_dv1, dv, n_ok, row_off, NCH, L)
-                acc_dk0 = acc_dk0 * sm_scale
-                acc_dk1 = acc_dk1 * sm_scale
-                if ROTATE:
-                    _rotate_store_h(acc_dk0, acc_dk1, h_s, dk, n_ok, row_off, out_scale, BN, NCH,
-                                    L, num_warps)
-                else:
-                    _store_pair(acc_dk0, acc_dk1, dk, n_ok, row_off, NCH, L)
-            else:
-                doc, hk, start, L_doc, blk = _dkdv_item(ITEMS, N_ITEMS, HKV, W, w + G)
-        _invalidate_barriers(ready, kv_bar, rel, NS, False)
-
-    @gluon.jit
-    def _dkdv_item(ITEMS, N_ITEMS, HKV, W, w):
-        """(doc, kv head, start, length, key block) of work index w of the key-block list;
-        doc < 0 for a padding item or w >= W."""
-        ok = w < W
-        item = w // HKV
-        doc = gl.load(ITEMS + item, mask=ok, other=-1)
-        blk = gl.load(ITEMS + N_ITEMS + item, mask=ok, other=0)
-        start = gl.load(ITEMS + 2 * N_ITEMS + item, mask=ok, other=0)
-        L = gl.load(ITEMS + 3 * N_ITEMS + item, mask=ok, other=0)
-        return doc, w % HKV, start, L, blk
-
-    # ------------------------------------------------------------------------------------------
     # dQ (same numerics as backward._dq_tile, RECIPE == 0)
     # ------------------------------------------------------------------------------------------
 
@@ -1742,24 +1589,12 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    grid, args, kwargs = _launch_args(
-        st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
-        PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo, SHARED_MASK=cfg.shared_mask,
-        THR_MASK=cfg.threshold_mask, LATE_DV=cfg.late_dv,
-        **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
-        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}))
-    if cfg.persistent:
-        if cfg.ws or cfg.num_warps != 4:
-            raise ValueError(f"persistent dK/dV is one warpgroup without ws: {cfg}")
-        grid, args, kwargs = _persistent_args(st, cfg, args, kwargs, False,
-                                              ("WS", "PRODUCER_REGS"))
-        if cfg.stagger:
-            kwargs["STAGGER"] = cfg.stagger
-    return grid, args, kwargs
-
-
-def _dkdv_kernel(cfg: GluonDkdvConfig):
-    return _dkdv_fp8_persistent_kernel if cfg.persistent else _dkdv_fp8_kernel
+    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
+                        PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
+                        SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
+                        LATE_DV=cfg.late_dv,
+                        **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
+                        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}))
 
 
 def _qT_doT(st, q_key_order: bool, do_key_order: bool):
@@ -1789,7 +1624,7 @@ def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> N
     if _no_tokens(st, st.dk, st.dv):
         return
     grid, args, kwargs = _args(st, cfg, vecs)
-    _dkdv_kernel(cfg)[grid](*args, **kwargs)
+    _dkdv_fp8_kernel[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1888,31 +1723,24 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
     return grid, args, kwargs
 
 
-def _persistent_args(st, cfg, args, kwargs, dq: bool, drop: tuple):
-    """_launch_args of a one-item kernel rewritten for its persistent twin: the work list
-    (flamia.ops.schedule, memoized per cu_seqlens like the forward's; dQ: query blocks, dK/dV:
-    key blocks) in cu's place and its length last, a grid of cfg.persistent CTAs per SM (at
-    most one per work index), the constexprs in `drop` removed."""
-    from .schedule import build_schedule, per_cu_seqlens
-    blk, step = (cfg.bm, cfg.bn) if dq else (cfg.bn, cfg.bm)
-    key = ("schedule", st.T, blk, step, st.causal, not dq)
-    sched = per_cu_seqlens(st.cu, key, lambda: build_schedule(st.cu, st.T, blk, step, st.causal,
-                                                              keys=not dq))
-    n_items = sched.items.shape[1]
-    out = st.dq if dq else st.dk
-    n_sm = (torch.cuda.get_device_properties(out.device).multi_processor_count
-            if out.device.type == "cuda" else 132)   # compile-only on the CPU: the H200's count
-    grid = (max(1, min(n_items * (st.Hq if dq else st.Hkv), cfg.persistent * n_sm)),)
-    i_cu = next(i for i, a in enumerate(args) if a is st.cu)   # (descs, tensors, hmat, cu, ..)
-    args = (*args[:i_cu], sched.items, *args[i_cu + 1:], n_items)
-    return grid, args, {k: v for k, v in kwargs.items() if k not in drop}
-
-
 def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
-    """_dq_args for _dq_fp8_persistent_kernel."""
+    """_dq_args of the one-item kernel rewritten for _dq_fp8_persistent_kernel: the work list
+    (memoized per cu_seqlens, like the forward's) instead of cu, a grid of `persistent` CTAs
+    per SM."""
+    from .schedule import build_schedule, per_cu_seqlens
     if not cfg.ws or cfg.num_warps != 4 or cfg.qbuf not in (1, 2):
         raise ValueError(f"persistent dQ needs ws, one consumer warpgroup and qbuf 1 or 2: {cfg}")
-    grid, args, kwargs = _persistent_args(st, cfg, args, kwargs, True, ("VEC_TMA", "SYNC", "WS"))
+    key = ("schedule", st.T, cfg.bm, cfg.bn, st.causal)
+    sched = per_cu_seqlens(st.cu, key,
+                           lambda: build_schedule(st.cu, st.T, cfg.bm, cfg.bn, st.causal))
+    n_items = sched.items.shape[1]
+    dev = st.dq.device
+    n_sm = (torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda" else 132)          # compile-only on the CPU: the H200's count
+    grid = (max(1, min(n_items * st.Hq, cfg.persistent * n_sm)),)
+    # (descriptors, tensors, hmat, cu, pcu, scalars): the work list in cu's place, its length last
+    args = (*args[:15], sched.items, *args[16:], n_items)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("VEC_TMA", "SYNC", "WS")}
     kwargs["QBUF"] = cfg.qbuf
     return grid, args, kwargs
 
@@ -1943,7 +1771,7 @@ def compile_sm90(st, config: GluonDkdvConfig | None = None):
     triton CompiledKernel (asm['ptx'], metadata.shared). Needs TRITON_INTERPRET unset."""
     cfg = config or default_gluon_config(st.D)
     _, args, kwargs = _args(st, cfg, vecs="torch")   # (the gather itself runs nowhere here)
-    return _compile_sm90(_dkdv_kernel(cfg), args, kwargs)
+    return _compile_sm90(_dkdv_fp8_kernel, args, kwargs)
 
 
 def compile_dq_sm90(st, config: GluonDqConfig | None = None):

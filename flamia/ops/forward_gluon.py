@@ -95,9 +95,6 @@ class GluonFwdConfig:
     # -w, persistent only (diagnostics): each PV wgmma waited for at once, so P's registers are
     # dead before the next tile's softmax (no PV / softmax overlap)
     pv_sync: bool = False
-    # -zN, persistent only (experiment): half of the CTAs sleep N ns before their first tile, so
-    # the two CTAs sharing an SM do not start their identical tile streams in phase (_stagger)
-    stagger: int = 0
 
     def with_(self, **kw) -> "GluonFwdConfig":
         return replace(self, **kw)
@@ -116,8 +113,7 @@ class GluonFwdConfig:
         s += f"-e{self.poly}" if self.poly else ""
         s += f"-P{self.persistent}" if self.persistent else ""
         s += "-m" if self.mma_order else ""
-        s += "-w" if self.pv_sync else ""
-        return s + (f"-z{self.stagger}" if self.stagger else "")
+        return s + ("-w" if self.pv_sync else "")
 
 
 # Named variants for benchmarks (--configs) and the compile test.
@@ -165,9 +161,7 @@ PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
 # diagnostics of -m (benchmarks/fwd_mma_order_diag.py): the PV wgmma waited for at once
 PERSISTENT_DIAG = [_WS1S2.with_(fold=True, persistent=2, pv_sync=True),
                    _WS1S2.with_(fold=True, persistent=2, mma_order=True, pv_sync=True)]
-# the two CTAs of an SM started out of phase (session 11)
-PERSISTENT_STAGGER = [_WS1S2.with_(fold=True, persistent=2, stagger=1000)]
-CONFIGS.update({c.name: c for c in PERSISTENT_FWD + PERSISTENT_DIAG + PERSISTENT_STAGGER})
+CONFIGS.update({c.name: c for c in PERSISTENT_FWD + PERSISTENT_DIAG})
 
 
 def persistent_q_buffers(cfg: GluonFwdConfig) -> int:
@@ -192,8 +186,6 @@ def _check_config(cfg: GluonFwdConfig, D: int):
         raise ValueError(f"{cfg}: ping-pong needs two consumer warpgroups (ws=2)")
     if cfg.persistent and (cfg.ws != 1 or cfg.lazy or cfg.poly):
         raise ValueError(f"{cfg}: the persistent kernel is ws=1 without lazy / poly")
-    if cfg.stagger and not cfg.persistent:
-        raise ValueError(f"{cfg}: stagger (-z) exists in the persistent kernel only")
     if (cfg.mma_order or cfg.pv_sync) and not cfg.persistent:
         raise ValueError(f"{cfg}: mma_order (-m) and pv_sync (-w) exist in the persistent kernel "
                          "only")
@@ -881,21 +873,6 @@ if HAVE_GLUON:
         return doc, head, head // GROUP, start, L, blk
 
     @gluon.jit
-    def _stagger(NS_: gl.constexpr, num_warps: gl.constexpr):
-        """Sleep NS_ ns in half of the grid's CTAs: those whose pid parity differs from their
-        grid half (so that the two CTAs of an SM differ whether the block scheduler pairs pid
-        p with p + 1 or with p + G / 2). Two CTAs started together on identical item streams
-        run their tensor-core and exp phases in step; offset, one's exp phase can overlap the
-        other's wgmmas."""
-        pid = gl.program_id(0)
-        upper = (pid >= gl.num_programs(0) // 2).to(gl.int32)
-        if (pid % 2) != upper:
-            lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            t = gl.full([32 * num_warps], NS_, gl.int32, lay)
-            gl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, $1;", "=r,r", [t],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                        sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                        N_ITEMS, HQ, GROUP, W, BM: gl.constexpr, BN: gl.constexpr,
@@ -937,10 +914,8 @@ if HAVE_GLUON:
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
                        FOLD: gl.constexpr, MMA_ORDER: gl.constexpr, QBUF: gl.constexpr,
-                       PV_SYNC: gl.constexpr, STAGGER: gl.constexpr = 0):
+                       PV_SYNC: gl.constexpr):
         """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence."""
-        if STAGGER:
-            _stagger(STAGGER, NW)
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
         o_layout: gl.constexpr = _wgmma_layout(D, NW)
@@ -1025,8 +1000,7 @@ if HAVE_GLUON:
                                           CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                           FOLD: gl.constexpr, MMA_ORDER: gl.constexpr,
                                           QBUF: gl.constexpr, num_warps: gl.constexpr,
-                                          PV_SYNC: gl.constexpr = False,
-                                          STAGGER: gl.constexpr = 0):
+                                          PV_SYNC: gl.constexpr = False):
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
@@ -1047,7 +1021,7 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                               v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                               stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, FOLD, MMA_ORDER, QBUF, PV_SYNC, STAGGER)),
+                              num_warps, FOLD, MMA_ORDER, QBUF, PV_SYNC)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                               sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                               N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL, QBUF)),
@@ -1168,8 +1142,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
             PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,
             QBUF=persistent_q_buffers(cfg), num_warps=cfg.num_warps,
-            **({"PV_SYNC": True} if cfg.pv_sync else {}),
-            **({"STAGGER": cfg.stagger} if cfg.stagger else {}), **extra)
+            **({"PV_SYNC": True} if cfg.pv_sync else {}), **extra)
     elif cfg.ws:
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,

@@ -62,11 +62,8 @@ def max_items(total_tokens: int, n_docs: int, block_m: int) -> int:
 
 
 def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
-                   causal: bool, keys: bool = False) -> Schedule:
-    """The (doc, q-block) work list for `cu_seqlens`, sorted by KV tiles visited, descending.
-    keys=True: the (doc, key block) list of a dK/dV kernel (block_m keys per item, block_n
-    queries per step), sorted by the query tiles a key block visits (causal: from its first key
-    to the document end)."""
+                   causal: bool) -> Schedule:
+    """The (doc, q-block) work list for `cu_seqlens`, sorted by KV tiles visited, descending."""
     dev = cu_seqlens.device
     n_docs = cu_seqlens.numel() - 1
     n = max(max_items(total_tokens, n_docs, block_m), 1)
@@ -83,13 +80,11 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     d = doc.clamp(max=n_docs - 1)
     blk = idx - (ends[d] - nblk[d])
     L = lengths[d]
-    if keys:
-        span = L - blk * block_m if causal else L     # queries [blk * block_m, L) visited
-    elif causal:
-        span = torch.minimum((blk + 1) * block_m, L)  # keys [0, hi) visited
+    if causal:
+        hi = torch.minimum((blk + 1) * block_m, L)    # keys [0, hi) visited
     else:
-        span = L
-    cost = torch.where(valid, (span + block_n - 1) // block_n, torch.full_like(span, -1))
+        hi = L
+    cost = torch.where(valid, (hi + block_n - 1) // block_n, torch.full_like(hi, -1))
     # Ties keep packed order (lower index first): neighbouring blocks share KV tiles in L2.
     key = cost * (1 << 20) - idx.clamp(max=(1 << 20) - 1)
     order = torch.argsort(key, descending=True)

@@ -139,9 +139,6 @@ CONFIGS = {
     # session 10 item 7, prepared (CPU): the D=128 default with dS^T / qT8 in wgmma key order
     # (929 -> 902 SASS per tile, spills 64 -> 60 B); = "default+key_order_dk=True" at D=128
     "lathnskeydk": "fold_sdo=True,pack_vecs=True,late_dv=True,threshold_mask=True,key_order_dk=True",
-    # session 11: the D=64 default with one consumer warpgroup per CTA (bn=64) and two CTAs per
-    # SM instead of two warpgroups in one (= "default+bn=64;num_warps=4" at D=64)
-    "w4ws": "ws=True,fold_sdo=True,pack_vecs=True,key_order_dv=True,key_order_dk=True",
 }
 LADDER = ["safe", "sync", "vecload", "default", "w8safe", "w8ns3"]
 # --configs next: the production default and the opt-in variants

@@ -241,8 +241,6 @@ VARIANTS = {
                                                  pack_vecs=True, threshold_mask=True), 64),
     "dkdv_w8ws_pack_d64": ("dkdv", 64, dict(bn=128, num_warps=8, ws=True, fold_sdo=True,
                                             pack_vecs=True), 64),
-    "dkdv_ws1_d64": ("dkdv", 64, dict(ws=True, fold_sdo=True, pack_vecs=True, key_order_dv=True,
-                                      key_order_dk=True), 0),
     "dq_ws": ("dq", 128, dict(ws=True, maxnreg=128), 64),
     "dq_ws_d64": ("dq", 64, dict(ws=True, maxnreg=128), 64),
 }
@@ -301,8 +299,8 @@ def test_variants_compile_for_sm90a(variant_report, name):
 def test_variant_routing_and_validation():
     from flamia.ops import backward_gluon as G
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)
-    # dK/dV: no overlap schedule; ws (constexpr WS) for two consumer warpgroups, or for one at
-    # D=64 (then with a launch register cap)
+    # dK/dV: no overlap schedule and no launch register cap; ws (constexpr WS) for two
+    # consumer warpgroups only
     kw = G._args(st, G.plain_gluon_config(64))[2]
     assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)
     # the defaults (fastest on the H200): D=64 FA3's layout, D=128 one warpgroup; both fold sdo
@@ -326,18 +324,11 @@ def test_variant_routing_and_validation():
     assert (kw["WS"], kw["PRODUCER_REGS"], kw["BN"], kw["num_warps"]) == (True, 32, 128, 8)
     assert "maxnreg" not in kw
     w8ws = dict(bn=128, num_warps=8, ws=True)
-    # one-warpgroup ws (bn=64, 4 warps): D=64 only, launched at maxnreg 128 (2 CTAs per SM)
-    st64 = G.fake_state(64, T=64, Hq=2, Hkv=1)
-    kw = G._args(st64, G.GluonDkdvConfig(ws=True))[2]
-    assert (kw["WS"], kw["BN"], kw["num_warps"], kw["maxnreg"]) == (True, 64, 4, 128)
-    st128 = G.fake_state(128, T=64, Hq=2, Hkv=1)
-    for bad in (G.GluonDkdvConfig(ws=True, bn=128), G.GluonDkdvConfig(ws=True, num_warps=8),
+    for bad in (G.GluonDkdvConfig(ws=True), G.GluonDkdvConfig(ws=True, stages=3),
                 G.GluonDkdvConfig(**w8ws, vec_tma=False), G.GluonDkdvConfig(**w8ws, sync_mma=True),
                 G.GluonDkdvConfig(**w8ws, producer_regs=16)):
         with pytest.raises(ValueError):
             G._args(st, bad)
-    with pytest.raises(ValueError):
-        G._args(st128, G.GluonDkdvConfig(ws=True))
     # dQ: one kernel, the options are constexprs; maxnreg only when set; no overlap schedule
     kw = G._dq_args(st, G.plain_dq_config(64))[2]
     assert (kw["WS"], kw["VEC_TMA"], kw["SYNC"]) == (False, True, False)

@@ -1631,9 +1631,11 @@ def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> N
 # dQ launcher
 # ----------------------------------------------------------------------------------------------
 # dQ (`launch_dq_gluon`, the fp8 default of backward.launch_dq on sm_90): `backward._bwd_dq` /
-# `_dq_tile` for RECIPE == 0 with the same ingredients. One program per (document, query head,
-# query block of BM = 64 rows; the last block first), one warpgroup (GluonDqConfig.bm = 128: two
-# warpgroups sharing each kv tile), loop over the kv blocks j0 = 0, BN, .. (j <= i causal):
+# `_dq_tile` for RECIPE == 0 with the same ingredients. Per (document, query head, query block
+# of BM = 64 rows) item -- one program each in _dq_fp8_kernel (plain_dq_config: the last block
+# first; GluonDqConfig.bm = 128: two warpgroups sharing each kv tile), or, the default, the
+# persistent _dq_fp8_persistent_kernel walking the forward's work list (comment above it) --
+# one warpgroup loops over the kv blocks j0 = 0, BN, .. (j <= i causal):
 #
 #     S  = (q8_i k8_j^T) * sk_j * rowf_i              rowf_i = sq_i * sm_scale * log2(e)
 #     P  = exp2(S - lse2_i)

@@ -1003,6 +1003,41 @@ if HAVE_GLUON:
                       k_s, v_s, kT_s, sk_s, sv_s, ready, True, D, BN, NS, True)
 
     @gluon.jit
+    def _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start, n_idx, L_doc,
+                        m_idx, shift, need_mask, rowf, lse2, dl_i, acc0, acc1, zero,
+                        NCH: gl.constexpr, COL: gl.constexpr, AOP: gl.constexpr,
+                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr):
+        """One dQ tile after its S / dP wgmmas were issued (both dQ kernels): P, t, the masked
+        dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc."""
+        sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+        sc = _mma_wait(s_tok, 1, SYNC)
+        # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
+        p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                    - gl.expand_dims(lse2, 1))
+        sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+        dp = _mma_wait(dp_tok, 0, SYNC)
+        t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
+        # sk_j again from shared memory / L1: not kept live across the wgmma waits
+        sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+        b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
+        c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+        b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+
+        # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
+        if NCH == 2:
+            d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+            d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+            d0 = _mma_wait(d0_tok, 1, SYNC)
+            acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+            d1 = _mma_wait(d1_tok, 0, SYNC)
+            acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+        else:
+            d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
+            d0 = _mma_wait(d0_tok, 0, SYNC)
+            acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+        return acc0, acc1
+
+    @gluon.jit
     def _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
                  lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
@@ -1058,32 +1093,9 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            sc = _mma_wait(s_tok, 1, SYNC)
-            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
-            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
-                        - gl.expand_dims(lse2, 1))
-            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            dp = _mma_wait(dp_tok, 0, SYNC)
-            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
-            # sk_j again from shared memory / L1: not kept live across the wgmma waits
-            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-
-            # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
-            if NCH == 2:
-                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d0 = _mma_wait(d0_tok, 1, SYNC)
-                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                d1 = _mma_wait(d1_tok, 0, SYNC)
-                acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-            else:
-                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-                d0 = _mma_wait(d0_tok, 0, SYNC)
-                acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+            acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start,
+                                         n_idx, L_doc, m_idx, shift, need_mask, rowf, lse2, dl_i,
+                                         acc0, acc1, zero, NCH, COL, AOP, VEC_TMA, SYNC)
             if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
                 _release_slot(rel, s)
 
@@ -1271,29 +1283,10 @@ if HAVE_GLUON:
                         _zero_tail_cols(kTs, j0, c_L, D, BN, num_warps)
                         fence_async_shared()
                         gl.thread_barrier()
-                    sk_j = _row_vec(sk_s, s, sk, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
-                    sc = _mma_wait(s_tok, 1, False)
-                    p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(c_rowf, 1)
-                                - gl.expand_dims(c_lse2, 1))
-                    sv_j = _row_vec(sv_s, s, sv, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
-                    dp = _mma_wait(dp_tok, 0, False)
-                    t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(c_dl, 1)
-                    sk_j2 = _row_vec(sk_s, s, sk, c_hk, T, c_start, n_idx, c_L, 0.0, COL, True)
-                    b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, c_m_idx, shift, c_L,
-                                 need_mask)
-                    c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                    b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-                    if NCH == 2:
-                        d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, False)
-                        d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, 1, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-                        d1 = _mma_wait(d1_tok, 0, False)
-                        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
-                    else:
-                        d0_tok = _mma(b8, kTs.permute((1, 0)), zero, False)
-                        d0 = _mma_wait(d0_tok, 0, False)
-                        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+                    acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, c_hk,
+                                                 T, c_start, n_idx, c_L, c_m_idx, shift,
+                                                 need_mask, c_rowf, c_lse2, c_dl, acc0, acc1,
+                                                 zero, NCH, COL, AOP, True, False)
                     _release_slot(rel, s)   # (its barrier: every S / dP of the item waited too)
                     g += 1
                 # q8_i / do8_i are read: the buffer may take item it + QBUF

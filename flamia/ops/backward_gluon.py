@@ -185,6 +185,7 @@ class GluonDqConfig:
     # do8 buffers (2: the next item's pair loads during this item)
     persistent: int = 0
     qbuf: int = 2
+    diag: int = 0   # persistent only, timing diagnostic (wrong results): _dq_tile_update's DIAG
 
 
 def plain_dq_config(D: int) -> GluonDqConfig:
@@ -1006,9 +1007,26 @@ if HAVE_GLUON:
     def _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start, n_idx, L_doc,
                         m_idx, shift, need_mask, rowf, lse2, dl_i, acc0, acc1, zero,
                         NCH: gl.constexpr, COL: gl.constexpr, AOP: gl.constexpr,
-                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr):
+                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, DIAG: gl.constexpr = 0):
         """One dQ tile after its S / dP wgmmas were issued (both dQ kernels): P, t, the masked
-        dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc."""
+        dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc.
+        DIAG=1 (timing diagnostic, wrong results): the three GEMMs with almost no element-wise
+        work between them (the dQ GEMM's A operand is S cast to e4m3)."""
+        if DIAG == 1:
+            sc = _mma_wait(s_tok, 1, SYNC)
+            dp = _mma_wait(dp_tok, 0, SYNC)
+            b8 = gl.convert_layout((sc + dp).to(gl.float8e4nv), AOP)
+            if NCH == 2:
+                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
+                d0 = _mma_wait(d0_tok, 1, SYNC)
+                acc0 = acc0 + d0
+                d1 = _mma_wait(d1_tok, 0, SYNC)
+                acc1 = acc1 + d1
+            else:
+                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
+                acc0 = acc0 + _mma_wait(d0_tok, 0, SYNC)
+            return acc0, acc1
         sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
         sc = _mma_wait(s_tok, 1, SYNC)
         # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
@@ -1245,7 +1263,8 @@ if HAVE_GLUON:
                           sv, dq, T, stride_dqt, sm_scale, qk_scale2, out_scale,
                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                           NS: gl.constexpr, QBUF: gl.constexpr, CAUSAL: gl.constexpr,
-                          ROTATE: gl.constexpr, num_warps: gl.constexpr):
+                          ROTATE: gl.constexpr, num_warps: gl.constexpr,
+                          DIAG: gl.constexpr = 0):
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, CH, 32])
@@ -1286,7 +1305,7 @@ if HAVE_GLUON:
                     acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, c_hk,
                                                  T, c_start, n_idx, c_L, c_m_idx, shift,
                                                  need_mask, c_rowf, c_lse2, c_dl, acc0, acc1,
-                                                 zero, NCH, COL, AOP, True, False)
+                                                 zero, NCH, COL, AOP, True, False, DIAG)
                     _release_slot(rel, s)   # (its barrier: every S / dP of the item waited too)
                     g += 1
                 # q8_i / do8_i are read: the buffer may take item it + QBUF
@@ -1316,7 +1335,7 @@ if HAVE_GLUON:
         T, stride_dqt, sm_scale, qk_scale2, out_scale, N_ITEMS,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
         QBUF: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
     ):
         gl.static_assert(num_warps == 4, "one consumer warpgroup")
         gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
@@ -1347,7 +1366,8 @@ if HAVE_GLUON:
             (_dq_pers_consumer, (q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, h_s, ready, rel,
                                  q_ready, q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta,
                                  sq, sdo, sk, sv, dq, T, stride_dqt, sm_scale, qk_scale2,
-                                 out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps)),
+                                 out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps,
+                                 DIAG)),
             (_dq_pers_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready,
                                  q_free, ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL)),
@@ -1737,6 +1757,8 @@ def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
     args = (*args[:15], sched.items, *args[16:], n_items)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("VEC_TMA", "SYNC", "WS")}
     kwargs["QBUF"] = cfg.qbuf
+    if cfg.diag:
+        kwargs["DIAG"] = cfg.diag
     return grid, args, kwargs
 
 

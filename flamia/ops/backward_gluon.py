@@ -186,9 +186,6 @@ class GluonDqConfig:
     persistent: int = 0
     qbuf: int = 2
     diag: int = 0   # persistent only, timing diagnostic (wrong results): _dq_tile_update's DIAG
-    # overlap, persistent only: the next tile's S / dP wgmmas issued before this tile's
-    # element-wise work (_dq_item_overlapped; the same ops per tile, in another issue order)
-    overlap: bool = False
 
 
 def plain_dq_config(D: int) -> GluonDqConfig:
@@ -204,8 +201,7 @@ def default_dq_config(D: int) -> GluonDqConfig:
     (benchmarks/NOTES.md session 11 item 2; bitwise the plain kernel's results). H200, ms, plain
     -> persistent, same process: doc512_x64 0.72 -> 0.62, doc2k_x16 1.67 -> 1.54, longtail
     4.54 -> 4.17, doc8k_x4 5.74 -> 5.27, d64_doc8k_x4 4.22 -> 4.07."""
-    cfg = dataclasses.replace(plain_dq_config(D), ws=True, maxnreg=128, persistent=2, qbuf=1)
-    return dataclasses.replace(cfg, overlap=True) if D <= 64 else cfg
+    return dataclasses.replace(plain_dq_config(D), ws=True, maxnreg=128, persistent=2, qbuf=1)
 
 
 if HAVE_GLUON:
@@ -1011,13 +1007,11 @@ if HAVE_GLUON:
     def _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start, n_idx, L_doc,
                         m_idx, shift, need_mask, rowf, lse2, dl_i, acc0, acc1, zero,
                         NCH: gl.constexpr, COL: gl.constexpr, AOP: gl.constexpr,
-                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, DIAG: gl.constexpr = 0,
-                        PEND: gl.constexpr = 0):
+                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, DIAG: gl.constexpr = 0):
         """One dQ tile after its S / dP wgmmas were issued (both dQ kernels): P, t, the masked
         dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc.
         DIAG=1 (timing diagnostic, wrong results): the three GEMMs with almost no element-wise
-        work between them (the dQ GEMM's A operand is S cast to e4m3). PEND: wgmma groups
-        committed after this tile's S / dP (the next tile's, GluonDqConfig.overlap)."""
+        work between them (the dQ GEMM's A operand is S cast to e4m3)."""
         if DIAG == 1:
             sc = _mma_wait(s_tok, 1, SYNC)
             dp = _mma_wait(dp_tok, 0, SYNC)
@@ -1034,12 +1028,12 @@ if HAVE_GLUON:
                 acc0 = acc0 + _mma_wait(d0_tok, 0, SYNC)
             return acc0, acc1
         sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-        sc = _mma_wait(s_tok, 1 + PEND, SYNC)
+        sc = _mma_wait(s_tok, 1, SYNC)
         # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
         p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
                     - gl.expand_dims(lse2, 1))
         sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-        dp = _mma_wait(dp_tok, PEND, SYNC)
+        dp = _mma_wait(dp_tok, 0, SYNC)
         t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
         # sk_j again from shared memory / L1: not kept live across the wgmma waits
         sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
@@ -1230,81 +1224,6 @@ if HAVE_GLUON:
         return m_idx, m_ok, lse2, rowf, dl_i, f
 
     @gluon.jit
-    def _dq_issue_sdp(qs, dos, k_s, v_s, ready, g, zero, NS: gl.constexpr):
-        """Tile g's S and dP wgmmas (ring slot g % NS), once its kv tiles have landed."""
-        s = g % NS
-        mbarrier.wait(ready.index(s), (g // NS) & 1)
-        s_tok = _mma(qs, k_s.index(s).permute((1, 0)), zero, False)
-        dp_tok = _mma(dos, v_s.index(s).permute((1, 0)), zero, False)
-        return s_tok, dp_tok
-
-    @gluon.jit
-    def _dq_overlap_tile(s_tok, dp_tok, jt, g, kT_s, sk_s, sv_s, rel, sk, sv, hk, T, start,
-                         L_doc, m_idx, shift, mask_from, rowf, lse2, dl_i, acc0, acc1, zero,
-                         D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                         NCH: gl.constexpr, COL: gl.constexpr, AOP: gl.constexpr,
-                         PEND: gl.constexpr, num_warps: gl.constexpr):
-        """Tile jt (CTA tile g) from its issued S / dP, PEND groups issued after them."""
-        s = g % NS
-        kTs = kT_s.index(s)
-        j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
-        if end:   # only an item's last kv tile: kT8 columns past the document end
-            _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
-            fence_async_shared()
-            gl.thread_barrier()
-        acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start,
-                                     n_idx, L_doc, m_idx, shift, need_mask, rowf, lse2, dl_i,
-                                     acc0, acc1, zero, NCH, COL, AOP, True, False, 0, PEND)
-        _release_slot(rel, s)
-        return acc0, acc1
-
-    @gluon.jit
-    def _dq_item_overlapped(qs, dos, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, sk, sv, hk, T,
-                            start, L_doc, m_idx, shift, mask_from, total, rowf, lse2, dl_i,
-                            acc0, acc1, zero, g, D: gl.constexpr, BN: gl.constexpr,
-                            NS: gl.constexpr, NCH: gl.constexpr, COL: gl.constexpr,
-                            AOP: gl.constexpr, num_warps: gl.constexpr):
-        """An item's tiles with tile j + 1's S / dP wgmmas in flight during tile j's element-wise
-        work (GluonDqConfig.overlap): the tensor cores get work from this warpgroup while its
-        CUDA cores compute P and dS (benchmarks/NOTES.md session 11 item 6: without it the SM
-        alternates between the two). Unrolled by two tiles (A, B) so that no in-flight wgmma
-        result is copied at the loop's back edge (ptxas would serialize every wgmma, C7514):
-        the carried A is issued after the previous A is consumed."""
-        sa, da = _dq_issue_sdp(qs, dos, k_s, v_s, ready, g, zero, NS)
-        for pair in range((total - 1) // 2):
-            jt = 2 * pair
-            sb, db = _dq_issue_sdp(qs, dos, k_s, v_s, ready, g + 1, zero, NS)
-            acc0, acc1 = _dq_overlap_tile(sa, da, jt, g, kT_s, sk_s, sv_s, rel, sk, sv, hk, T,
-                                          start, L_doc, m_idx, shift, mask_from, rowf, lse2,
-                                          dl_i, acc0, acc1, zero, D, BN, NS, NCH, COL, AOP, 2,
-                                          num_warps)
-            sa, da = _dq_issue_sdp(qs, dos, k_s, v_s, ready, g + 2, zero, NS)
-            acc0, acc1 = _dq_overlap_tile(sb, db, jt + 1, g + 1, kT_s, sk_s, sv_s, rel, sk, sv,
-                                          hk, T, start, L_doc, m_idx, shift, mask_from, rowf,
-                                          lse2, dl_i, acc0, acc1, zero, D, BN, NS, NCH, COL,
-                                          AOP, 2, num_warps)
-            g += 2
-        jt = total - 1 - ((total - 1) % 2)     # the first of the one or two tiles left
-        if jt + 1 < total:
-            sb, db = _dq_issue_sdp(qs, dos, k_s, v_s, ready, g + 1, zero, NS)
-            acc0, acc1 = _dq_overlap_tile(sa, da, jt, g, kT_s, sk_s, sv_s, rel, sk, sv, hk, T,
-                                          start, L_doc, m_idx, shift, mask_from, rowf, lse2,
-                                          dl_i, acc0, acc1, zero, D, BN, NS, NCH, COL, AOP, 2,
-                                          num_warps)
-            acc0, acc1 = _dq_overlap_tile(sb, db, jt + 1, g + 1, kT_s, sk_s, sv_s, rel, sk, sv,
-                                          hk, T, start, L_doc, m_idx, shift, mask_from, rowf,
-                                          lse2, dl_i, acc0, acc1, zero, D, BN, NS, NCH, COL,
-                                          AOP, 0, num_warps)
-            g += 2
-        else:
-            acc0, acc1 = _dq_overlap_tile(sa, da, jt, g, kT_s, sk_s, sv_s, rel, sk, sv, hk, T,
-                                          start, L_doc, m_idx, shift, mask_from, rowf, lse2,
-                                          dl_i, acc0, acc1, zero, D, BN, NS, NCH, COL, AOP, 0,
-                                          num_warps)
-            g += 1
-        return acc0, acc1, g
-
-    @gluon.jit
     def _dq_pers_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                           q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready, q_free,
                           ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL: gl.constexpr):
@@ -1345,7 +1264,7 @@ if HAVE_GLUON:
                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                           NS: gl.constexpr, QBUF: gl.constexpr, CAUSAL: gl.constexpr,
                           ROTATE: gl.constexpr, num_warps: gl.constexpr,
-                          DIAG: gl.constexpr = 0, OVERLAP: gl.constexpr = False):
+                          DIAG: gl.constexpr = 0):
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, CH, 32])
@@ -1372,12 +1291,7 @@ if HAVE_GLUON:
                 qs = q_s.index(qb)
                 dos = do_s.index(qb)
                 mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
-                if OVERLAP:
-                    acc0, acc1, g = _dq_item_overlapped(
-                        qs, dos, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, sk, sv, c_hk, T,
-                        c_start, c_L, c_m_idx, shift, mask_from, total, c_rowf, c_lse2, c_dl,
-                        acc0, acc1, zero, g, D, BN, NS, NCH, COL, AOP, num_warps)
-                for jt in range(0 if not OVERLAP else total, total):
+                for jt in range(total):
                     s = g % NS
                     kTs = kT_s.index(s)
                     j0, end, need_mask, n_idx = _kv_tile(jt, c_L, mask_from, BN, COL)
@@ -1422,7 +1336,6 @@ if HAVE_GLUON:
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
         QBUF: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
-        OVERLAP: gl.constexpr = False,
     ):
         gl.static_assert(num_warps == 4, "one consumer warpgroup")
         gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
@@ -1454,7 +1367,7 @@ if HAVE_GLUON:
                                  q_ready, q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta,
                                  sq, sdo, sk, sv, dq, T, stride_dqt, sm_scale, qk_scale2,
                                  out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps,
-                                 DIAG, OVERLAP)),
+                                 DIAG)),
             (_dq_pers_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready,
                                  q_free, ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL)),
@@ -1846,8 +1759,6 @@ def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
     kwargs["QBUF"] = cfg.qbuf
     if cfg.diag:
         kwargs["DIAG"] = cfg.diag
-    if cfg.overlap:
-        kwargs["OVERLAP"] = True
     return grid, args, kwargs
 
 

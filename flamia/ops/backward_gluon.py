@@ -1735,6 +1735,9 @@ def _dq_args(st, cfg: GluonDqConfig, vecs=None):
         kwargs["maxnreg"] = cfg.maxnreg
     if cfg.persistent:
         grid, args, kwargs = _persistent_dq_args(st, cfg, args, kwargs)
+    elif cfg.diag:
+        raise ValueError(f"the dQ timing diagnostic (diag) exists in the persistent kernel only: "
+                         f"{cfg}")
     return grid, args, kwargs
 
 

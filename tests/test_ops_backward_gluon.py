@@ -351,7 +351,8 @@ def test_variant_routing_and_validation():
     assert G._dq_kernel(G.default_dq_config(64)) is G._dq_fp8_persistent_kernel
     assert len(grid) == 1 and 1 <= grid[0] <= 2 * 132
     assert kw["QBUF"] == 1 and not {"WS", "VEC_TMA", "SYNC"} & kw.keys()
-    assert len(args) + len(kw) - 1 == len(G._dq_fp8_persistent_kernel.arg_names)   # - maxnreg
+    # (maxnreg is a launch option; DIAG a defaulted constexpr)
+    assert len(args) + len(kw) - 1 == len(G._dq_fp8_persistent_kernel.arg_names) - 1
     assert G._dq_args(st, dataclasses.replace(G.default_dq_config(64), diag=1))[2]["DIAG"] == 1
     for bad in (G.GluonDqConfig(persistent=2), G.GluonDqConfig(persistent=2, ws=True, qbuf=3),
                 G.GluonDqConfig(diag=1)):

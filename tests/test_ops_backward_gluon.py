@@ -353,7 +353,10 @@ def test_variant_routing_and_validation():
     assert kw["QBUF"] == 1 and not {"WS", "VEC_TMA", "SYNC"} & kw.keys()
     # (maxnreg is a launch option; DIAG a defaulted constexpr)
     assert len(args) + len(kw) - 1 == len(G._dq_fp8_persistent_kernel.arg_names) - 1
+    # the timing diagnostics (wrong results by design; benchmarks/NOTES.md session 11 item 6)
     assert G._dq_args(st, dataclasses.replace(G.default_dq_config(64), diag=1))[2]["DIAG"] == 1
+    assert G._args(st, dataclasses.replace(G.default_gluon_config(64), diag=1))[2]["DIAG"] == 1
+    assert "DIAG" not in G._args(st, G.default_gluon_config(64))[2]
     for bad in (G.GluonDqConfig(persistent=2), G.GluonDqConfig(persistent=2, ws=True, qbuf=3),
                 G.GluonDqConfig(diag=1)):
         with pytest.raises(ValueError):

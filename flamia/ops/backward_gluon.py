@@ -139,6 +139,7 @@ class GluonDkdvConfig:
     # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
     key_order_dv: bool = False
     key_order_dk: bool = False
+    diag: int = 0   # timing diagnostic (wrong results): _dkdv_loop's DIAG (benchmarks/NOTES.md s11)
 
 
 def plain_gluon_config(D: int) -> GluonDkdvConfig:
@@ -747,9 +748,12 @@ if HAVE_GLUON:
                    CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
                    THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
-                   KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False):
+                   KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
+                   DIAG: gl.constexpr = 0):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
-        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
+        fp32 accumulators (dV half 0, 1, dK half 0, 1). DIAG=1 (timing diagnostic, wrong
+        results): the four GEMMs with almost no element-wise work between them (the dV / dK
+        A operands are S^T / dP^T cast to e4m3, the promotion scales rowf_j)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
         # accumulators: per-key scale vectors broadcast without layout conversions.
@@ -803,9 +807,13 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
-                                      need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, AOP,
-                                      VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER_DV)
+            if DIAG == 1:
+                a8 = gl.convert_layout(_mma_wait(s_tok, 1, SYNC).to(gl.float8e4nv), AOP)
+                c = rowf
+            else:
+                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc,
+                                          shift, need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1,
+                                          COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER_DV)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -814,17 +822,23 @@ if HAVE_GLUON:
                 dp = _mma_wait(dp_tok, 0, SYNC)
             else:
                 dp = _mma_wait(dp_tok, 1, SYNC)
-            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-            # sq_i again from shared memory: not kept live in registers across the wgmma waits
-            sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-            b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                           need_mask, SHARED_MASK, THR_MASK)
-            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            if KEY_ORDER_DK:
-                b8 = gl.convert_layout(
-                    mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
+            if DIAG == 1:
+                b8 = gl.convert_layout(dp.to(gl.float8e4nv), AOP)
+                c2 = rowf
             else:
-                b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+                t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+                # sq_i again from shared memory: not kept live in registers across the wgmma
+                # waits
+                sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
+                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                               need_mask, SHARED_MASK, THR_MASK)
+                c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+                if KEY_ORDER_DK:
+                    b8 = gl.convert_layout(
+                        mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)),
+                        AOP)
+                else:
+                    b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -865,6 +879,7 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
         KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
+        DIAG: gl.constexpr = 0,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -911,7 +926,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)),
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -928,7 +943,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK)
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1607,7 +1622,8 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
                         LATE_DV=cfg.late_dv,
                         **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
-                        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}))
+                        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}),
+                        **({"DIAG": cfg.diag} if cfg.diag else {}))
 
 
 def _qT_doT(st, q_key_order: bool, do_key_order: bool):

@@ -1215,8 +1215,10 @@ if HAVE_GLUON:
     # heaviest first) with a 1-warp TMA producer that runs ahead across item boundaries:
     #   - kv ring over the CTA-wide tile sequence g = 0, 1, ...: tile g in slot g % NS, loaded
     #     after the consumer's release of tile g - NS (the dQ ws protocol, _release_slot);
-    #   - q8_i / do8_i double buffered (QBUF = 2): item `it`'s pair in buffer it % 2, loaded
-    #     after the consumer's q_free arrival for item it - 2 (every S / dP wgmma of it done);
+    #   - q8_i / do8_i in QBUF buffers: item `it`'s pair in buffer it % QBUF, loaded after the
+    #     consumer's q_free arrival for item it - QBUF (every S / dP wgmma of it done). The
+    #     default QBUF = 1 (room for 3 ring stages at 2 CTAs per SM) still loads the next pair
+    #     during this item's epilogue;
     #   - the consumer reads the next item's work-list entry and query vectors one item ahead
     #     (loop-carried), and the Hadamard tile of the rotate-back once per CTA.
     # Per tile the numerics are _dq_loop's, op for op: results expected bitwise equal.
@@ -1761,19 +1763,15 @@ def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
     """_dq_args of the one-item kernel rewritten for _dq_fp8_persistent_kernel: the work list
     (memoized per cu_seqlens, like the forward's) instead of cu, a grid of `persistent` CTAs
     per SM."""
-    from .schedule import build_schedule, per_cu_seqlens
+    from .schedule import persistent_grid, work_list
     if not cfg.ws or cfg.num_warps != 4 or cfg.qbuf not in (1, 2):
         raise ValueError(f"persistent dQ needs ws, one consumer warpgroup and qbuf 1 or 2: {cfg}")
-    key = ("schedule", st.T, cfg.bm, cfg.bn, st.causal)
-    sched = per_cu_seqlens(st.cu, key,
-                           lambda: build_schedule(st.cu, st.T, cfg.bm, cfg.bn, st.causal))
+    sched = work_list(st.cu, st.T, cfg.bm, cfg.bn, st.causal)
     n_items = sched.items.shape[1]
-    dev = st.dq.device
-    n_sm = (torch.cuda.get_device_properties(dev).multi_processor_count
-            if dev.type == "cuda" else 132)          # compile-only on the CPU: the H200's count
-    grid = (max(1, min(n_items * st.Hq, cfg.persistent * n_sm)),)
+    grid = persistent_grid(n_items * st.Hq, cfg.persistent, st.dq.device)
     # (descriptors, tensors, hmat, cu, pcu, scalars): the work list in cu's place, its length last
-    args = (*args[:15], sched.items, *args[16:], n_items)
+    i_cu = next(i for i, a in enumerate(args) if a is st.cu)
+    args = (*args[:i_cu], sched.items, *args[i_cu + 1:], n_items)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("VEC_TMA", "SYNC", "WS")}
     kwargs["QBUF"] = cfg.qbuf
     if cfg.diag:

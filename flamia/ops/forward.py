@@ -30,7 +30,7 @@ import triton.language as tl
 from . import interpreting
 from .kmajor import mma_key_order, mma_order16
 from .layout import QuantizedQKV
-from .schedule import Schedule, build_schedule, per_cu_seqlens
+from .schedule import Schedule, work_list
 
 if interpreting():
     from . import _interp
@@ -347,9 +347,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     if T == 0:
         return out, lse
     BM, BN = config.block_m, config.block_n
-    if schedule is None or (schedule.block_m, schedule.block_n, schedule.causal) != (BM, BN, causal):
-        schedule = per_cu_seqlens(cu_seqlens, ("schedule", T, BM, BN, bool(causal)),
-                                  lambda: build_schedule(cu_seqlens, T, BM, BN, causal))
+    schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
 
     q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
     for name, x in (("q", q8), ("k", k8), ("v", v8)):

@@ -58,7 +58,7 @@ except Exception:   # pragma: no cover - older triton
 
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 from .layout import QuantizedQKV
-from .schedule import Schedule, build_schedule, per_cu_seqlens
+from .schedule import Schedule, persistent_grid, work_list
 
 LOG2E = 1.4426950408889634
 LAST_KERNEL = None      # the last compiled Gluon forward kernel launched (diagnostics)
@@ -1123,11 +1123,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
     if T == 0:
         return out, lse
     BM, BN = cfg.block_m, cfg.block_n
-    if schedule is None or (schedule.block_m, schedule.block_n, schedule.causal) != (BM, BN, causal):
-        # memoized on cu_seqlens like the Triton path: building the work list is a dozen small
-        # torch ops (~0.8 ms of host time), more than the whole kernel on short documents
-        schedule = per_cu_seqlens(cu_seqlens, ("schedule", T, BM, BN, bool(causal)),
-                                  lambda: build_schedule(cu_seqlens, T, BM, BN, causal))
+    schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
     qd, kd, vd, skd, svd = _descriptors(qkv, 64 if cfg.ws else BM, BN)
     n_items = schedule.items.shape[1]
     args = (qd, kd, vd, skd, svd, qkv.sq, qkv.vcap, out, lse, schedule.items, cu_seqlens,
@@ -1135,9 +1131,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     global LAST_KERNEL
     if cfg.persistent:
-        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count \
-            if dev.type == "cuda" else 132          # compile-only on the CPU: the H200's count
-        grid = (max(1, min(n_items * Hq, cfg.persistent * n_sm)),)
+        grid = persistent_grid(n_items * Hq, cfg.persistent, dev)
         LAST_KERNEL = _attn_fwd_gluon_persistent_kernel[grid](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
             PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,

@@ -91,3 +91,25 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order],
                          cu[:-1][d][order], L[order]])
     return Schedule(items.to(torch.int32).contiguous(), n, block_m, block_n, causal)
+
+
+def work_list(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
+              causal: bool, schedule: Schedule | None = None) -> Schedule:
+    """`schedule` when the caller built it for these blocks, else build_schedule's list,
+    memoized on cu_seqlens (per_cu_seqlens): building it is a dozen small torch ops (~0.8 ms of
+    host time), more than a short-document layer's kernels. The one entry point of every kernel
+    that walks a work list (the forward kernels, the persistent dQ)."""
+    if schedule is not None and (schedule.block_m, schedule.block_n, bool(schedule.causal)) == (
+            block_m, block_n, bool(causal)):
+        return schedule
+    return per_cu_seqlens(cu_seqlens, ("schedule", total_tokens, block_m, block_n, bool(causal)),
+                          lambda: build_schedule(cu_seqlens, total_tokens, block_m, block_n,
+                                                 causal))
+
+
+def persistent_grid(n_work: int, ctas_per_sm: int, device: torch.device) -> tuple[int]:
+    """Grid of a persistent kernel: ctas_per_sm CTAs per SM, at most one per work index (and
+    at least one). On a CPU (compile-only builds) the H200's 132 SMs."""
+    n_sm = (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 132)
+    return (max(1, min(n_work, ctas_per_sm * n_sm)),)

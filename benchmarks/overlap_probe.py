@@ -1,0 +1,235 @@
+"""Do tensor-core work and CUDA-core work overlap on one H200 SM? A probe, not a kernel of ours.
+
+    python benchmarks/overlap_probe.py                 # on the H200: the table below
+    python benchmarks/overlap_probe.py --compile-only  # CPU: build both probes for sm_90a
+
+Session 11 (benchmarks/NOTES.md, item 6) found every kernel's tile time close to its GEMM time
+*plus* its element-wise issue time, as if the SM alternated between the two instead of running
+one CTA's exp / scale work under the other CTA's wgmmas. This asks the hardware directly, with
+synthetic loops that have no memory traffic in them:
+
+  ws    one CTA per SM, two warpgroups: warpgroup 0 only issues fp8 wgmmas (m64 n128 k128, both
+        operands in shared memory, random data), warpgroup 1 only runs element-wise loops on a
+        64 x 128 fp32 tile in registers. Each alone, then both at once.
+  alt   the shape of our kernels: one warpgroup per CTA doing wgmma -> wait -> element-wise on
+        its result, tile after tile; one CTA per SM, then two (the same work per CTA).
+
+Element-wise kinds: ffma (x = x * a + b), exp (x = exp2(x * a - b): FFMA + MUFU.EX2), soft (a
+softmax step: row max, exp2, row sum, e4m3 cast of the result).
+
+Reading it: both-at-once time near max(alone times) means the SM overlaps them; near the sum
+means it does not, and no schedule of our warps can hide one under the other.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+
+BM, BN, BK = 64, 128, 128      # the forward's S tile: m64 n128, k = head dim 128
+NB = 6                          # B tiles cycled through (6 x 16 KB: two probe CTAs per SM at most)
+KINDS = {"ffma": 0, "exp": 1, "soft": 2}
+_BM, _BN, _BK, _NB = gl.constexpr(BM), gl.constexpr(BN), gl.constexpr(BK), gl.constexpr(NB)
+_A_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv))
+_B_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv))
+
+
+@gluon.constexpr_function
+def _acc_layout(num_warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, _BN, 32])
+
+
+@gluon.jit
+def _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps: gl.constexpr):
+    """Random fp8 operands from global into shared memory, once."""
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, _BK, layout=gl.SliceLayout(0, L))
+    a_smem.store(gl.load(a_ptr + gl.expand_dims(r, 1) * _BK + gl.expand_dims(c, 0)))
+    rb = gl.arange(0, _BN, layout=gl.SliceLayout(1, L))
+    for i in gl.static_range(_NB):
+        ptr = b_ptr + i * _BN * _BK + gl.expand_dims(rb, 1) * _BK + gl.expand_dims(c, 0)
+        b_smem.index(i).store(gl.load(ptr))
+    fence_async_shared()
+
+
+@gluon.jit
+def _elementwise(x, KIND: gl.constexpr):
+    """One tile's worth of element-wise work on the 64 x 128 fp32 tile x."""
+    if KIND == 0:
+        x = x * 0.999 + 0.001
+    elif KIND == 1:
+        x = gl.exp2(x * 0.999 - 0.5)
+    else:
+        m = gl.max(x, axis=1)
+        p = gl.exp2(x * 0.999 - gl.expand_dims(m, 1))
+        s = gl.sum(p, axis=1)
+        p8 = p.to(gl.float8e4nv)
+        # back to fp32 so the chain continues (the cast must not be dead code)
+        x = p8.to(gl.float32) + gl.expand_dims(s, 1) * 0.001
+    return x
+
+
+@gluon.jit
+def _mma_role(a_smem, b_smem, out_ptr, MMA_ITERS, num_warps: gl.constexpr):
+    LACC: gl.constexpr = _acc_layout(num_warps)
+    acc = gl.zeros([_BM, _BN], gl.float32, LACC)
+    for i in range(MMA_ITERS):
+        acc = warpgroup_mma(a_smem, b_smem.index(i % _NB).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, LACC))
+    c = gl.arange(0, _BN, layout=gl.SliceLayout(0, LACC))
+    gl.store(out_ptr + gl.program_id(0) * _BM * _BN + gl.expand_dims(r, 1) * _BN +
+             gl.expand_dims(c, 0), acc)
+
+
+@gluon.jit
+def _alu_role(x_ptr, ALU_ITERS, KIND: gl.constexpr, num_warps: gl.constexpr):
+    LACC: gl.constexpr = _acc_layout(num_warps)
+    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, LACC))
+    c = gl.arange(0, _BN, layout=gl.SliceLayout(0, LACC))
+    offs = gl.program_id(0) * _BM * _BN + gl.expand_dims(r, 1) * _BN + gl.expand_dims(c, 0)
+    x = gl.load(x_ptr + offs)
+    for i in range(ALU_ITERS):
+        x = _elementwise(x, KIND)
+    gl.store(x_ptr + offs, x)
+
+
+@gluon.jit
+def _probe_ws_kernel(a_ptr, b_ptr, out_ptr, x_ptr, MMA_ITERS, ALU_ITERS, KIND: gl.constexpr,
+                     ALU_REGS: gl.constexpr, num_warps: gl.constexpr):
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    gl.warp_specialize([
+        (_mma_role, (a_smem, b_smem, out_ptr, MMA_ITERS, num_warps)),
+        (_alu_role, (x_ptr, ALU_ITERS, KIND, 4)),
+    ], [4], [ALU_REGS])
+
+
+@gluon.jit
+def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """Our kernels' shape: wgmma, wait, element-wise on its result (ALU_REPS passes), repeat."""
+    LACC: gl.constexpr = _acc_layout(num_warps)
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    carry = gl.zeros([_BM, _BN], gl.float32, LACC)
+    for i in range(ITERS):
+        s = warpgroup_mma(a_smem, b_smem.index(i % _NB).permute((1, 0)),
+                          gl.zeros([_BM, _BN], gl.float32, LACC), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        for _ in range(ALU_REPS):
+            s = _elementwise(s, KIND)
+        carry = carry + s
+    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, LACC))
+    c = gl.arange(0, _BN, layout=gl.SliceLayout(0, LACC))
+    gl.store(out_ptr + gl.program_id(0) * _BM * _BN + gl.expand_dims(r, 1) * _BN +
+             gl.expand_dims(c, 0), carry)
+
+
+def _operands(dev, ctas):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = (torch.rand(BM, BK, generator=g) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
+    b = (torch.rand(NB, BN, BK, generator=g) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
+    out = torch.empty(ctas, BM, BN, device=dev)
+    x = torch.rand(ctas, BM, BN, generator=g).to(dev)
+    return a, b, out, x
+
+
+def _time(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(start, end):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(start, end))[reps // 2]
+
+
+def run(args):
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    flop_iter = 2 * BM * BN * BK
+    print(f"{torch.cuda.get_device_name()} {sms} SMs; wgmma m{BM} n{BN} k{BK} fp8 "
+          f"({flop_iter / 1e6:.2f} MFLOP per iteration)")
+    rows = []
+    # ---- ws: two warpgroups of one CTA, one role each ----
+    a, b, out, x = _operands(dev, sms)
+    M = args.mma_iters
+    for kind, n_alu in (("ffma", args.ffma_iters), ("exp", args.exp_iters),
+                        ("soft", args.soft_iters)):
+        def go(m, n):
+            return lambda: _probe_ws_kernel[(sms,)](a, b, out, x, m, n, KINDS[kind], 152,
+                                                      num_warps=4)
+        t_m, t_a, t_both = _time(go(M, 0)), _time(go(0, n_alu)), _time(go(M, n_alu))
+        tf = flop_iter * M * sms / t_m / 1e9
+        rows.append((f"ws {kind}", t_m, t_a, t_both, tf))
+    # ---- alt: one warpgroup per CTA, our kernels' serial tile, 1 vs 2 CTAs per SM ----
+    for kind, reps in (("exp", args.alt_exp_reps), ("soft", args.alt_soft_reps)):
+        for ctas_per_sm in (1, 2):
+            g = ctas_per_sm * sms
+            a, b, out, x = _operands(dev, g)
+
+            def go(r):
+                return lambda: _probe_alt_kernel[(g,)](a, b, out, args.alt_iters, r,
+                                                         KINDS[kind], num_warps=4)
+            t_m, t_a_plus_m, = _time(go(0)), _time(go(reps))
+            rows.append((f"alt {kind} x{reps}, {ctas_per_sm} CTA/SM", t_m, t_a_plus_m - t_m,
+                         t_a_plus_m, flop_iter * args.alt_iters * g / t_m / 1e9))
+    print()
+    print("| probe | MMA alone ms | element-wise alone ms | both ms | both / max | both / sum "
+          "| MMA TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, t_m, t_a, t_both, tf in rows:
+        print(f"| {name} | {t_m:.3f} | {t_a:.3f} | {t_both:.3f} | "
+              f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} |")
+    print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass; 'element-wise alone' = "
+          "the difference it adds; at 2 CTA/SM the SM runs twice the work of 1 CTA/SM)")
+
+
+def compile_only():
+    from flamia.ops._interp import compile_for, resource_usage
+    from flamia.ops.sass import parse, sass_of
+    f8 = torch.float8_e4m3fn
+    a, b = torch.zeros(BM, BK, dtype=f8), torch.zeros(NB, BN, BK, dtype=f8)
+    out, x = torch.zeros(1, BM, BN), torch.zeros(1, BM, BN)
+    for kind in KINDS.values():
+        k = compile_for(_probe_ws_kernel, (a, b, out, x, 1, 1, kind, 152), {"num_warps": 4})
+        print("ws", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
+        k = compile_for(_probe_alt_kernel, (a, b, out, 1, 1, kind), {"num_warps": 4})
+        print("alt", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--mma-iters", type=int, default=8000)
+    ap.add_argument("--ffma-iters", type=int, default=4000)
+    ap.add_argument("--exp-iters", type=int, default=1000)
+    ap.add_argument("--soft-iters", type=int, default=1000)
+    ap.add_argument("--alt-iters", type=int, default=4000)
+    ap.add_argument("--alt-exp-reps", type=int, default=1)
+    ap.add_argument("--alt-soft-reps", type=int, default=1)
+    args = ap.parse_args()
+    if args.compile_only:
+        compile_only()
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

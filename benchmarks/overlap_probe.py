@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 BM, BN, BK = 64, 128, 128      # the forward's S tile: m64 n128, k = head dim 128
 NB = 6                          # B tiles cycled through (6 x 16 KB: two probe CTAs per SM at most)
@@ -117,25 +117,66 @@ def _probe_ws_kernel(a_ptr, b_ptr, out_ptr, x_ptr, MMA_ITERS, ALU_ITERS, KIND: g
 
 
 @gluon.jit
-def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
-                      num_warps: gl.constexpr):
-    """Our kernels' shape: wgmma, wait, element-wise on its result (ALU_REPS passes), repeat."""
+def _alt_loop(a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND: gl.constexpr,
+              MMA: gl.constexpr, PP: gl.constexpr, CID: gl.constexpr, NC: gl.constexpr,
+              num_warps: gl.constexpr):
+    """Our kernels' shape: wgmma, wait, element-wise on its result (ALU_REPS passes), repeat.
+    MMA=False: the same loop with the wgmma replaced by an FFMA (element-wise alone). PP: two
+    such loops in one CTA take turns issuing their wgmma (FA3's ping-pong: the turn is handed
+    over right after the issue, so the other's wgmma queues behind this one)."""
     LACC: gl.constexpr = _acc_layout(num_warps)
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
-    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, LACC))
+    c = gl.arange(0, _BN, layout=gl.SliceLayout(0, LACC))
+    # a non-uniform stand-in for the wgmma result (a uniform one folds to scalars)
+    x0 = (gl.expand_dims(r, 1) * _BN + gl.expand_dims(c, 0)).to(gl.float32) * 1e-4
     carry = gl.zeros([_BM, _BN], gl.float32, LACC)
     for i in range(ITERS):
-        s = warpgroup_mma(a_smem, b_smem.index(i % _NB).permute((1, 0)),
-                          gl.zeros([_BM, _BN], gl.float32, LACC), use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
+        if MMA:
+            if PP:
+                mbarrier.wait(turn.index(CID), (i + CID + 1) & 1, pred=(i + CID) > 0)
+            s = warpgroup_mma(a_smem, b_smem.index(i % _NB).permute((1, 0)),
+                              gl.zeros([_BM, _BN], gl.float32, LACC), use_acc=False,
+                              is_async=True)
+            if PP:
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            s = warpgroup_mma_wait(0, deps=[s])
+        else:
+            s = carry * 0.5 + x0
         for _ in range(ALU_REPS):
             s = _elementwise(s, KIND)
         carry = carry + s
-    r = gl.arange(0, _BM, layout=gl.SliceLayout(1, LACC))
-    c = gl.arange(0, _BN, layout=gl.SliceLayout(0, LACC))
-    gl.store(out_ptr + gl.program_id(0) * _BM * _BN + gl.expand_dims(r, 1) * _BN +
+    gl.store(out_ptr + (gl.program_id(0) * NC + CID) * _BM * _BN + gl.expand_dims(r, 1) * _BN +
              gl.expand_dims(c, 0), carry)
+
+
+@gluon.jit
+def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+                      MMA: gl.constexpr, num_warps: gl.constexpr):
+    """One warpgroup per CTA running _alt_loop (two CTAs share an SM at grid = 2 x SMs)."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _alt_loop(a_smem, b_smem, out_ptr, ITERS, ALU_REPS, a_smem, KIND, MMA, False, 0, 1,
+              num_warps)
+
+
+@gluon.jit
+def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+                       PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Two warpgroups of one CTA each running _alt_loop, with or without ping-pong turns."""
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    gl.warp_specialize([
+        (_alt_loop, (a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND, True, PP, 0, 2,
+                     num_warps)),
+        (_alt_loop, (a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND, True, PP, 1, 2, 4)),
+    ], [4], [REGS])
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
 
 
 def _operands(dev, ctas):
@@ -178,18 +219,28 @@ def run(args):
         t_m, t_a, t_both = _time(go(M, 0)), _time(go(0, n_alu)), _time(go(M, n_alu))
         tf = flop_iter * M * sms / t_m / 1e9
         rows.append((f"ws {kind}", t_m, t_a, t_both, tf))
-    # ---- alt: one warpgroup per CTA, our kernels' serial tile, 1 vs 2 CTAs per SM ----
+    # ---- alt: our kernels' serial tile; MMA alone, element-wise alone, both ----
     for kind, reps in (("exp", args.alt_exp_reps), ("soft", args.alt_soft_reps)):
         for ctas_per_sm in (1, 2):
             g = ctas_per_sm * sms
             a, b, out, x = _operands(dev, g)
 
-            def go(r):
+            def go(r, mma=True):
                 return lambda: _probe_alt_kernel[(g,)](a, b, out, args.alt_iters, r,
-                                                         KINDS[kind], num_warps=4)
-            t_m, t_a_plus_m, = _time(go(0)), _time(go(reps))
-            rows.append((f"alt {kind} x{reps}, {ctas_per_sm} CTA/SM", t_m, t_a_plus_m - t_m,
-                         t_a_plus_m, flop_iter * args.alt_iters * g / t_m / 1e9))
+                                                         KINDS[kind], mma, num_warps=4)
+            t_m, t_a, t_both = _time(go(0)), _time(go(reps, False)), _time(go(reps))
+            rows.append((f"alt {kind} x{reps}, {ctas_per_sm} CTA/SM", t_m, t_a, t_both,
+                         flop_iter * args.alt_iters * g / t_m / 1e9))
+        # two warpgroups of one CTA (the 2 CTA/SM work), free-running and ping-pong
+        a, b, out, x = _operands(dev, 2 * sms)
+        for pp in (False, True):
+            def go2(r):
+                return lambda: _probe_alt2_kernel[(sms,)](a, b, out, args.alt_iters, r,
+                                                            KINDS[kind], pp, 232, num_warps=4)
+            t_m, t_both = _time(go2(0)), _time(go2(reps))
+            t_a = rows[-1][2]       # element-wise alone: the 2 CTA/SM row's (same work)
+            rows.append((f"alt {kind} x{reps}, 2 warpgroups/CTA{' ping-pong' if pp else ''}",
+                         t_m, t_a, t_both, flop_iter * args.alt_iters * 2 * sms / t_m / 1e9))
     print()
     print("| probe | MMA alone ms | element-wise alone ms | both ms | both / max | both / sum "
           "| MMA TFLOP/s |")
@@ -197,8 +248,9 @@ def run(args):
     for name, t_m, t_a, t_both, tf in rows:
         print(f"| {name} | {t_m:.3f} | {t_a:.3f} | {t_both:.3f} | "
               f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} |")
-    print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass; 'element-wise alone' = "
-          "the difference it adds; at 2 CTA/SM the SM runs twice the work of 1 CTA/SM)")
+    print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass, 'element-wise alone' = "
+          "the loop with an FFMA instead of the wgmma; 2 CTA/SM and 2 warpgroups/CTA run twice "
+          "the work of 1 CTA/SM)")
 
 
 def compile_only():
@@ -210,8 +262,13 @@ def compile_only():
     for kind in KINDS.values():
         k = compile_for(_probe_ws_kernel, (a, b, out, x, 1, 1, kind, 152), {"num_warps": 4})
         print("ws", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
-        k = compile_for(_probe_alt_kernel, (a, b, out, 1, 1, kind), {"num_warps": 4})
-        print("alt", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
+        for mma in (True, False):
+            k = compile_for(_probe_alt_kernel, (a, b, out, 1, 1, kind, mma), {"num_warps": 4})
+            print("alt", kind, mma, resource_usage(k), len(parse(sass_of(k))), "SASS")
+        for pp in (False, True):
+            k = compile_for(_probe_alt2_kernel, (a, b, out, 1, 1, kind, pp, 232),
+                            {"num_warps": 4})
+            print("alt2", kind, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
 
 
 def main():

@@ -179,6 +179,98 @@ def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexp
     mbarrier.invalidate(turn.index(1))
 
 
+@gluon.constexpr_function
+def _shape_layouts(N, K, num_warps):
+    return (gl.NVMMASharedLayout.get_default_for([64, K], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([N, K], gl.float8e4nv),
+            gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                      instr_shape=[16, N, 32]))
+
+
+@gluon.jit
+def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, K: gl.constexpr,
+                        NBUF: gl.constexpr, NMMA: gl.constexpr, USE_ACC: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """The wgmma rate of one tile shape as our kernels issue it: NMMA wgmmas m64 x N x K
+    (independent accumulators, issued back to back), then a wait; fresh accumulators (USE_ACC
+    False: an S / dP tile, consumed by one FADD per element) or accumulating (a dV / dK / O)."""
+    AL: gl.constexpr = _shape_layouts(N, K, num_warps)[0]
+    BL: gl.constexpr = _shape_layouts(N, K, num_warps)[1]
+    LACC: gl.constexpr = _shape_layouts(N, K, num_warps)[2]
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [64, K], AL)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, N, K], BL)
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, K, layout=gl.SliceLayout(0, L))
+    a_smem.store(gl.load(a_ptr + gl.expand_dims(r, 1) * K + gl.expand_dims(c, 0)))
+    rb = gl.arange(0, N, layout=gl.SliceLayout(1, L))
+    for i in gl.static_range(NBUF):
+        b_smem.index(i).store(gl.load(b_ptr + i * N * K + gl.expand_dims(rb, 1) * K +
+                                      gl.expand_dims(c, 0)))
+    fence_async_shared()
+    acc = gl.zeros([64, N], gl.float32, LACC)
+    acc2 = gl.zeros([64, N], gl.float32, LACC)
+    for i in range(ITERS):
+        b1 = b_smem.index(i % NBUF).permute((1, 0))
+        b2 = b_smem.index((i + 1) % NBUF).permute((1, 0))
+        if USE_ACC:
+            acc = warpgroup_mma(a_smem, b1, acc, is_async=True)
+            if NMMA == 2:
+                acc2 = warpgroup_mma(a_smem, b2, acc2, is_async=True)
+                acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            s1 = warpgroup_mma(a_smem, b1, gl.zeros([64, N], gl.float32, LACC), use_acc=False,
+                               is_async=True)
+            if NMMA == 2:
+                s2 = warpgroup_mma(a_smem, b2, gl.zeros([64, N], gl.float32, LACC),
+                                   use_acc=False, is_async=True)
+                s1, s2 = warpgroup_mma_wait(0, deps=[s1, s2])
+                acc = acc + s1
+                acc2 = acc2 + s2
+            else:
+                s1 = warpgroup_mma_wait(0, deps=[s1])
+                acc = acc + s1
+    ro = gl.arange(0, 64, layout=gl.SliceLayout(1, LACC))
+    co = gl.arange(0, N, layout=gl.SliceLayout(0, LACC))
+    gl.store(out_ptr + gl.program_id(0) * 64 * N + gl.expand_dims(ro, 1) * N +
+             gl.expand_dims(co, 0), acc + acc2)
+
+
+# (N, K, NMMA, USE_ACC, what it stands for)
+SHAPES = [
+    (64, 128, 1, False, "S or dP^T tile of dQ / dK/dV (n64 k128)"),
+    (64, 128, 2, False, "S and dP issued together (dQ)"),
+    (128, 64, 1, True, "dV / dK accumulate (n128 k64)"),
+    (128, 64, 2, True, "dV and dK issued together"),
+    (128, 128, 1, False, "forward S (n128 k128)"),
+    (128, 128, 2, False, "S and dP at 128 keys (n128 k128, two)"),
+    (128, 128, 1, True, "n128 k128 accumulate (forward PV)"),
+    (256, 64, 1, True, "n256 k64 accumulate"),
+    (256, 128, 1, False, "n256 k128 fresh"),
+]
+
+
+def shapes(args, dev, sms):
+    print("\n| wgmma shape (m64) | issued per wait | accumulate | stands for | 1 CTA/SM TFLOP/s "
+          "| 2 CTA/SM TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for n, k, nmma, use_acc, what in SHAPES:
+        nbuf = max(2, min(6, 96 * 1024 // (n * k)))
+        a = (torch.rand(64, k) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
+        b = (torch.rand(nbuf, n, k) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
+        iters = args.shape_flop // (2 * 64 * n * k * nmma)
+        tf = []
+        for per_sm in (1, 2):
+            g = per_sm * sms
+            out = torch.empty(g, 64, n, device=dev)
+            t = _time(lambda: _probe_shape_kernel[(g,)](a, b, out, iters, n, k, nbuf, nmma,
+                                                        use_acc, num_warps=4))
+            tf.append(2 * 64 * n * k * nmma * iters * g / t / 1e9)
+        print(f"| n{n} k{k} | {nmma} | {use_acc} | {what} | {tf[0]:.0f} | {tf[1]:.0f} |")
+
+
 def _operands(dev, ctas):
     g = torch.Generator(device="cpu").manual_seed(0)
     a = (torch.rand(BM, BK, generator=g) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
@@ -207,6 +299,9 @@ def run(args):
     flop_iter = 2 * BM * BN * BK
     print(f"{torch.cuda.get_device_name()} {sms} SMs; wgmma m{BM} n{BN} k{BK} fp8 "
           f"({flop_iter / 1e6:.2f} MFLOP per iteration)")
+    if args.only_shapes:
+        shapes(args, dev, sms)
+        return
     rows = []
     # ---- ws: two warpgroups of one CTA, one role each ----
     a, b, out, x = _operands(dev, sms)
@@ -248,6 +343,7 @@ def run(args):
     for name, t_m, t_a, t_both, tf in rows:
         print(f"| {name} | {t_m:.3f} | {t_a:.3f} | {t_both:.3f} | "
               f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} |")
+    shapes(args, dev, sms)
     print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass, 'element-wise alone' = "
           "the loop with an FFMA instead of the wgmma; 2 CTA/SM and 2 warpgroups/CTA run twice "
           "the work of 1 CTA/SM)")
@@ -269,6 +365,13 @@ def compile_only():
             k = compile_for(_probe_alt2_kernel, (a, b, out, 1, 1, kind, pp, 232),
                             {"num_warps": 4})
             print("alt2", kind, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
+    for n, k_, nmma, use_acc, what in SHAPES:
+        nbuf = max(2, min(6, 96 * 1024 // (n * k_)))
+        k = compile_for(_probe_shape_kernel, (torch.zeros(64, k_, dtype=f8),
+                                              torch.zeros(nbuf, n, k_, dtype=f8),
+                                              torch.zeros(1, 64, n), 1, n, k_, nbuf, nmma,
+                                              use_acc), {"num_warps": 4})
+        print("shape", n, k_, nmma, use_acc, resource_usage(k), len(parse(sass_of(k))), "SASS")
 
 
 def main():
@@ -281,6 +384,9 @@ def main():
     ap.add_argument("--alt-iters", type=int, default=4000)
     ap.add_argument("--alt-exp-reps", type=int, default=1)
     ap.add_argument("--alt-soft-reps", type=int, default=1)
+    ap.add_argument("--shape-flop", type=int, default=2 * 64 * 128 * 128 * 8000,
+                    help="FLOPs per CTA of each wgmma-shape row")
+    ap.add_argument("--only-shapes", action="store_true")
     args = ap.parse_args()
     if args.compile_only:
         compile_only()

@@ -238,6 +238,122 @@ def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, K: gl.con
              gl.expand_dims(co, 0), acc + acc2)
 
 
+@gluon.jit
+def _fwd_softmax(s, m_i, l_i, sk, sv, AOP: gl.constexpr):
+    """The forward's unmasked online-softmax step (forward_gluon._online_softmax, FOLD) with the
+    per-key scales held in registers: -> (A operand e4m3(p sv), m, l, alpha)."""
+    s = s * gl.expand_dims(sk, 0)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * 0.125)
+    p = gl.exp2(gl.fma(s, gl.full_like(s, 0.125), gl.expand_dims(-m_new, 1)))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    a = gl.convert_layout((p * gl.expand_dims(sv, 0)).to(gl.float8e4nv), AOP)
+    return a, m_new, l_i, alpha
+
+
+@gluon.jit
+def _fwd_loop(q_smem, kv_smem, out_ptr, ITERS, turn, SCHED: gl.constexpr, PP: gl.constexpr,
+              CID: gl.constexpr, NC: gl.constexpr, num_warps: gl.constexpr):
+    """A synthetic forward: per tile S = Q K_j^T (m64 n128 k128, fresh), the online softmax,
+    O += P V_j (m64 n128 k128, A = P from registers), O rescaled by alpha. No loads: K_j and
+    V_j^T are fixed random tiles in shared memory. SCHED 0: every wgmma waited for at once;
+    SCHED 1: S_j and PV_{j-1} in flight together, softmax_j under PV_{j-1} (the Gluon
+    forward's order, FA3's). PP (SCHED 1): two such loops take turns issuing."""
+    LACC: gl.constexpr = _acc_layout(num_warps)
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LACC, k_width=4)
+    COLL: gl.constexpr = gl.SliceLayout(0, LACC)
+    ROWL: gl.constexpr = gl.SliceLayout(1, LACC)
+    c = gl.arange(0, _BN, layout=COLL)
+    sk = 1.0 + c.to(gl.float32) * 1e-3
+    sv = 1.0 - c.to(gl.float32) * 1e-3
+    m_i = gl.full([_BM], -1e30, gl.float32, ROWL)
+    l_i = gl.zeros([_BM], gl.float32, ROWL)
+    acc = gl.zeros([_BM, _BN], gl.float32, LACC)
+    zero = gl.zeros([_BM, _BN], gl.float32, LACC)
+    if SCHED == 0:
+        for j in range(ITERS):
+            s = warpgroup_mma(q_smem, kv_smem.index(j % _NB).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            a, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+            acc = acc * gl.expand_dims(alpha, 1)
+            acc = warpgroup_mma(a, kv_smem.index((j + 3) % _NB).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        a, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+        for j in range(1, ITERS):
+            if PP:
+                mbarrier.wait(turn.index(CID), (j + CID) & 1, pred=(j + CID) > 1)
+            s = warpgroup_mma(q_smem, kv_smem.index(j % _NB).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(a, kv_smem.index((j + 2) % _NB).permute((1, 0)), acc,
+                                is_async=True)
+            if PP:
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            s = warpgroup_mma_wait(1, deps=[s])
+            a_new, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = acc * gl.expand_dims(alpha, 1)
+            a = a_new
+        acc = warpgroup_mma(a, kv_smem.index(2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    r = gl.arange(0, _BM, layout=ROWL)
+    acc = acc / gl.expand_dims(l_i, 1)
+    gl.store(out_ptr + (gl.program_id(0) * NC + CID) * _BM * _BN + gl.expand_dims(r, 1) * _BN +
+             gl.expand_dims(c, 0), acc)
+
+
+@gluon.jit
+def _probe_fwd_kernel(a_ptr, b_ptr, out_ptr, ITERS, SCHED: gl.constexpr,
+                      num_warps: gl.constexpr):
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _fwd_loop(a_smem, b_smem, out_ptr, ITERS, a_smem, SCHED, False, 0, 1, num_warps)
+
+
+@gluon.jit
+def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, ITERS, PP: gl.constexpr, REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    gl.warp_specialize([
+        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 0, 2, num_warps)),
+        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 1, 2, 4)),
+    ], [4], [REGS])
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
+
+
+def fwd(args, dev, sms):
+    """The synthetic forward's rate (2 GEMMs per tile), against our forward kernels'."""
+    flop_tile = 2 * 2 * BM * BN * BK
+    print("\n| synthetic forward (no loads) | CTAs | TFLOP/s |")
+    print("|---|---|---|")
+    for sched, name in ((0, "serial: S, wait, softmax, PV, wait"),
+                        (1, "S_j and PV_{j-1} in flight, softmax_j under PV_{j-1}")):
+        for per_sm in (1, 2):
+            g = per_sm * sms
+            a, b, out, x = _operands(dev, g)
+            t = _time(lambda: _probe_fwd_kernel[(g,)](a, b, out, args.fwd_iters, sched,
+                                                      num_warps=4))
+            print(f"| {name} | {per_sm} per SM | {flop_tile * args.fwd_iters * g / t / 1e9:.0f} |")
+    a, b, out, x = _operands(dev, 2 * sms)
+    for pp in (False, True):
+        t = _time(lambda: _probe_fwd2_kernel[(sms,)](a, b, out, args.fwd_iters, pp, 232,
+                                                     num_warps=4))
+        print(f"| S_j and PV_(j-1) in flight, two warpgroups per CTA{', ping-pong' if pp else ''} "
+              f"| 1 per SM | {flop_tile * args.fwd_iters * 2 * sms / t / 1e9:.0f} |")
+
+
 # (N, K, NMMA, USE_ACC, what it stands for)
 SHAPES = [
     (64, 128, 1, False, "S or dP^T tile of dQ / dK/dV (n64 k128)"),
@@ -302,6 +418,9 @@ def run(args):
     if args.only_shapes:
         shapes(args, dev, sms)
         return
+    if args.only_fwd:
+        fwd(args, dev, sms)
+        return
     rows = []
     # ---- ws: two warpgroups of one CTA, one role each ----
     a, b, out, x = _operands(dev, sms)
@@ -344,6 +463,7 @@ def run(args):
         print(f"| {name} | {t_m:.3f} | {t_a:.3f} | {t_both:.3f} | "
               f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} |")
     shapes(args, dev, sms)
+    fwd(args, dev, sms)
     print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass, 'element-wise alone' = "
           "the loop with an FFMA instead of the wgmma; 2 CTA/SM and 2 warpgroups/CTA run twice "
           "the work of 1 CTA/SM)")
@@ -356,20 +476,26 @@ def compile_only():
     a, b = torch.zeros(BM, BK, dtype=f8), torch.zeros(NB, BN, BK, dtype=f8)
     out, x = torch.zeros(1, BM, BN), torch.zeros(1, BM, BN)
     for kind in KINDS.values():
-        k = compile_for(_probe_ws_kernel, (a, b, out, x, 1, 1, kind, 152), {"num_warps": 4})
+        k = compile_for(_probe_ws_kernel, (a, b, out, x, 7, 7, kind, 152), {"num_warps": 4})
         print("ws", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
         for mma in (True, False):
-            k = compile_for(_probe_alt_kernel, (a, b, out, 1, 1, kind, mma), {"num_warps": 4})
+            k = compile_for(_probe_alt_kernel, (a, b, out, 7, 7, kind, mma), {"num_warps": 4})
             print("alt", kind, mma, resource_usage(k), len(parse(sass_of(k))), "SASS")
         for pp in (False, True):
-            k = compile_for(_probe_alt2_kernel, (a, b, out, 1, 1, kind, pp, 232),
+            k = compile_for(_probe_alt2_kernel, (a, b, out, 7, 7, kind, pp, 232),
                             {"num_warps": 4})
             print("alt2", kind, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
+    for sched in (0, 1):
+        k = compile_for(_probe_fwd_kernel, (a, b, out, 7, sched), {"num_warps": 4})
+        print("fwd", sched, resource_usage(k), len(parse(sass_of(k))), "SASS")
+    for pp in (False, True):
+        k = compile_for(_probe_fwd2_kernel, (a, b, out, 7, pp, 232), {"num_warps": 4})
+        print("fwd2", pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
     for n, k_, nmma, use_acc, what in SHAPES:
         nbuf = max(2, min(6, 96 * 1024 // (n * k_)))
         k = compile_for(_probe_shape_kernel, (torch.zeros(64, k_, dtype=f8),
                                               torch.zeros(nbuf, n, k_, dtype=f8),
-                                              torch.zeros(1, 64, n), 1, n, k_, nbuf, nmma,
+                                              torch.zeros(1, 64, n), 7, n, k_, nbuf, nmma,
                                               use_acc), {"num_warps": 4})
         print("shape", n, k_, nmma, use_acc, resource_usage(k), len(parse(sass_of(k))), "SASS")
 
@@ -387,6 +513,8 @@ def main():
     ap.add_argument("--shape-flop", type=int, default=2 * 64 * 128 * 128 * 8000,
                     help="FLOPs per CTA of each wgmma-shape row")
     ap.add_argument("--only-shapes", action="store_true")
+    ap.add_argument("--only-fwd", action="store_true")
+    ap.add_argument("--fwd-iters", type=int, default=4000)
     args = ap.parse_args()
     if args.compile_only:
         compile_only()

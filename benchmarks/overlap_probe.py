@@ -63,6 +63,21 @@ def _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps: gl.constexpr):
 
 
 @gluon.jit
+def _stamp(clk_ptr, slot: gl.constexpr, num_warps: gl.constexpr):
+    """Thread 0 records (%clock64, %globaltimer) at slot 0 (start) or 1 (end) of its CTA's row:
+    the SM clock the CTA actually ran at (the H200 lowers it under load; we only read it)."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    i = gl.arange(0, 32 * num_warps, layout=L)
+    clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [i], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64,
+                                   is_pure=False, pack=1)
+    base = clk_ptr + gl.program_id(0) * 4 + slot * 2 + i * 0
+    gl.store(base, clk, mask=i == 0)
+    gl.store(base + 1, ns, mask=i == 0)
+
+
+@gluon.jit
 def _elementwise(x, KIND: gl.constexpr):
     """One tile's worth of element-wise work on the 64 x 128 fp32 tile x."""
     if KIND == 0:
@@ -105,15 +120,17 @@ def _alu_role(x_ptr, ALU_ITERS, KIND: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _probe_ws_kernel(a_ptr, b_ptr, out_ptr, x_ptr, MMA_ITERS, ALU_ITERS, KIND: gl.constexpr,
-                     ALU_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _probe_ws_kernel(a_ptr, b_ptr, out_ptr, x_ptr, clk_ptr, MMA_ITERS, ALU_ITERS,
+                     KIND: gl.constexpr, ALU_REGS: gl.constexpr, num_warps: gl.constexpr):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _stamp(clk_ptr, 0, num_warps)
     gl.warp_specialize([
         (_mma_role, (a_smem, b_smem, out_ptr, MMA_ITERS, num_warps)),
         (_alu_role, (x_ptr, ALU_ITERS, KIND, 4)),
     ], [4], [ALU_REGS])
+    _stamp(clk_ptr, 1, num_warps)
 
 
 @gluon.jit
@@ -150,18 +167,20 @@ def _alt_loop(a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND: gl.constexpr
 
 
 @gluon.jit
-def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
                       MMA: gl.constexpr, num_warps: gl.constexpr):
     """One warpgroup per CTA running _alt_loop (two CTAs share an SM at grid = 2 x SMs)."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _stamp(clk_ptr, 0, num_warps)
     _alt_loop(a_smem, b_smem, out_ptr, ITERS, ALU_REPS, a_smem, KIND, MMA, False, 0, 1,
               num_warps)
+    _stamp(clk_ptr, 1, num_warps)
 
 
 @gluon.jit
-def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
                        PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     """Two warpgroups of one CTA each running _alt_loop, with or without ping-pong turns."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
@@ -170,11 +189,13 @@ def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, ITERS, ALU_REPS, KIND: gl.constexp
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _stamp(clk_ptr, 0, num_warps)
     gl.warp_specialize([
         (_alt_loop, (a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND, True, PP, 0, 2,
                      num_warps)),
         (_alt_loop, (a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND, True, PP, 1, 2, 4)),
     ], [4], [REGS])
+    _stamp(clk_ptr, 1, num_warps)
     mbarrier.invalidate(turn.index(0))
     mbarrier.invalidate(turn.index(1))
 
@@ -188,7 +209,7 @@ def _shape_layouts(N, K, num_warps):
 
 
 @gluon.jit
-def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, K: gl.constexpr,
+def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, N: gl.constexpr, K: gl.constexpr,
                         NBUF: gl.constexpr, NMMA: gl.constexpr, USE_ACC: gl.constexpr,
                         num_warps: gl.constexpr):
     """The wgmma rate of one tile shape as our kernels issue it: NMMA wgmmas m64 x N x K
@@ -208,6 +229,7 @@ def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, K: gl.con
         b_smem.index(i).store(gl.load(b_ptr + i * N * K + gl.expand_dims(rb, 1) * K +
                                       gl.expand_dims(c, 0)))
     fence_async_shared()
+    _stamp(clk_ptr, 0, num_warps)
     acc = gl.zeros([64, N], gl.float32, LACC)
     acc2 = gl.zeros([64, N], gl.float32, LACC)
     for i in range(ITERS):
@@ -236,6 +258,7 @@ def _probe_shape_kernel(a_ptr, b_ptr, out_ptr, ITERS, N: gl.constexpr, K: gl.con
     co = gl.arange(0, N, layout=gl.SliceLayout(0, LACC))
     gl.store(out_ptr + gl.program_id(0) * 64 * N + gl.expand_dims(ro, 1) * N +
              gl.expand_dims(co, 0), acc + acc2)
+    _stamp(clk_ptr, 1, num_warps)
 
 
 @gluon.jit
@@ -308,16 +331,18 @@ def _fwd_loop(q_smem, kv_smem, out_ptr, ITERS, turn, SCHED: gl.constexpr, PP: gl
 
 
 @gluon.jit
-def _probe_fwd_kernel(a_ptr, b_ptr, out_ptr, ITERS, SCHED: gl.constexpr,
+def _probe_fwd_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, SCHED: gl.constexpr,
                       num_warps: gl.constexpr):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _stamp(clk_ptr, 0, num_warps)
     _fwd_loop(a_smem, b_smem, out_ptr, ITERS, a_smem, SCHED, False, 0, 1, num_warps)
+    _stamp(clk_ptr, 1, num_warps)
 
 
 @gluon.jit
-def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, ITERS, PP: gl.constexpr, REGS: gl.constexpr,
+def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, PP: gl.constexpr, REGS: gl.constexpr,
                        num_warps: gl.constexpr):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
@@ -325,33 +350,39 @@ def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, ITERS, PP: gl.constexpr, REGS: gl.
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
+    _stamp(clk_ptr, 0, num_warps)
     gl.warp_specialize([
         (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 0, 2, num_warps)),
         (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 1, 2, 4)),
     ], [4], [REGS])
+    _stamp(clk_ptr, 1, num_warps)
     mbarrier.invalidate(turn.index(0))
     mbarrier.invalidate(turn.index(1))
 
 
 def fwd(args, dev, sms):
-    """The synthetic forward's rate (2 GEMMs per tile), against our forward kernels'."""
+    """The synthetic forward's rate (2 GEMMs per tile) and SM clock."""
+    global CLK
     flop_tile = 2 * 2 * BM * BN * BK
-    print("\n| synthetic forward (no loads) | CTAs | TFLOP/s |")
-    print("|---|---|---|")
+    print("\n| synthetic forward (no loads) | CTAs | TFLOP/s | SM MHz |")
+    print("|---|---|---|---|")
     for sched, name in ((0, "serial: S, wait, softmax, PV, wait"),
                         (1, "S_j and PV_{j-1} in flight, softmax_j under PV_{j-1}")):
         for per_sm in (1, 2):
             g = per_sm * sms
             a, b, out, x = _operands(dev, g)
-            t = _time(lambda: _probe_fwd_kernel[(g,)](a, b, out, args.fwd_iters, sched,
-                                                      num_warps=4))
-            print(f"| {name} | {per_sm} per SM | {flop_tile * args.fwd_iters * g / t / 1e9:.0f} |")
+            CLK = torch.zeros(g, 4, dtype=torch.int64, device=dev)
+            t, mhz = _time(lambda: _probe_fwd_kernel[(g,)](a, b, out, CLK, args.fwd_iters, sched,
+                                                           num_warps=4))
+            print(f"| {name} | {per_sm} per SM | {flop_tile * args.fwd_iters * g / t / 1e9:.0f} "
+                  f"| {mhz:.0f} |")
     a, b, out, x = _operands(dev, 2 * sms)
+    CLK = torch.zeros(sms, 4, dtype=torch.int64, device=dev)
     for pp in (False, True):
-        t = _time(lambda: _probe_fwd2_kernel[(sms,)](a, b, out, args.fwd_iters, pp, 232,
-                                                     num_warps=4))
+        t, mhz = _time(lambda: _probe_fwd2_kernel[(sms,)](a, b, out, CLK, args.fwd_iters, pp, 232,
+                                                          num_warps=4))
         print(f"| S_j and PV_(j-1) in flight, two warpgroups per CTA{', ping-pong' if pp else ''} "
-              f"| 1 per SM | {flop_tile * args.fwd_iters * 2 * sms / t / 1e9:.0f} |")
+              f"| 1 per SM | {flop_tile * args.fwd_iters * 2 * sms / t / 1e9:.0f} | {mhz:.0f} |")
 
 
 # (N, K, NMMA, USE_ACC, what it stands for)
@@ -369,22 +400,26 @@ SHAPES = [
 
 
 def shapes(args, dev, sms):
+    global CLK
     print("\n| wgmma shape (m64) | issued per wait | accumulate | stands for | 1 CTA/SM TFLOP/s "
-          "| 2 CTA/SM TFLOP/s |")
-    print("|---|---|---|---|---|---|")
+          "| 2 CTA/SM TFLOP/s | SM MHz (1 / 2 CTA/SM) |")
+    print("|---|---|---|---|---|---|---|")
     for n, k, nmma, use_acc, what in SHAPES:
         nbuf = max(2, min(6, 96 * 1024 // (n * k)))
         a = (torch.rand(64, k) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
         b = (torch.rand(nbuf, n, k) * 2 - 1).to(torch.float8_e4m3fn).to(dev)
         iters = args.shape_flop // (2 * 64 * n * k * nmma)
-        tf = []
+        tf, mhz = [], []
         for per_sm in (1, 2):
             g = per_sm * sms
             out = torch.empty(g, 64, n, device=dev)
-            t = _time(lambda: _probe_shape_kernel[(g,)](a, b, out, iters, n, k, nbuf, nmma,
-                                                        use_acc, num_warps=4))
+            CLK = torch.zeros(g, 4, dtype=torch.int64, device=dev)
+            t, f = _time(lambda: _probe_shape_kernel[(g,)](a, b, out, CLK, iters, n, k, nbuf,
+                                                           nmma, use_acc, num_warps=4))
             tf.append(2 * 64 * n * k * nmma * iters * g / t / 1e9)
-        print(f"| n{n} k{k} | {nmma} | {use_acc} | {what} | {tf[0]:.0f} | {tf[1]:.0f} |")
+            mhz.append(f)
+        print(f"| n{n} k{k} | {nmma} | {use_acc} | {what} | {tf[0]:.0f} | {tf[1]:.0f} "
+              f"| {mhz[0]:.0f} / {mhz[1]:.0f} |")
 
 
 def _operands(dev, ctas):
@@ -396,7 +431,18 @@ def _operands(dev, ctas):
     return a, b, out, x
 
 
+CLK = None     # (CTAs, 4) int64: clock64 / globaltimer at start and end, set by run()
+
+
+def _mhz():
+    """Median SM clock (MHz) over the CTAs of the last launch, from their own stamps."""
+    c = CLK.double()
+    f = (c[:, 2] - c[:, 0]) / (c[:, 3] - c[:, 1]).clamp(min=1) * 1e3
+    return f.median().item()
+
+
 def _time(fn, reps=20):
+    """Median ms of fn over reps (CUDA events), and the SM clock of its last run."""
     fn()
     torch.cuda.synchronize()
     start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -406,10 +452,11 @@ def _time(fn, reps=20):
         fn()
         e.record()
     torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in zip(start, end))[reps // 2]
+    return sorted(s.elapsed_time(e) for s, e in zip(start, end))[reps // 2], _mhz()
 
 
 def run(args):
+    global CLK
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     flop_iter = 2 * BM * BN * BK
@@ -424,44 +471,47 @@ def run(args):
     rows = []
     # ---- ws: two warpgroups of one CTA, one role each ----
     a, b, out, x = _operands(dev, sms)
+    CLK = torch.zeros(sms, 4, dtype=torch.int64, device=dev)
     M = args.mma_iters
     for kind, n_alu in (("ffma", args.ffma_iters), ("exp", args.exp_iters),
                         ("soft", args.soft_iters)):
         def go(m, n):
-            return lambda: _probe_ws_kernel[(sms,)](a, b, out, x, m, n, KINDS[kind], 152,
+            return lambda: _probe_ws_kernel[(sms,)](a, b, out, x, CLK, m, n, KINDS[kind], 152,
                                                       num_warps=4)
         t_m, t_a, t_both = _time(go(M, 0)), _time(go(0, n_alu)), _time(go(M, n_alu))
-        tf = flop_iter * M * sms / t_m / 1e9
-        rows.append((f"ws {kind}", t_m, t_a, t_both, tf))
+        rows.append((f"ws {kind}", t_m, t_a, t_both, flop_iter * M * sms / t_m[0] / 1e9))
     # ---- alt: our kernels' serial tile; MMA alone, element-wise alone, both ----
     for kind, reps in (("exp", args.alt_exp_reps), ("soft", args.alt_soft_reps)):
         for ctas_per_sm in (1, 2):
             g = ctas_per_sm * sms
             a, b, out, x = _operands(dev, g)
+            CLK = torch.zeros(g, 4, dtype=torch.int64, device=dev)
 
             def go(r, mma=True):
-                return lambda: _probe_alt_kernel[(g,)](a, b, out, args.alt_iters, r,
+                return lambda: _probe_alt_kernel[(g,)](a, b, out, CLK, args.alt_iters, r,
                                                          KINDS[kind], mma, num_warps=4)
             t_m, t_a, t_both = _time(go(0)), _time(go(reps, False)), _time(go(reps))
             rows.append((f"alt {kind} x{reps}, {ctas_per_sm} CTA/SM", t_m, t_a, t_both,
-                         flop_iter * args.alt_iters * g / t_m / 1e9))
+                         flop_iter * args.alt_iters * g / t_m[0] / 1e9))
         # two warpgroups of one CTA (the 2 CTA/SM work), free-running and ping-pong
         a, b, out, x = _operands(dev, 2 * sms)
+        CLK = torch.zeros(sms, 4, dtype=torch.int64, device=dev)
         for pp in (False, True):
             def go2(r):
-                return lambda: _probe_alt2_kernel[(sms,)](a, b, out, args.alt_iters, r,
+                return lambda: _probe_alt2_kernel[(sms,)](a, b, out, CLK, args.alt_iters, r,
                                                             KINDS[kind], pp, 232, num_warps=4)
             t_m, t_both = _time(go2(0)), _time(go2(reps))
             t_a = rows[-1][2]       # element-wise alone: the 2 CTA/SM row's (same work)
             rows.append((f"alt {kind} x{reps}, 2 warpgroups/CTA{' ping-pong' if pp else ''}",
-                         t_m, t_a, t_both, flop_iter * args.alt_iters * 2 * sms / t_m / 1e9))
+                         t_m, t_a, t_both, flop_iter * args.alt_iters * 2 * sms / t_m[0] / 1e9))
     print()
     print("| probe | MMA alone ms | element-wise alone ms | both ms | both / max | both / sum "
-          "| MMA TFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
-    for name, t_m, t_a, t_both, tf in rows:
+          "| MMA TFLOP/s | SM MHz (MMA / element-wise / both) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (t_m, f_m), (t_a, f_a), (t_both, f_b), tf in rows:
         print(f"| {name} | {t_m:.3f} | {t_a:.3f} | {t_both:.3f} | "
-              f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} |")
+              f"{t_both / max(t_m, t_a):.2f} | {t_both / (t_m + t_a):.2f} | {tf:.0f} "
+              f"| {f_m:.0f} / {f_a:.0f} / {f_b:.0f} |")
     shapes(args, dev, sms)
     fwd(args, dev, sms)
     print("\n(alt rows: 'MMA alone' = the loop with no element-wise pass, 'element-wise alone' = "
@@ -475,27 +525,28 @@ def compile_only():
     f8 = torch.float8_e4m3fn
     a, b = torch.zeros(BM, BK, dtype=f8), torch.zeros(NB, BN, BK, dtype=f8)
     out, x = torch.zeros(1, BM, BN), torch.zeros(1, BM, BN)
+    clk = torch.zeros(1, 4, dtype=torch.int64)
     for kind in KINDS.values():
-        k = compile_for(_probe_ws_kernel, (a, b, out, x, 7, 7, kind, 152), {"num_warps": 4})
+        k = compile_for(_probe_ws_kernel, (a, b, out, x, clk, 7, 7, kind, 152), {"num_warps": 4})
         print("ws", kind, resource_usage(k), len(parse(sass_of(k))), "SASS")
         for mma in (True, False):
-            k = compile_for(_probe_alt_kernel, (a, b, out, 7, 7, kind, mma), {"num_warps": 4})
+            k = compile_for(_probe_alt_kernel, (a, b, out, clk, 7, 7, kind, mma), {"num_warps": 4})
             print("alt", kind, mma, resource_usage(k), len(parse(sass_of(k))), "SASS")
         for pp in (False, True):
-            k = compile_for(_probe_alt2_kernel, (a, b, out, 7, 7, kind, pp, 232),
+            k = compile_for(_probe_alt2_kernel, (a, b, out, clk, 7, 7, kind, pp, 232),
                             {"num_warps": 4})
             print("alt2", kind, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
     for sched in (0, 1):
-        k = compile_for(_probe_fwd_kernel, (a, b, out, 7, sched), {"num_warps": 4})
+        k = compile_for(_probe_fwd_kernel, (a, b, out, clk, 7, sched), {"num_warps": 4})
         print("fwd", sched, resource_usage(k), len(parse(sass_of(k))), "SASS")
     for pp in (False, True):
-        k = compile_for(_probe_fwd2_kernel, (a, b, out, 7, pp, 232), {"num_warps": 4})
+        k = compile_for(_probe_fwd2_kernel, (a, b, out, clk, 7, pp, 232), {"num_warps": 4})
         print("fwd2", pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
     for n, k_, nmma, use_acc, what in SHAPES:
         nbuf = max(2, min(6, 96 * 1024 // (n * k_)))
         k = compile_for(_probe_shape_kernel, (torch.zeros(64, k_, dtype=f8),
                                               torch.zeros(nbuf, n, k_, dtype=f8),
-                                              torch.zeros(1, 64, n), 7, n, k_, nbuf, nmma,
+                                              torch.zeros(1, 64, n), clk, 7, n, k_, nbuf, nmma,
                                               use_acc), {"num_warps": 4})
         print("shape", n, k_, nmma, use_acc, resource_usage(k), len(parse(sass_of(k))), "SASS")
 

@@ -281,7 +281,9 @@ def _fwd_loop(q_smem, kv_smem, out_ptr, ITERS, turn, SCHED: gl.constexpr, PP: gl
     O += P V_j (m64 n128 k128, A = P from registers), O rescaled by alpha. No loads: K_j and
     V_j^T are fixed random tiles in shared memory. SCHED 0: every wgmma waited for at once;
     SCHED 1: S_j and PV_{j-1} in flight together, softmax_j under PV_{j-1} (the Gluon
-    forward's order, FA3's). PP (SCHED 1): two such loops take turns issuing."""
+    forward's order, FA3's), P_{j-1}'s e4m3 operand carried across the back edge; SCHED 2: the
+    same overlap with the loop rotated so that S_j is carried instead. PP (SCHED >= 1): two such
+    loops take turns issuing."""
     LACC: gl.constexpr = _acc_layout(num_warps)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LACC, k_width=4)
     COLL: gl.constexpr = gl.SliceLayout(0, LACC)
@@ -303,6 +305,36 @@ def _fwd_loop(q_smem, kv_smem, out_ptr, ITERS, turn, SCHED: gl.constexpr, PP: gl
             acc = warpgroup_mma(a, kv_smem.index((j + 3) % _NB).permute((1, 0)), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
+    elif SCHED == 2:
+        # rotated: S_{j+1} is what crosses the back edge (fp32, the accumulator layout), and P_j
+        # goes from the softmax to its PV wgmma inside one iteration; PV_j's accumulator
+        # crosses in flight (the first iteration peeled so that it is in flight at the top)
+        s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        a, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+        s = warpgroup_mma(q_smem, kv_smem.index(1).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(a, kv_smem.index(3).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s])
+        for j in range(1, ITERS - 1):
+            a, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+            acc = warpgroup_mma_wait(0, deps=[acc])            # PV_{j-1}
+            acc = acc * gl.expand_dims(alpha, 1)
+            if PP:
+                mbarrier.wait(turn.index(CID), (j + CID) & 1, pred=(j + CID) > 1)
+            s = warpgroup_mma(q_smem, kv_smem.index((j + 1) % _NB).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(a, kv_smem.index((j + 3) % _NB).permute((1, 0)), acc,
+                                is_async=True)
+            if PP:
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            s = warpgroup_mma_wait(1, deps=[s])               # S_{j+1}; PV_j stays in flight
+        a, m_i, l_i, alpha = _fwd_softmax(s, m_i, l_i, sk, sv, AOP)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc = warpgroup_mma(a, kv_smem.index(2).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
     else:
         s = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero, use_acc=False,
                           is_async=True)
@@ -342,8 +374,8 @@ def _probe_fwd_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, SCHED: gl.constexpr
 
 
 @gluon.jit
-def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, PP: gl.constexpr, REGS: gl.constexpr,
-                       num_warps: gl.constexpr):
+def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, SCHED: gl.constexpr,
+                       PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -352,8 +384,8 @@ def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, PP: gl.constexpr, 
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
     _stamp(clk_ptr, 0, num_warps)
     gl.warp_specialize([
-        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 0, 2, num_warps)),
-        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, 1, PP, 1, 2, 4)),
+        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, SCHED, PP, 0, 2, num_warps)),
+        (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, SCHED, PP, 1, 2, 4)),
     ], [4], [REGS])
     _stamp(clk_ptr, 1, num_warps)
     mbarrier.invalidate(turn.index(0))
@@ -366,23 +398,27 @@ def fwd(args, dev, sms):
     flop_tile = 2 * 2 * BM * BN * BK
     print("\n| synthetic forward (no loads) | CTAs | TFLOP/s | SM MHz |")
     print("|---|---|---|---|")
-    for sched, name in ((0, "serial: S, wait, softmax, PV, wait"),
-                        (1, "S_j and PV_{j-1} in flight, softmax_j under PV_{j-1}")):
+    names = {0: "serial: S, wait, softmax, PV, wait",
+             1: "S_j and PV_(j-1) in flight, softmax_j under PV_(j-1), P carried",
+             2: "the same overlap, loop rotated (S carried)"}
+    for sched in (0, 1, 2):
         for per_sm in (1, 2):
             g = per_sm * sms
             a, b, out, x = _operands(dev, g)
             CLK = torch.zeros(g, 4, dtype=torch.int64, device=dev)
             t, mhz = _time(lambda: _probe_fwd_kernel[(g,)](a, b, out, CLK, args.fwd_iters, sched,
                                                            num_warps=4))
-            print(f"| {name} | {per_sm} per SM | {flop_tile * args.fwd_iters * g / t / 1e9:.0f} "
-                  f"| {mhz:.0f} |")
+            print(f"| {names[sched]} | {per_sm} per SM | "
+                  f"{flop_tile * args.fwd_iters * g / t / 1e9:.0f} | {mhz:.0f} |")
     a, b, out, x = _operands(dev, 2 * sms)
     CLK = torch.zeros(sms, 4, dtype=torch.int64, device=dev)
-    for pp in (False, True):
-        t, mhz = _time(lambda: _probe_fwd2_kernel[(sms,)](a, b, out, CLK, args.fwd_iters, pp, 232,
-                                                          num_warps=4))
-        print(f"| S_j and PV_(j-1) in flight, two warpgroups per CTA{', ping-pong' if pp else ''} "
-              f"| 1 per SM | {flop_tile * args.fwd_iters * 2 * sms / t / 1e9:.0f} | {mhz:.0f} |")
+    for sched in (1, 2):
+        for pp in (False, True):
+            t, mhz = _time(lambda: _probe_fwd2_kernel[(sms,)](a, b, out, CLK, args.fwd_iters,
+                                                              sched, pp, 232, num_warps=4))
+            print(f"| {names[sched]}, two warpgroups per CTA{', ping-pong' if pp else ''} "
+                  f"| 1 per SM | {flop_tile * args.fwd_iters * 2 * sms / t / 1e9:.0f} "
+                  f"| {mhz:.0f} |")
 
 
 # (N, K, NMMA, USE_ACC, what it stands for)
@@ -536,12 +572,14 @@ def compile_only():
             k = compile_for(_probe_alt2_kernel, (a, b, out, clk, 7, 7, kind, pp, 232),
                             {"num_warps": 4})
             print("alt2", kind, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
-    for sched in (0, 1):
+    for sched in (0, 1, 2):
         k = compile_for(_probe_fwd_kernel, (a, b, out, clk, 7, sched), {"num_warps": 4})
         print("fwd", sched, resource_usage(k), len(parse(sass_of(k))), "SASS")
-    for pp in (False, True):
-        k = compile_for(_probe_fwd2_kernel, (a, b, out, clk, 7, pp, 232), {"num_warps": 4})
-        print("fwd2", pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
+    for sched in (1, 2):
+        for pp in (False, True):
+            k = compile_for(_probe_fwd2_kernel, (a, b, out, clk, 7, sched, pp, 232),
+                            {"num_warps": 4})
+            print("fwd2", sched, pp, resource_usage(k), len(parse(sass_of(k))), "SASS")
     for n, k_, nmma, use_acc, what in SHAPES:
         nbuf = max(2, min(6, 96 * 1024 // (n * k_)))
         k = compile_for(_probe_shape_kernel, (torch.zeros(64, k_, dtype=f8),

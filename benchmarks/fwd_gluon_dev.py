@@ -20,11 +20,11 @@ specialization into the Triton cache) run 4 at a time, then the timing children 
 subprocess with a timeout (--child-timeout), so a hang, a CUDA error or a corrupted context in one
 config costs only that config; the parent merges the children's results into one table / JSON.
 
-Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG][-pp][-f][-k][-eN][-PN][-m][-w][-R]; -wsN is the
+Config names: gBMxBNwWARPSsSTAGES[-wsN-pPREGS[-cCREGS]][-rMAXNREG][-pp][-f][-k][-eN][-PN][-m][-w][-S]; -wsN is the
 warp-specialized kernel with N consumer warpgroups (BM = 64 N), a 1-warp producer with PREGS
 registers, the second consumer (N = 2) with CREGS; -pp ping-pong (ws2), -f folded exponent,
 -k lazy rescale, -eN one exp2 in N by polynomial, -PN persistent with N CTAs per SM (ws1),
--m vt8 in wgmma key order, -w PV waited at once, -R the rotated tile loop (see
+-m vt8 in wgmma key order, -w PV waited at once, -S the serial tile loop (see
 forward_gluon.GluonFwdConfig).
 
 Phases (each config / kernel in its own try/except: one failure never stops the table):

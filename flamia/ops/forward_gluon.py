@@ -95,11 +95,13 @@ class GluonFwdConfig:
     # -w, persistent only (diagnostics): each PV wgmma waited for at once, so P's registers are
     # dead before the next tile's softmax (no PV / softmax overlap)
     pv_sync: bool = False
-    # -R, persistent only: the tile loop rotated so that S_{j+1} (fp32, the accumulator layout)
-    # crosses the back edge instead of P_j's e4m3 A operand, which the compiler repacks at the
-    # edge (benchmarks/overlap_probe.py: 595 instead of 799 SASS per tile in the synthetic
-    # loop). Same operations in the same order per tile.
-    rotate: bool = False
+    # -S, persistent only: each tile's PV wgmma issued right after its softmax and retired
+    # within the tile (S_{j+1} issued behind it crosses the back edge in flight instead), so
+    # P's e4m3 A operand never crosses the loop's back edge, where the compiler repacks it
+    # (benchmarks/overlap_probe.py: 595 instead of 799 SASS per tile in the synthetic loop,
+    # and at two CTAs per SM the serial order is as fast as the overlapped one there). Same
+    # operations in the same order per tile.
+    serial: bool = False
 
     def with_(self, **kw) -> "GluonFwdConfig":
         return replace(self, **kw)
@@ -119,7 +121,7 @@ class GluonFwdConfig:
         s += f"-P{self.persistent}" if self.persistent else ""
         s += "-m" if self.mma_order else ""
         s += "-w" if self.pv_sync else ""
-        return s + ("-R" if self.rotate else "")
+        return s + ("-S" if self.serial else "")
 
 
 # Named variants for benchmarks (--configs) and the compile test.
@@ -164,8 +166,8 @@ _WS1S2 = CONFIGS["g64x128w4s2-ws1-p24-r128"]
 PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
                   _WS1S2.with_(fold=True, persistent=2, mma_order=True),
                   _WS1.with_(fold=True, persistent=2),
-                  _WS1S2.with_(fold=True, persistent=2, rotate=True),
-                  _WS1.with_(fold=True, persistent=2, rotate=True)]
+                  _WS1S2.with_(fold=True, persistent=2, serial=True),
+                  _WS1.with_(fold=True, persistent=2, serial=True)]
 # diagnostics of -m (benchmarks/fwd_mma_order_diag.py): the PV wgmma waited for at once
 PERSISTENT_DIAG = [_WS1S2.with_(fold=True, persistent=2, pv_sync=True),
                    _WS1S2.with_(fold=True, persistent=2, mma_order=True, pv_sync=True)]
@@ -194,11 +196,11 @@ def _check_config(cfg: GluonFwdConfig, D: int):
         raise ValueError(f"{cfg}: ping-pong needs two consumer warpgroups (ws=2)")
     if cfg.persistent and (cfg.ws != 1 or cfg.lazy or cfg.poly):
         raise ValueError(f"{cfg}: the persistent kernel is ws=1 without lazy / poly")
-    if (cfg.mma_order or cfg.pv_sync or cfg.rotate) and not cfg.persistent:
-        raise ValueError(f"{cfg}: mma_order (-m), pv_sync (-w) and rotate (-R) exist in the "
+    if (cfg.mma_order or cfg.pv_sync or cfg.serial) and not cfg.persistent:
+        raise ValueError(f"{cfg}: mma_order (-m), pv_sync (-w) and serial (-S) exist in the "
                          "persistent kernel only")
-    if cfg.rotate and cfg.pv_sync:
-        raise ValueError(f"{cfg}: rotate (-R) keeps PV in flight; pv_sync (-w) is its opposite")
+    if cfg.serial and cfg.pv_sync:
+        raise ValueError(f"{cfg}: serial (-S) and pv_sync (-w) are two different tile loops")
     if cfg.poly not in (0, 2, 4, 8):
         raise ValueError(f"{cfg}: poly is 0 or one exp2 in 2, 4 or 8 on the FMA pipe")
     if cfg.block_n not in (64, 128) or cfg.stages < 2:
@@ -919,55 +921,82 @@ if HAVE_GLUON:
                 it += 1
 
     @gluon.jit
-    def _pers_rotated_tiles(q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, a,
-                            acc, m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, shift, g,
-                            BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            NW: gl.constexpr, FOLD: gl.constexpr, MMA_ORDER: gl.constexpr):
-        """Tiles 1 .. n_tiles - 1 (n_tiles >= 2) of an item after tile 0's softmax (a = its A
-        operand, acc zero, g its successor's index), as _pers_consumer's loop computes them but
-        rotated: an iteration takes tile j's S (issued and waited on by the previous one) through
-        the softmax, waits for PV_{j-1}, releases r_g, rescales, then issues S_{j+1} and PV_j and
-        waits for S_{j+1} only. What crosses the back edge is S (fp32 registers in the wgmma
-        accumulator layout) and PV_j in flight, not P's e4m3 A operand: carried, the compiler
-        repacks that one at the edge (140 PRMT + 64 LOP3 per tile in the synthetic loop of
-        benchmarks/overlap_probe.py). Returns (A operand of the last tile, acc rescaled for
-        it, m, l, n0 of the last tile, g past it); the caller issues the last PV."""
+    def _keep_alive(x):
+        """An empty asm statement reading every register of x (an fp8 wgmma A operand): the
+        registers stay allocated up to here, past the wait that retires the wgmma reading them.
+        (warpgroup_mma_wait's deps takes no 8-bit tensor in triton 3.6: "Unexpected bitwidth in
+        WGMMAWaitGroupOp".) No instruction is emitted."""
+        gl.inline_asm_elementwise("", "=r,r", [x], dtype=gl.int8, is_pure=False, pack=4)
+
+    @gluon.jit
+    def _pers_serial_step(s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready,
+                          rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g,
+                          RESCALE: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
+                          FOLD: gl.constexpr, MMA_ORDER: gl.constexpr):
+        """One tile g of _pers_serial_tiles: its S (in flight) -> softmax -> release r_g (K_g
+        read; V_{g-1} read by the previous PV, retired) -> rescale (RESCALE: not on an item's
+        first tile, whose acc is zero) -> PV_g; then (NEXT) S_{g+1} issued behind it, and PV_g
+        retired with S_{g+1} left in flight. P's registers are kept alive to that wait
+        (_keep_alive): the PV wgmma reads them asynchronously."""
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
         o_layout: gl.constexpr = _wgmma_layout(acc.type.shape[1], NW)
-        # tile 1's S, then PV_0 in flight across the edge
         st = g % STAGES
-        pst = (g - 1) % STAGES
-        n0 = BN - shift
-        mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
-        s = _issue_qk(q_tile, k_smem.index(st), s_layout)
-        _wait_v(v_smem, v_ready, pst, g - 1, -shift, L, NW, MMA_ORDER)
-        acc = warpgroup_mma(a, v_smem.index(pst).permute((1, 0)), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s])
-        for j in range(1, n_tiles - 1):
-            st = g % STAGES
-            a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
-                                               rows, n0, L, full_end, CAUSAL, o_layout, FOLD, 0,
-                                               MMA_ORDER)
-            acc = warpgroup_mma_wait(0, deps=[acc])                 # PV_{j-1}
-            _ws_release(rel, st)            # r_g: K_g and V_{g-1} are free
-            acc = _mul_rows(acc, alpha)
-            g += 1
-            nst = g % STAGES
-            n0_prev = n0
-            n0 = (j + 1) * BN - shift
-            mbarrier.wait(k_ready.index(nst), (g // STAGES) & 1)
-            s = _issue_qk(q_tile, k_smem.index(nst), s_layout)
-            _wait_v(v_smem, v_ready, st, g - 1, n0_prev, L, NW, MMA_ORDER)
-            acc = warpgroup_mma(a, v_smem.index(st).permute((1, 0)), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])                     # S_{j+1}; PV_j in flight
-        # the last tile's softmax; its PV is the caller's
-        st = g % STAGES
+        s = warpgroup_mma_wait(0, deps=[s])
         a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows,
                                            n0, L, full_end, CAUSAL, o_layout, FOLD, 0, MMA_ORDER)
-        acc = warpgroup_mma_wait(0, deps=[acc])
         _ws_release(rel, st)
-        acc = _mul_rows(acc, alpha)
-        return a, acc, m_i, l_i, n0, g + 1
+        if RESCALE:
+            acc = _mul_rows(acc, alpha)
+        _wait_v(v_smem, v_ready, st, g, n0, L, NW, MMA_ORDER)
+        acc = warpgroup_mma(a, v_smem.index(st).permute((1, 0)), acc, is_async=True)
+        g += 1
+        if NEXT:
+            nst = g % STAGES
+            mbarrier.wait(k_ready.index(nst), (g // STAGES) & 1)
+            s = _issue_qk(q_tile, k_smem.index(nst), s_layout)
+            acc = warpgroup_mma_wait(1, deps=[acc])     # in order: PV_g, not S_{g+1}
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        _keep_alive(a)
+        return s, acc, m_i, l_i, g
+
+    @gluon.jit
+    def _pers_serial_tiles(q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
+                           m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, shift, g,
+                           BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr, NW: gl.constexpr, FOLD: gl.constexpr,
+                           MMA_ORDER: gl.constexpr):
+        """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
+        _pers_serial_step per tile. What crosses the loop's back edge is S_{j+1} in flight
+        (fp32 registers in the accumulator layout) and the retired acc, never P's e4m3 A
+        operand. Returns (acc with every PV added, m, l, g past the item)."""
+        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
+        o_layout: gl.constexpr = _wgmma_layout(D, NW)
+        st = g % STAGES
+        mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
+        s = _issue_qk(q_tile, k_smem.index(st), s_layout)
+        acc = gl.zeros([16 * NW, D], gl.float32, o_layout)
+        if n_tiles == 1:     # (the last step's S is waited on: a plain tensor, not kept)
+            _s, acc, m_i, l_i, g = _pers_serial_step(
+                s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
+                l_i, row_f, lr, rows, -shift, L, full_end, g, False, False, BN, STAGES, CAUSAL,
+                NW, FOLD, MMA_ORDER)
+        else:
+            s, acc, m_i, l_i, g = _pers_serial_step(
+                s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
+                l_i, row_f, lr, rows, -shift, L, full_end, g, False, True, BN, STAGES, CAUSAL,
+                NW, FOLD, MMA_ORDER)
+            for j in range(1, n_tiles - 1):
+                s, acc, m_i, l_i, g = _pers_serial_step(
+                    s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
+                    m_i, l_i, row_f, lr, rows, j * BN - shift, L, full_end, g, True, True, BN,
+                    STAGES, CAUSAL, NW, FOLD, MMA_ORDER)
+            _s, acc, m_i, l_i, g = _pers_serial_step(
+                s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
+                l_i, row_f, lr, rows, (n_tiles - 1) * BN - shift, L, full_end, g, True, False,
+                BN, STAGES, CAUSAL, NW, FOLD, MMA_ORDER)
+        return acc, m_i, l_i, g
 
     @gluon.jit
     def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
@@ -975,10 +1004,9 @@ if HAVE_GLUON:
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
                        FOLD: gl.constexpr, MMA_ORDER: gl.constexpr, QBUF: gl.constexpr,
-                       PV_SYNC: gl.constexpr, ROTATE: gl.constexpr):
-        """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence (ROTATE:
-        _pers_rotated_tiles for items of two tiles or more, the same operations in the same
-        order)."""
+                       PV_SYNC: gl.constexpr, SERIAL: gl.constexpr):
+        """Per item: the loop of _ws_consumer, op for op, on the CTA-wide tile sequence (SERIAL:
+        _pers_serial_tiles instead, the same operations in the same order)."""
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
         o_layout: gl.constexpr = _wgmma_layout(D, NW)
@@ -1004,27 +1032,31 @@ if HAVE_GLUON:
                 qb = it % QBUF
                 q_tile = q_smem.index(qb)
 
-                # ---- tile 0 of the item (global g) ----
-                n0 = -shift
-                st = g % STAGES
-                mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
-                mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
-                s = _issue_qk(q_tile, k_smem.index(st), s_layout)
-                s = warpgroup_mma_wait(0, deps=[s])
-                a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, c_row_f,
-                                                   c_lr, c_rows, n0, c_L, full_end, CAUSAL,
-                                                   o_layout, FOLD, 0, MMA_ORDER)
-                _ws_release(rel, st)            # r_g: K_g read (V_{g-1}: the previous item's
-                acc = gl.zeros([BM, D], gl.float32, o_layout)       # last PV was waited on)
-                g += 1
-
-                if ROTATE:
-                    if n_tiles > 1:
-                        a, acc, m_i, l_i, n0, g = _pers_rotated_tiles(
-                            q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, a,
-                            acc, m_i, l_i, c_row_f, c_lr, c_rows, c_L, full_end, n_tiles, shift,
-                            g, BN, STAGES, CAUSAL, NW, FOLD, MMA_ORDER)
+                if SERIAL:
+                    mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
+                    acc, m_i, l_i, g = _pers_serial_tiles(
+                        q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
+                        c_row_f, c_lr, c_rows, c_L, full_end, n_tiles, shift, g, BN, D, STAGES,
+                        CAUSAL, NW, FOLD, MMA_ORDER)
+                    mbarrier.arrive(q_free.index(qb), count=1)
+                    tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
+                                                                blk * BM, L, head, kvh, BM,
+                                                                s_layout)
                 else:
+                    # ---- tile 0 of the item (global g) ----
+                    n0 = -shift
+                    st = g % STAGES
+                    mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
+                    mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
+                    s = _issue_qk(q_tile, k_smem.index(st), s_layout)
+                    s = warpgroup_mma_wait(0, deps=[s])
+                    a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, c_row_f,
+                                                       c_lr, c_rows, n0, c_L, full_end, CAUSAL,
+                                                       o_layout, FOLD, 0, MMA_ORDER)
+                    _ws_release(rel, st)            # r_g: K_g read (V_{g-1}: the previous item's
+                    acc = gl.zeros([BM, D], gl.float32, o_layout)       # last PV was waited on)
+                    g += 1
+
                     for j in range(1, n_tiles):
                         st = g % STAGES
                         pst = (g - 1) % STAGES
@@ -1049,14 +1081,15 @@ if HAVE_GLUON:
                         a = a_new
                         g += 1
 
-                # every QK^T of the item is done: its Q buffer may take item it + QBUF
-                mbarrier.arrive(q_free.index(qb), count=1)
-                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
-                                                            blk * BM, L, head, kvh, BM, s_layout)
-                lst = (g - 1) % STAGES
-                _wait_v(v_smem, v_ready, lst, g - 1, n0, c_L, NW, MMA_ORDER)
-                acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                    # every QK^T of the item is done: its Q buffer may take item it + QBUF
+                    mbarrier.arrive(q_free.index(qb), count=1)
+                    tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
+                                                                blk * BM, L, head, kvh, BM,
+                                                                s_layout)
+                    lst = (g - 1) % STAGES
+                    _wait_v(v_smem, v_ready, lst, g - 1, n0, c_L, NW, MMA_ORDER)
+                    acc = warpgroup_mma(a, v_smem.index(lst).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
                 _store_out(acc, m_i, l_i, c_lr, O, LSE, stride_ot, stride_oh, T, c_tok0, q_lo,
                            c_rows, c_row_ok, c_L, c_head)
                 it += 1
@@ -1073,7 +1106,7 @@ if HAVE_GLUON:
                                           FOLD: gl.constexpr, MMA_ORDER: gl.constexpr,
                                           QBUF: gl.constexpr, num_warps: gl.constexpr,
                                           PV_SYNC: gl.constexpr = False,
-                                          ROTATE: gl.constexpr = False):
+                                          SERIAL: gl.constexpr = False):
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
@@ -1094,7 +1127,7 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                               v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
                               stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, FOLD, MMA_ORDER, QBUF, PV_SYNC, ROTATE)),
+                              num_warps, FOLD, MMA_ORDER, QBUF, PV_SYNC, SERIAL)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
                               sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
                               N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL, QBUF)),
@@ -1210,7 +1243,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
             PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold, MMA_ORDER=cfg.mma_order,
             QBUF=persistent_q_buffers(cfg), num_warps=cfg.num_warps,
             **({"PV_SYNC": True} if cfg.pv_sync else {}),
-            **({"ROTATE": True} if cfg.rotate else {}), **extra)
+            **({"SERIAL": True} if cfg.serial else {}), **extra)
     elif cfg.ws:
         LAST_KERNEL = _attn_fwd_gluon_ws_kernel[(n_items * Hq,)](
             *args, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal), NC=cfg.ws,

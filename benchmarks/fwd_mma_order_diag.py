@@ -47,7 +47,7 @@ def quick(names):
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--quick":
         return quick(sys.argv[2].split(","))
-    name = sys.argv[1] if len(sys.argv) > 1 else G.PERSISTENT_FWD[1].name
+    name = sys.argv[1] if len(sys.argv) > 1 else G.PERSISTENT_FWD[2].name
     cfg = G.CONFIGS[name]
     T = 256
     q, k, v, cu = make_qkv((T,), 1, 1, 128, "mild", device="cuda", seed=0)

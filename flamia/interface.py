@@ -73,10 +73,10 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, recipe, causal, softmax_scale, deterministic):
         quantize_qkv, attention_forward, _ = _kernel_entry_points()[0]
-        from .ops.forward import short_document_forward
+        from .ops.forward import persistent_forward
         # V^T in the key order of the forward kernel that will read it (attention_forward)
-        short = short_document_forward(max_seqlen, q.shape[-1], recipe, q.device)
-        qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not short)
+        persistent = persistent_forward(q.shape[-1], recipe, q.device)
+        qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not persistent)
         out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
         ctx.qkv = qkv
         ctx.cfg = (max_seqlen, causal, softmax_scale, deterministic)

@@ -340,31 +340,30 @@ def test_metadata_memo_follows_cu_seqlens_version():
     assert torch.equal(out_memo, out_fresh)
 
 
-def test_short_document_forward_rule(monkeypatch):
-    """Which batches the persistent Gluon forward takes: fp8 recipes at D=128 with a known
-    max_seqlen <= PERSISTENT_MAX_SEQLEN, on an sm_90 GPU (never under the interpreter or on the
-    CPU, where the Triton kernel / reference run), unless FLAMIA_PERSISTENT_FWD=0."""
+def test_persistent_forward_rule(monkeypatch):
+    """Which batches the persistent Gluon forward takes: fp8 recipes at D=128, any document
+    lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the Triton kernel
+    / reference run), unless FLAMIA_PERSISTENT_FWD=0."""
     from flamia.ops import forward as F
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    ok = F.short_document_forward(F.PERSISTENT_MAX_SEQLEN, 128, "fp8", cuda)
+    ok = F.persistent_forward(128, "fp8", cuda)
     try:
         from flamia.ops import forward_gluon as G
         assert ok == G.HAVE_GLUON
     except ImportError:
         assert not ok
-    assert F.short_document_forward(512, 128, get_recipe("fp8_mixed"), cuda) == ok
-    for args in ((F.PERSISTENT_MAX_SEQLEN + 1, 128, "fp8"), (None, 128, "fp8"), (512, 64, "fp8"),
-                 (512, 128, "bf16")):
-        assert not F.short_document_forward(*args, cuda), args
-    assert not F.short_document_forward(512, 128, "fp8", torch.device("cpu"))
+    assert F.persistent_forward(128, get_recipe("fp8_mixed"), cuda) == ok
+    for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):
+        assert not F.persistent_forward(*args, cuda), args
+    assert not F.persistent_forward(128, "fp8", torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
-    assert not F.short_document_forward(512, 128, "fp8", cuda)
+    assert not F.persistent_forward(128, "fp8", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "0")
-    assert not F.short_document_forward(512, 128, "fp8", cuda)
+    assert not F.persistent_forward(128, "fp8", cuda)
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not F.short_document_forward(512, 128, "fp8", cuda)
+    assert not F.persistent_forward(128, "fp8", cuda)

@@ -121,14 +121,17 @@ def test_gluon_forward_next_variants_compile():
 
 def test_gluon_persistent_forward_compiles():
     """The persistent kernel (a CTA walks the work list; the producer warp runs ahead across
-    items) compiles clean for sm_90a in both vt8 orders; with key-ordered vt8 the conversion of
+    items) compiles clean for sm_90a in both vt8 orders and with the default's serial tile loop
+    (no spills, no wgmma serialization); with key-ordered vt8 the conversion of
     P to the PV wgmma's A operand needs far fewer shuffles; the launcher refuses a vt8 in the
     other order, and configs it does not implement."""
     from flamia.ops import forward_gluon as G
-    names = [c.name for c in G.PERSISTENT_FWD]
+    # [0] the default (-S, serial tile loop), then session 10's loop, -m, three stages
+    names = [c.name for c in G.PERSISTENT_FWD[1:4]]
     assert names == ["g64x128w4s2-ws1-p24-r128-f-P2", "g64x128w4s2-ws1-p24-r128-f-P2-m",
                      "g64x128w4s3-ws1-p24-r128-f-P2"]
-    assert [G.persistent_q_buffers(c) for c in G.PERSISTENT_FWD] == [2, 2, 1]
+    assert G.PERSISTENT_FWD[0] == G.CONFIGS[names[0]].with_(serial=True)
+    assert [G.persistent_q_buffers(c) for c in G.PERSISTENT_FWD] == [2, 2, 2, 1, 1]
     with pytest.raises(ValueError):
         G._check_config(G.CONFIGS[names[0]].with_(lazy=True), 128)
     with pytest.raises(ValueError):
@@ -138,8 +141,9 @@ def test_gluon_persistent_forward_compiles():
         G.attention_forward_gluon(qkv, torch.tensor([0, 64], dtype=torch.int32), 64, True, None,
                                   torch.bfloat16, config=G.CONFIGS[names[1]])
     shfl = {}
+    default = G.PERSISTENT_FWD[0].name
     for u in _compile([(names[0], 128, True), (names[1], 128, True), (names[1], 64, False),
-                       (names[2], 128, True)]):
+                       (names[2], 128, True), (default, 128, True), (default, 64, False)]):
         tag = _assert_clean_ws(u)
         # two Q buffers + two ring stages, or one + three: two CTAs fit in 228 KB per SM
         assert 2 * u["shared"] <= 227 * 1024, tag

@@ -13,9 +13,9 @@ cu_seqlens = [0, S, 2S, ...]):
 Entry points (implemented in quantize.py / forward.py / backward.py):
   quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=True) -> QuantizedQKV
   attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
-      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32); on an sm_90 GPU, with V^T in token order
-      (vt_mma_order=False) and max_seqlen <= forward.PERSISTENT_MAX_SEQLEN, the persistent Gluon
-      kernel (forward.short_document_forward: the public API picks the order accordingly)
+      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32); on an sm_90 GPU at D=128, with V^T in
+      token order (vt_mma_order=False), the persistent Gluon kernel (forward.persistent_forward:
+      the public API picks the order accordingly)
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
                      back to the input space

@@ -99,29 +99,25 @@ def default_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
     return FwdConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-# Batches whose documents are all this short run the persistent Gluon forward instead
-# (forward_gluon.PERSISTENT_FWD[0], short_document_forward below).
-PERSISTENT_MAX_SEQLEN = 1024
+def persistent_forward(head_dim: int, recipe, device) -> bool:
+    """Does the default forward run the persistent Gluon kernel (forward_gluon.PERSISTENT_FWD[0])
+    rather than _attn_fwd_kernel? Yes for the fp8 recipes at D=128 on an sm_90 GPU, whatever
+    the document lengths.
 
-
-def short_document_forward(max_seqlen, head_dim: int, recipe, device) -> bool:
-    """Does the default forward for documents of at most max_seqlen tokens run the persistent
-    Gluon kernel rather than _attn_fwd_kernel?
-
-    One program per (query block, head) pays a chain of exposed latencies (work list, Q, the
-    diagonal tile's K then V, unpipelined) that a short document's 1-8 tiles cannot hide: on
-    doc512_x64 a quarter of the forward's warp samples wait on them (ncu-src, benchmarks/NOTES.md
-    session 10). The persistent kernel's producer warp loads the next item's Q, K and V while the
-    consumer computes: doc512_x64 forward kernel 0.606 -> 0.523 ms on the H200, but its tile loop
-    is slower (doc2k_x16 1.12 -> 1.23, D=64 25-40 % slower), hence fp8 recipes at D=128 with
-    every document <= PERSISTENT_MAX_SEQLEN tokens only. The caller quantizes V^T in token order
-    for it (quantize_qkv(vt_mma_order=False)); FLAMIA_PERSISTENT_FWD=0 turns it off."""
+    Its producer warp loads the next item's Q, K and V while the consumer computes, which short
+    documents need: one program per (query block, head) pays a chain of exposed latencies (work
+    list, Q, the diagonal tile's K then V) that 1-8 tiles cannot hide (benchmarks/NOTES.md,
+    session 10). Since session 12 its tile loop (-S: each PV retired within its tile, so P's e4m3
+    operand never crosses the loop's back edge, where the compiler repacked it with ~200 PRMT /
+    LOP3 per tile) is as fast as the Triton kernel's on long documents too. H200, forward kernel
+    ms, Triton -> persistent (fwd_gluon_dev.py, one process): doc512_x64 0.599 -> 0.485,
+    doc2k_x16 1.117 -> 1.039, longtail 2.886 -> 2.827, doc32k 12.88 -> 12.77, doc8k_x4 3.283 ->
+    3.344; at D=64 it is 9 % slower (d64_doc8k_x4 2.507 -> 2.736), so D=64 keeps the Triton
+    kernel. The caller quantizes V^T in token order for it (quantize_qkv(vt_mma_order=False));
+    FLAMIA_PERSISTENT_FWD=0 turns it off."""
     if os.environ.get("FLAMIA_PERSISTENT_FWD", "1") == "0" or interpreting():
         return False
-    if getattr(recipe, "name", recipe) not in ("fp8", "fp8_mixed") or head_dim != 128 \
-            or max_seqlen is None:
-        return False
-    if int(max_seqlen) > PERSISTENT_MAX_SEQLEN:
+    if getattr(recipe, "name", recipe) not in ("fp8", "fp8_mixed") or head_dim != 128:
         return False
     dev = torch.device(device)
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
@@ -317,9 +313,9 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
                       poison: bool = False):
     """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores).
 
-    The work list needs only cu_seqlens; max_seqlen (an upper bound on the document lengths)
-    picks the kernel: with config=None, a token-ordered vt8 (quantize_qkv(vt_mma_order=False))
-    and short_document_forward(max_seqlen, ...) true, the persistent Gluon kernel runs instead.
+    The work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths).
+    With config=None, a token-ordered vt8 (quantize_qkv(vt_mma_order=False)) and
+    persistent_forward(D, ...) true, the persistent Gluon kernel runs instead.
     config picks tile sizes / warps / stages / TMA of _attn_fwd_kernel; schedule may be passed
     in to reuse one across calls (it must have been built for the same block sizes).
     poison=True: outputs start as NaN (tests).
@@ -328,7 +324,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     fp8 = qkv.recipe != "bf16"
     dev = qkv.q8.device
     if (config is None and fp8 and qkv.vt8 is not None and not qkv.vt8_mma_order
-            and short_document_forward(max_seqlen, D, qkv.recipe, dev)):
+            and persistent_forward(D, qkv.recipe, dev)):
         from . import forward_gluon
         return forward_gluon.attention_forward_gluon(
             qkv, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype,

@@ -34,9 +34,9 @@ warps, named barrier) and only two per steady-state tile. ws=2: two consumer war
 the tile grid and op order are those of g64x128w4s2, so outputs are expected bitwise equal.
 
 bf16 recipe: not implemented here (raise NotImplementedError; callers fall back to forward.py).
-Wired into the public API: the persistent kernel (below, PERSISTENT_FWD[0]) for batches of short
-documents (forward.short_document_forward); the other variants are measured by
-benchmarks/fwd_gluon_dev.py and lose to the Triton kernel.
+Wired into the public API: the persistent kernel with its serial tile loop (below,
+PERSISTENT_FWD[0]) for the fp8 recipes at D=128 (forward.persistent_forward); the other variants
+are measured by benchmarks/fwd_gluon_dev.py and lose to it or to the Triton kernel.
 """
 from __future__ import annotations
 
@@ -163,10 +163,12 @@ CONFIGS.update({c.name: c for c in NEXT_FWD})
 # persistent (two CTAs per SM, as ws1's maxnreg 128 allows), token- and key-ordered vt8
 # (ws1 at two stages: the second Q buffer would not leave room for two CTAs at three)
 _WS1S2 = CONFIGS["g64x128w4s2-ws1-p24-r128"]
-PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2),
+# [0] is the default (forward.persistent_forward): the serial tile loop (-S) beat the session-10
+# loop ([1]) by 7-19 % on every workload (benchmarks/NOTES.md, session 12)
+PERSISTENT_FWD = [_WS1S2.with_(fold=True, persistent=2, serial=True),
+                  _WS1S2.with_(fold=True, persistent=2),
                   _WS1S2.with_(fold=True, persistent=2, mma_order=True),
                   _WS1.with_(fold=True, persistent=2),
-                  _WS1S2.with_(fold=True, persistent=2, serial=True),
                   _WS1.with_(fold=True, persistent=2, serial=True)]
 # diagnostics of -m (benchmarks/fwd_mma_order_diag.py): the PV wgmma waited for at once
 PERSISTENT_DIAG = [_WS1S2.with_(fold=True, persistent=2, pv_sync=True),

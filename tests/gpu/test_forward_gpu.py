@@ -190,45 +190,50 @@ def test_default_config_is_what_runs():
     assert cfg.block_m % 16 == 0 and cfg.block_n % 16 == 0
 
 
-SHORT_DOCS = (512, 700, 1, 0, 1024, 17, 300, 512, 129, 1000, 64, 512)   # all <= 1024, unaligned
+# unaligned, empty and length-1 documents, short ones (1-8 tiles per query block) and two long
+# ones (up to 33 tiles: the serial tile loop's steady state)
+PERSISTENT_DOCS = (512, 700, 1, 0, 4100, 17, 300, 129, 1000, 64, 2500)
 
 
 @pytest.mark.parametrize("family", ["mild", "outliers"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_short_document_forward_is_persistent_and_correct(family, causal):
-    """Batches of short documents (every length <= PERSISTENT_MAX_SEQLEN) run the persistent
-    Gluon forward by default, on token-ordered vt8: checked against the reference emulation and
-    float64 like the Triton kernel, and against the Triton kernel on the same operands."""
+def test_default_forward_is_persistent_and_correct(family, causal):
+    """At D=128 the fp8 forward runs the persistent Gluon kernel by default, on token-ordered
+    vt8: checked against the reference emulation and float64 like the Triton kernel, and against
+    the Triton kernel on the same operands; D=64 keeps the Triton kernel."""
     from flamia.ops import forward as F
     from flamia.ops import forward_gluon as G
-    if not F.short_document_forward(max(SHORT_DOCS), 128, "fp8", torch.device(DEV)):
+    if not F.persistent_forward(128, "fp8", torch.device(DEV)):
         pytest.skip("no Gluon / not sm_90")
-    q, k, v, cu = make_qkv(SHORT_DOCS, HQ, HKV, 128, family, device=DEV, seed=7)
+    q, k, v, cu = make_qkv(PERSISTENT_DOCS, HQ, HKV, 128, family, device=DEV, seed=7)
     emul, emul_lse, exact = _references(q, k, v, cu, "fp8", causal)
     qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
     G.LAST_KERNEL = None
-    out, lse = attention_forward(qkv, cu, max(SHORT_DOCS), causal, None, q.dtype, poison=True)
+    out, lse = attention_forward(qkv, cu, max(PERSISTENT_DOCS), causal, None, q.dtype,
+                                 poison=True)
     assert G.LAST_KERNEL is not None and "persistent" in G.LAST_KERNEL.name
     _check(out, lse, emul, emul_lse, exact)
     # the Triton kernel on the same quantized operands (a config forces it)
-    ref_o, ref_l = attention_forward(qkv, cu, max(SHORT_DOCS), causal, None, q.dtype,
+    ref_o, ref_l = attention_forward(qkv, cu, max(PERSISTENT_DOCS), causal, None, q.dtype,
                                      config=default_config(128, True, torch.device(DEV)),
                                      poison=True)
     assert rel_err(out, ref_o) <= 5e-3 and (lse - ref_l).abs().max().item() <= 1e-3
-    # a longer document, or key-ordered vt8, keeps the Triton kernel
-    assert not F.short_document_forward(F.PERSISTENT_MAX_SEQLEN + 1, 128, "fp8",
-                                        torch.device(DEV))
+    # and bitwise the session-10 tile loop's results: the same operations in the same order
+    G.LAST_KERNEL = None
+    old_o, old_l = G.attention_forward_gluon(qkv, cu, max(PERSISTENT_DOCS), causal, None,
+                                             q.dtype, config=G.PERSISTENT_FWD[1], poison=True)
+    assert torch.equal(out, old_o) and torch.equal(lse, old_l)
+    assert not F.persistent_forward(64, "fp8", torch.device(DEV))
 
 
-def test_short_document_prefix_invariance_and_isolation():
-    """P1 / P2 bitwise through the public API, whose short-document path is the persistent
-    kernel (max_seqlen <= PERSISTENT_MAX_SEQLEN)."""
+def test_persistent_forward_prefix_invariance_and_isolation():
+    """P1 / P2 bitwise through the public API, whose D=128 fp8 path is the persistent kernel."""
     from flamia import audit, flamia_attn_varlen_func
 
     def fn(q, k, v, cu_seqlens, max_seqlen):
         return flamia_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                        causal=True, recipe="fp8")
-    fn.__name__ = "public API fp8, short documents"
-    report = audit.audit(fn, doc_lengths=(700, 1, 0, 900, 17, 300), heads_q=HQ, heads_kv=HKV,
+    fn.__name__ = "public API fp8, D=128"
+    report = audit.audit(fn, doc_lengths=(700, 1, 0, 2900, 17, 300), heads_q=HQ, heads_kv=HKV,
                          head_dim=128, device=DEV, backward=True, family="outliers")
     assert report.passed, str(report)

@@ -102,11 +102,9 @@ class GluonDkdvConfig:
     vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
     num_warps: int = 4
     sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # ws: a 1-warp TMA producer partition, for bn=128 / num_warps=8 (FA3's layout) or bn=64 /
-    # num_warps=4 (one consumer warpgroup, two CTAs per SM at a 128-register launch cap; at
-    # D=128 its consumer spills 360 B, 72 local-memory ops per tile: session 12 timed it). The
-    # consumers issue no TMA, so the membar pass's bar.sync per TMA issue goes away (12
-    # partition-wide bar.sync per tile -> 4) and they can drift apart between the rest.
+    # ws: a 1-warp TMA producer partition, for bn=128 / num_warps=8 only (FA3's layout). The two
+    # consumer warpgroups issue no TMA, so the membar pass's bar.sync per TMA issue goes away
+    # (12 partition-wide bar.sync per tile -> 4) and they can drift apart between the rest.
     ws: bool = False
     producer_regs: int = 24   # setmaxnreg of the ws producer warp
     # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
@@ -883,7 +881,8 @@ if HAVE_GLUON:
         KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
         DIAG: gl.constexpr = 0,
     ):
-        gl.static_assert(not WS or (VEC_TMA and not SYNC), "ws needs VEC_TMA and async wgmma")
+        gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
+                         "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
         gl.static_assert(not FOLD or VEC_TMA, "FOLD needs VEC_TMA (the folded padded vector)")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
@@ -1610,20 +1609,17 @@ def fold_sdo(vecs):
 def _args(st, cfg: GluonDkdvConfig, vecs=None):
     _check_state(st, 0, "fp8 dK/dV")
     _check_blocks(cfg, cfg.bn, cfg.bm, "fp8 dK/dV")
-    if cfg.ws and ((cfg.bn, cfg.num_warps) not in ((128, 8), (64, 4)) or not cfg.vec_tma
-                   or cfg.sync_mma or not 24 <= cfg.producer_regs <= 256):
-        raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups) or bn=64, "
-                         f"num_warps=4, vec_tma, async wgmma and producer_regs in [24, 256]: {cfg}")
+    if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not cfg.vec_tma or cfg.sync_mma
+                   or not 24 <= cfg.producer_regs <= 256):
+        raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups), vec_tma, "
+                         f"async wgmma and producer_regs in [24, 256]: {cfg}")
     for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    # one-warpgroup ws: 4 consumer warps + the producer's warpgroup, 2 CTAs per SM at 128
-    # launch registers (the consumer setmaxnreg's up to 232)
-    extra = {"maxnreg": 128} if cfg.ws and cfg.num_warps == 4 else {}
-    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws, **extra,
+    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
                         LATE_DV=cfg.late_dv,

@@ -180,9 +180,8 @@ def _probe_alt_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl.
 
 
 @gluon.jit
-def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
-                       PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Two warpgroups of one CTA each running _alt_loop, with or without ping-pong turns."""
+def _pair_setup(a_ptr, b_ptr, clk_ptr, num_warps: gl.constexpr):
+    """Shared operands, the two turn barriers and the start stamp of a two-warpgroup probe."""
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
     b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -190,6 +189,14 @@ def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl
     mbarrier.init(turn.index(1), count=1)
     _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
     _stamp(clk_ptr, 0, num_warps)
+    return a_smem, b_smem, turn
+
+
+@gluon.jit
+def _probe_alt2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, ALU_REPS, KIND: gl.constexpr,
+                       PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Two warpgroups of one CTA each running _alt_loop, with or without ping-pong turns."""
+    a_smem, b_smem, turn = _pair_setup(a_ptr, b_ptr, clk_ptr, num_warps)
     gl.warp_specialize([
         (_alt_loop, (a_smem, b_smem, out_ptr, ITERS, ALU_REPS, turn, KIND, True, PP, 0, 2,
                      num_warps)),
@@ -282,8 +289,10 @@ def _fwd_loop(q_smem, kv_smem, out_ptr, ITERS, turn, SCHED: gl.constexpr, PP: gl
     V_j^T are fixed random tiles in shared memory. SCHED 0: every wgmma waited for at once;
     SCHED 1: S_j and PV_{j-1} in flight together, softmax_j under PV_{j-1} (the Gluon
     forward's order, FA3's), P_{j-1}'s e4m3 operand carried across the back edge; SCHED 2: the
-    same overlap with the loop rotated so that S_j is carried instead. PP (SCHED >= 1): two such
-    loops take turns issuing."""
+    same overlap with the loop rotated so that S_j is carried instead (timing only: P's registers
+    are not held while PV_j is in flight, the race flamia/ops/forward_gluon.py's _keep_alive
+    prevents in the real kernel; the probe's results are never checked). PP (SCHED >= 1): two
+    such loops take turns issuing."""
     LACC: gl.constexpr = _acc_layout(num_warps)
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LACC, k_width=4)
     COLL: gl.constexpr = gl.SliceLayout(0, LACC)
@@ -376,13 +385,8 @@ def _probe_fwd_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, SCHED: gl.constexpr
 @gluon.jit
 def _probe_fwd2_kernel(a_ptr, b_ptr, out_ptr, clk_ptr, ITERS, SCHED: gl.constexpr,
                        PP: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [_BM, _BK], _A_LAYOUT)
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [_NB, _BN, _BK], _B_LAYOUT)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    _fill(a_ptr, b_ptr, a_smem, b_smem, num_warps)
-    _stamp(clk_ptr, 0, num_warps)
+    """Two warpgroups of one CTA each running _fwd_loop, with or without ping-pong turns."""
+    a_smem, b_smem, turn = _pair_setup(a_ptr, b_ptr, clk_ptr, num_warps)
     gl.warp_specialize([
         (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, SCHED, PP, 0, 2, num_warps)),
         (_fwd_loop, (a_smem, b_smem, out_ptr, ITERS, turn, SCHED, PP, 1, 2, 4)),

@@ -1026,35 +1026,28 @@ if HAVE_GLUON:
         """One dQ tile after its S / dP wgmmas were issued (both dQ kernels): P, t, the masked
         dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc.
         DIAG=1 (timing diagnostic, wrong results): the three GEMMs with almost no element-wise
-        work between them (the dQ GEMM's A operand is S cast to e4m3)."""
+        work between them (the dQ GEMM's A operand is S + dP cast to e4m3, the promotion scale
+        rowf_i, as _dkdv_loop's DIAG)."""
         if DIAG == 1:
             sc = _mma_wait(s_tok, 1, SYNC)
             dp = _mma_wait(dp_tok, 0, SYNC)
             b8 = gl.convert_layout((sc + dp).to(gl.float8e4nv), AOP)
-            if NCH == 2:
-                d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                d0 = _mma_wait(d0_tok, 1, SYNC)
-                acc0 = acc0 + d0
-                d1 = _mma_wait(d1_tok, 0, SYNC)
-                acc1 = acc1 + d1
-            else:
-                d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-                acc0 = acc0 + _mma_wait(d0_tok, 0, SYNC)
-            return acc0, acc1
-        sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-        sc = _mma_wait(s_tok, 1, SYNC)
-        # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
-        p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
-                    - gl.expand_dims(lse2, 1))
-        sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-        dp = _mma_wait(dp_tok, 0, SYNC)
-        t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
-        # sk_j again from shared memory / L1: not kept live across the wgmma waits
-        sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-        b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
-        c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-        b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+            c = rowf
+        else:
+            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            sc = _mma_wait(s_tok, 1, SYNC)
+            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
+            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                        - gl.expand_dims(lse2, 1))
+            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            dp = _mma_wait(dp_tok, 0, SYNC)
+            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
+            # sk_j again from shared memory / L1: not kept live across the wgmma waits
+            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
+            b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc,
+                         need_mask)
+            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
 
         # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
         if NCH == 2:

@@ -305,6 +305,16 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
+    def _promote_pair(tok0, tok1, acc0, acc1, c, SYNC: gl.constexpr):
+        """The fp32 promotion of two in-flight 64-column GEMM halves (issued in this order, no
+        later wgmma outstanding): acc_k += result_k * c per row, each as soon as it is done."""
+        d0 = _mma_wait(tok0, 1, SYNC)
+        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+        d1 = _mma_wait(tok1, 0, SYNC)
+        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+        return acc0, acc1
+
+    @gluon.jit
     def _zero_tail_cols(x_s, i0, L, D: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr,
                         KEY_ORDER: gl.constexpr = False):
         """Zero the columns (query tokens) >= L of a K-major (D, BM) fp8 tile in shared memory
@@ -850,10 +860,7 @@ if HAVE_GLUON:
                 dv1 = _mma_wait(dv1_tok, 1, SYNC)
                 acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
                 dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dk0 = _mma_wait(dk0_tok, 1, SYNC)
-                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
-                dk1 = _mma_wait(dk1_tok, 0, SYNC)
-                acc_dk1 = acc_dk1 + dk1 * gl.expand_dims(c2, 1)
+                acc_dk0, acc_dk1 = _promote_pair(dk0_tok, dk1_tok, acc_dk0, acc_dk1, c2, SYNC)
             else:
                 dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
                 dv0 = _mma_wait(dv0_tok, 1, SYNC)
@@ -1053,10 +1060,7 @@ if HAVE_GLUON:
         if NCH == 2:
             d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
             d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-            d0 = _mma_wait(d0_tok, 1, SYNC)
-            acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-            d1 = _mma_wait(d1_tok, 0, SYNC)
-            acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+            acc0, acc1 = _promote_pair(d0_tok, d1_tok, acc0, acc1, c, SYNC)
         else:
             d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
             d0 = _mma_wait(d0_tok, 0, SYNC)

@@ -31,14 +31,18 @@ def parse(sass: str):
 
 def main_loop(instrs):
     """The instructions of the innermost loop that issues wgmmas: the shortest span [target,
-    branch] of a backward branch holding a GMMA. Conditional code inside the loop (the masked
-    tiles' predicates, the tail zeroing) is counted too: an upper bound on a tile's stream."""
+    branch] of a backward branch holding a GMMA and no EXIT (ptxas puts an mbarrier wait's retry
+    path after the kernel's EXIT and branches back into the loop from there: not a loop).
+    Conditional code inside the loop (the masked tiles' predicates, the tail zeroing) is counted
+    too: an upper bound on a tile's stream."""
     best = None
     for addr, op, args in instrs:
         t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
         if not t or int(t.group(1), 16) >= addr:
             continue
         span = [x for x in instrs if int(t.group(1), 16) <= x[0] <= addr]
+        if any(x[1].startswith("EXIT") for x in span):
+            continue
         if any("GMMA" in x[1] for x in span) and (best is None or len(span) < len(best)):
             best = span
     return best or []

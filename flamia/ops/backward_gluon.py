@@ -139,12 +139,6 @@ class GluonDkdvConfig:
     # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
     key_order_dv: bool = False
     key_order_dk: bool = False
-    # split_bars: each of a tile's five TMA copies (q8, do8, qT8, doT8, the packed vectors)
-    # arrives on its own `ready` ring, the consumer waiting for each where it first reads it
-    # (constexpr SPLIT_BARS; not ws, needs pack_vecs). triton's membar pass puts a CTA barrier
-    # between two ops that write one mbarrier allocation (expect -> copy, copy -> copy): one
-    # ring costs 6 bar.sync per tile issue, five rings with the expects first cost 1.
-    split_bars: bool = False
     diag: int = 0   # timing diagnostic (wrong results): _dkdv_loop's DIAG (benchmarks/NOTES.md s11)
 
 
@@ -236,64 +230,42 @@ if HAVE_GLUON:
                     q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
                     q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
                     GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
-                    VEC_TMA: gl.constexpr, SPLIT: gl.constexpr = False):
+                    VEC_TMA: gl.constexpr):
         """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
         i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
         _issue_tile_at(i0, h, it % NS, start, pstart, q_desc, do_desc, qT_desc, doT_desc,
                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s, lse_s, dl_s,
-                       sq_s, sdo_s, ready, pred, D, VEC_TMA, SPLIT)
+                       sq_s, sdo_s, ready, pred, D, VEC_TMA)
 
     @gluon.jit
     def _issue_tile_at(i0, h, s, start, pstart,
                        q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
                        q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
-                       D: gl.constexpr, VEC_TMA: gl.constexpr, SPLIT: gl.constexpr = False):
+                       D: gl.constexpr, VEC_TMA: gl.constexpr):
         """TMA loads of the query tile (head h, first row i0) into ring slot s.
         Packed vectors (lse_desc with (4, BM) boxes, GluonDkdvConfig.pack_vecs): one box of the
-        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes.
-        SPLIT (GluonDkdvConfig.split_bars): `ready` is the tuple of five rings (_ready_rings),
-        one per copy; all five expects first, so that the membar pass's one CTA barrier before
-        the first copy covers them all."""
+        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes."""
+        bar = ready.index(s)
         PACK: gl.constexpr = lse_desc.block_type.shape[0] > 1
-        if SPLIT:
-            gl.static_assert(PACK and VEC_TMA, "split_bars needs pack_vecs")
-            for b in gl.static_range(4):
-                mbarrier.expect(ready[b].index(s), q_desc.block_type.nbytes, pred=pred)
-            mbarrier.expect(ready[4].index(s), lse_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], ready[4].index(s),
-                                            lse_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], ready[0].index(s),
-                                            q_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], ready[1].index(s),
-                                            do_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], ready[2].index(s),
-                                            qT_s.index(s), pred=pred)
-            tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], ready[3].index(s),
-                                            doT_s.index(s), pred=pred)
+        NVEC: gl.constexpr = 1 if PACK else 4
+        # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
+        if VEC_TMA:
+            NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+                                    + NVEC * lse_desc.block_type.nbytes)
         else:
-            bar = ready.index(s)
-            NVEC: gl.constexpr = 1 if PACK else 4
-            # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
-            if VEC_TMA:
-                NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
-                                        + NVEC * lse_desc.block_type.nbytes)
-            else:
-                NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
-            mbarrier.expect(bar, NBYTES, pred=pred)
-            tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s),
+            NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], bar, do_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s), pred=pred)
+        tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
+                                        pred=pred)
+        if VEC_TMA and PACK:
+            tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], bar, lse_s.index(s),
                                             pred=pred)
-            tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], bar, do_s.index(s),
-                                            pred=pred)
-            tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s),
-                                            pred=pred)
-            tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
-                                            pred=pred)
-            if VEC_TMA and PACK:
-                tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], bar, lse_s.index(s),
-                                                pred=pred)
-            elif VEC_TMA:
-                _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
-                                  pstart + i0, bar, s, pred)
+        elif VEC_TMA:
+            _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
+                              pstart + i0, bar, s, pred)
 
     @gluon.jit
     def _row_vec(ring, s, ptr, h, T, start, m_idx, L, other, COL: gl.constexpr,
@@ -527,22 +499,6 @@ if HAVE_GLUON:
             if WS:
                 mbarrier.invalidate(rel.index(si))
         mbarrier.invalidate(once)
-
-    @gluon.jit
-    def _split_rings(ready, NS: gl.constexpr):
-        """GluonDkdvConfig.split_bars: `ready` (the q8 ring) and four more rings (do8, qT8, doT8,
-        the packed vectors), initialized, as the tuple _issue_tile_at takes."""
-        r_do = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        r_qT = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        r_doT = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        r_vec = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for si in gl.static_range(NS):
-            mbarrier.init(r_do.index(si), count=1)
-            mbarrier.init(r_qT.index(si), count=1)
-            mbarrier.init(r_doT.index(si), count=1)
-            mbarrier.init(r_vec.index(si), count=1)
-        fence_async_shared()
-        return (ready, r_do, r_qT, r_doT, r_vec)
 
     @gluon.jit
     def _dkdv_bounds(n0, L_doc, GROUP, BM: gl.constexpr, CAUSAL: gl.constexpr):
@@ -803,7 +759,7 @@ if HAVE_GLUON:
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
                    THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
                    KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-                   DIAG: gl.constexpr = 0, SPLIT: gl.constexpr = False):
+                   DIAG: gl.constexpr = 0):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1). DIAG=1 (timing diagnostic, wrong
         results): the four GEMMs with almost no element-wise work between them (the dV / dK
@@ -840,20 +796,14 @@ if HAVE_GLUON:
                 _issue_tile_at(lo + blk_nxt * BM, hk * GROUP + g_nxt, nxt % NS, start, pstart,
                                q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
                                sdo_desc, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready,
-                               nxt < total, D, VEC_TMA, SPLIT)
+                               nxt < total, D, VEC_TMA)
                 g_nxt, blk_nxt = _next_tile(g_nxt, blk_nxt, nb)
             s = it % NS
             i0 = lo + blk_cur * BM
             h = hk * GROUP + g_cur
             m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
             g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
-            phase = (it // NS) & 1
-            if SPLIT:   # q8, do8, the vectors now; qT8 / doT8 before their GEMMs
-                mbarrier.wait(ready[0].index(s), phase)
-                mbarrier.wait(ready[1].index(s), phase)
-                mbarrier.wait(ready[4].index(s), phase)
-            else:
-                mbarrier.wait(ready.index(s), phase)
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
             dos = do_s.index(s)
             qTs = qT_s.index(s)
@@ -862,9 +812,6 @@ if HAVE_GLUON:
             dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
-                if SPLIT:
-                    mbarrier.wait(ready[2].index(s), phase)
-                    mbarrier.wait(ready[3].index(s), phase)
                 _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps, KEY_ORDER_DK)
                 _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps, KEY_ORDER_DV)
                 fence_async_shared()
@@ -877,8 +824,6 @@ if HAVE_GLUON:
                 p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc,
                                           shift, need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1,
                                           COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER_DV)
-            if SPLIT:
-                mbarrier.wait(ready[3].index(s), phase)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -907,8 +852,6 @@ if HAVE_GLUON:
             if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
-            if SPLIT:
-                mbarrier.wait(ready[2].index(s), phase)
             if NCH == 2:
                 dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 dv0 = _mma_wait(dv0_tok, 1, SYNC)
@@ -943,7 +886,7 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
         KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-        DIAG: gl.constexpr = 0, SPLIT_BARS: gl.constexpr = False,
+        DIAG: gl.constexpr = 0,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -975,9 +918,6 @@ if HAVE_GLUON:
             sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
             sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
         ready, kv_bar, rel = _init_barriers(NS, WS)
-        gl.static_assert(not (SPLIT_BARS and WS), "split_bars is for the non-ws kernel")
-        if SPLIT_BARS:
-            ready = _split_rings(ready, NS)
 
         # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
         if not WS:
@@ -1004,21 +944,15 @@ if HAVE_GLUON:
                 _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
                             doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
                             doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
-                            NS, VEC_TMA, SPLIT_BARS)
+                            NS, VEC_TMA)
             accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
                               sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, SPLIT_BARS)
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
-        if SPLIT_BARS:
-            for b in gl.static_range(1, 5):
-                for si in gl.static_range(NS):
-                    mbarrier.invalidate(ready[b].index(si))
-            _invalidate_barriers(ready[0], kv_bar, rel, NS, WS)
-        else:
-            _invalidate_barriers(ready, kv_bar, rel, NS, WS)
+        _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
         # --- epilogue ---------------------------------------------------------------------
         n_idx = n0 + gl.arange(0, BN, layout=ROW)
@@ -1682,16 +1616,13 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    if cfg.split_bars and (cfg.ws or not cfg.pack_vecs):
-        raise ValueError(f"split_bars is for the non-ws kernel with pack_vecs: {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
                         LATE_DV=cfg.late_dv,
                         **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
                         **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}),
-                        **({"DIAG": cfg.diag} if cfg.diag else {}),
-                        **({"SPLIT_BARS": True} if cfg.split_bars else {}))
+                        **({"DIAG": cfg.diag} if cfg.diag else {}))
 
 
 def _qT_doT(st, q_key_order: bool, do_key_order: bool):

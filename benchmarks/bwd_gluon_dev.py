@@ -306,6 +306,10 @@ def make_cfg(name: str, D: int):
     if mixed():
         base = M.default_mixed_dq_config(D) if dq else M.default_mixed_dkdv_config(D)
         cls = M.MixedDqConfig if dq else M.MixedDkdvConfig
+        if name == "default":
+            return base
+        if name.startswith("default+"):
+            name = name[len("default+"):]
     else:
         # dK/dV: variants start from the plain config (no opt-ins), "default" is the default
         base = G.plain_dq_config(D) if dq else G.plain_gluon_config(D)

@@ -149,6 +149,10 @@ class GluonDkdvConfig:
     # rescale runs on every tile (128 FMUL for the promotion's 128 FFMA): made conditional on a
     # CTA-wide "some maximum grew" flag, ptxas if-converts it (144 FSEL more per tile).
     running_scale: bool = False
+    # lazy_cols: the tile's query indices computed inside the masked branches only (constexpr
+    # LAZY, _cols_of). CPU SASS per tile: D=64 643 -> 628; D=128 929 -> 900 but 64 -> 276 B
+    # of spills (49 local-memory ops per tile instead of 11)
+    lazy_cols: bool = False
     diag: int = 0   # timing diagnostic (wrong results): _dkdv_loop's DIAG (benchmarks/NOTES.md s11)
 
 
@@ -627,29 +631,34 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(sv_desc, [hk, c0], bar, sv_s.index(s), pred=pred)
 
     @gluon.jit
-    def _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
+    def _dv_operand(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
+                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr, BM: gl.constexpr,
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
                     SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
-                    KEY_ORDER: gl.constexpr = False):
+                    KEY_ORDER: gl.constexpr = False, LAZY: gl.constexpr = False):
         """_dv_values and the dV GEMM's A operand: the per-key scale c_j of a over this tile,
         e4m3(a / c_j)."""
-        p, a = _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                          lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING, COL, VEC_TMA, SYNC, FOLD,
-                          THR)
+        p, a = _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
+                          lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING, BM, COL, VEC_TMA, SYNC,
+                          FOLD, THR, LAZY)
         c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
         a8 = _a_operand(a, inv, AOP, KEY_ORDER)
         return p, a, c, a8
 
     @gluon.jit
-    def _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift, need_mask,
-                   lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr,
+    def _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
+                   lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr, BM: gl.constexpr,
                    COL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   FOLD: gl.constexpr, THR: gl.constexpr):
+                   FOLD: gl.constexpr, THR: gl.constexpr, LAZY: gl.constexpr = False):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and
-        a = P^T sdo_i (masked) in fp32.
+        a = P^T sdo_i (masked) in fp32. cols: the tile's query indices, or with LAZY its first
+        query (_cols_of).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
         (p is then a as well: only for callers that do not need P itself)."""
+        if VEC_TMA:
+            m_idx = cols   # (unused by _row_vec)
+        else:
+            m_idx = _cols_of(cols, BM, COL, LAZY)
         lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL, VEC_TMA)
         if not FOLD:
             lse2 = lse2 * 1.4426950408889634
@@ -663,8 +672,20 @@ if HAVE_GLUON:
             sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 3)
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
-            a = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), a, 0.0)
+            a = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), a,
+                         0.0)
         return p, a
+
+    @gluon.jit
+    def _cols_of(cols, BM: gl.constexpr, COL: gl.constexpr, LAZY: gl.constexpr):
+        """The query indices of a dK/dV tile: `cols` itself, or with LAZY (GluonDkdvConfig /
+        MixedDkdvConfig.lazy_cols) computed here from cols = the tile's first query, inside
+        each masked branch that needs them. Computed once for both branches, before the
+        first, they cost every tile ~64 SASS instructions (the column pattern rebuilt from
+        the lane id); inside, the compiler may hoist the pattern out of the loop instead."""
+        if LAZY:
+            cols = cols + gl.arange(0, BM, layout=COL)
+        return cols
 
     @gluon.jit
     def _a_operand(x, inv, AOP: gl.constexpr, KEY_ORDER: gl.constexpr):
@@ -702,13 +723,17 @@ if HAVE_GLUON:
         return ok
 
     @gluon.jit
-    def _mask_ds_t(b, n_idx, m_idx, shift, L_doc, need_mask, SHARED: gl.constexpr,
-                   THR: gl.constexpr):
+    def _mask_ds_t(b, n_idx, cols, shift, L_doc, need_mask, SHARED: gl.constexpr,
+                   THR: gl.constexpr, COL: gl.constexpr, LAZY: gl.constexpr = False):
         """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
-        dP^T, Delta, sq of out-of-document columns may be anything (another document)."""
+        dP^T, Delta, sq of out-of-document columns may be anything (another document). cols:
+        as in _dv_values."""
+        BM: gl.constexpr = b.shape[1]
         if SHARED and need_mask:
-            b = gl.where(_visible(n_idx, m_idx, shift, L_doc, THR), b, 0.0)
+            b = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), b,
+                         0.0)
         elif need_mask:
+            m_idx = _cols_of(cols, BM, COL, LAZY)
             # the predicate of _dv_operand's `ok`, written differently: as the same expression
             # the compiler computed it once, before the first `if`, on every tile (~120 of
             # ~1200 SASS instructions per tile; benchmarks/NOTES.md, session 4)
@@ -799,7 +824,8 @@ if HAVE_GLUON:
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
                    THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
                    KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-                   DIAG: gl.constexpr = 0, RUN: gl.constexpr = False):
+                   DIAG: gl.constexpr = 0, RUN: gl.constexpr = False,
+                   LAZY: gl.constexpr = False):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1). DIAG=1 (timing diagnostic, wrong
         results): the four GEMMs with almost no element-wise work between them (the dV / dK
@@ -847,6 +873,10 @@ if HAVE_GLUON:
             i0 = lo + blk_cur * BM
             h = hk * GROUP + g_cur
             m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
+            if LAZY:
+                cols = i0
+            else:
+                cols = m_idx
             g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
@@ -866,9 +896,9 @@ if HAVE_GLUON:
                 a8 = gl.convert_layout(_mma_wait(s_tok, 1, SYNC).to(gl.float8e4nv), AOP)
                 c = rowf
             elif RUN:
-                p, a = _dv_values(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc, shift,
-                                  need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, COL, VEC_TMA,
-                                  SYNC, FOLD, THR_MASK)
+                p, a = _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift,
+                                  need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, BM, COL,
+                                  VEC_TMA, SYNC, FOLD, THR_MASK, LAZY)
                 am_v, c_v, inv, acc_dv0, acc_dv1 = _running_scale(am_v, c_v, a, acc_dv0, acc_dv1)
                 a8 = _a_operand(a, inv, AOP, KEY_ORDER_DV)
                 # the whole dV GEMM now, accumulating in the tensor core, over the dS^T math
@@ -877,9 +907,10 @@ if HAVE_GLUON:
                 acc_dv1 = warpgroup_mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), acc_dv1,
                                         is_async=True)
             else:
-                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc,
+                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc,
                                           shift, need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1,
-                                          COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK, KEY_ORDER_DV)
+                                          BM, COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK,
+                                          KEY_ORDER_DV, LAZY)
             if not LATE_DV and not RUN:   # dV's first half overlaps the dS^T math
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
@@ -898,8 +929,8 @@ if HAVE_GLUON:
                 # sq_i again from shared memory: not kept live in registers across the wgmma
                 # waits
                 sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK)
+                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, cols, shift, L_doc,
+                               need_mask, SHARED_MASK, THR_MASK, COL, LAZY)
                 if RUN:   # acc_dk: the previous tile's dK GEMM was retired at its end
                     am_k, c_k, inv2, acc_dk0, acc_dk1 = _running_scale(am_k, c_k, b, acc_dk0,
                                                                        acc_dk1)
@@ -961,7 +992,7 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
         KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-        DIAG: gl.constexpr = 0, RUN: gl.constexpr = False,
+        DIAG: gl.constexpr = 0, RUN: gl.constexpr = False, LAZY: gl.constexpr = False,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -1008,7 +1039,8 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)),
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, RUN,
+                              LAZY)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -1025,7 +1057,8 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, RUN)
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, RUN,
+                              LAZY)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1701,7 +1734,8 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
                         **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
                         **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}),
                         **({"DIAG": cfg.diag} if cfg.diag else {}),
-                        **({"RUN": True} if cfg.running_scale else {}))
+                        **({"RUN": True} if cfg.running_scale else {}),
+                        **({"LAZY": True} if cfg.lazy_cols else {}))
 
 
 def _qT_doT(st, q_key_order: bool, do_key_order: bool):

@@ -123,6 +123,9 @@ def test_module_imports_and_rejects_other_recipes():
     from flamia.ops import backward_gluon as G
     from flamia.ops import backward_gluon_mixed as M
     assert M.default_mixed_dkdv_config(128).bm == 64 and not M.default_mixed_dq_config(128).carry
+    # D=128: query indices only inside the masked branches (measured 14 % faster, bitwise equal)
+    assert M.default_mixed_dkdv_config(128).lazy_cols
+    assert not M.default_mixed_dkdv_config(64).lazy_cols
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)          # recipe fp8
     with pytest.raises((ValueError, RuntimeError)):
         M.launch_dkdv_gluon_mixed(st)

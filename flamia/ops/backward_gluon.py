@@ -87,8 +87,8 @@ except ImportError:   # pragma: no cover
 
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 
-if HAVE_GLUON:   # the persistent forward's work-list reader (the persistent dQ) and _keep_alive
-    from .forward_gluon import _keep_alive, _pers_meta
+if HAVE_GLUON:   # the persistent forward's work-list reader, shared by the persistent dQ
+    from .forward_gluon import _pers_meta
 
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
@@ -139,20 +139,6 @@ class GluonDkdvConfig:
     # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
     key_order_dv: bool = False
     key_order_dk: bool = False
-    # running_scale: the dV / dK A operands quantized with a per-key scale that is the running
-    # maximum over the tiles visited so far (not the tile's own), so the wgmmas accumulate into
-    # acc_dv / acc_dk in the tensor core (use_acc) instead of fresh results promoted by 128 FFMA
-    # per tile; the accumulators are rescaled per key (x C_old / C_new, powers of two: exact,
-    # 1 when unchanged) before each accumulation and multiplied by the final C at the end.
-    # Still a subset of the reference's row-wide maximum (reference.py point 4): leak-free. Not
-    # ws; D=128 (constexpr RUN). Results differ from the default's in the last bits. The
-    # rescale runs on every tile (128 FMUL for the promotion's 128 FFMA): made conditional on a
-    # CTA-wide "some maximum grew" flag, ptxas if-converts it (144 FSEL more per tile).
-    running_scale: bool = False
-    # lazy_cols: the tile's query indices computed inside the masked branches only (constexpr
-    # LAZY, _cols_of). CPU SASS per tile: D=64 643 -> 628; D=128 929 -> 900 but 64 -> 276 B
-    # of spills (49 local-memory ops per tile instead of 11)
-    lazy_cols: bool = False
     diag: int = 0   # timing diagnostic (wrong results): _dkdv_loop's DIAG (benchmarks/NOTES.md s11)
 
 
@@ -636,23 +622,9 @@ if HAVE_GLUON:
                     COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
                     SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
                     KEY_ORDER: gl.constexpr = False, LAZY: gl.constexpr = False):
-        """_dv_values and the dV GEMM's A operand: the per-key scale c_j of a over this tile,
-        e4m3(a / c_j)."""
-        p, a = _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
-                          lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING, BM, COL, VEC_TMA, SYNC,
-                          FOLD, THR, LAZY)
-        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
-        a8 = _a_operand(a, inv, AOP, KEY_ORDER)
-        return p, a, c, a8
-
-    @gluon.jit
-    def _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
-                   lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr, BM: gl.constexpr,
-                   COL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   FOLD: gl.constexpr, THR: gl.constexpr, LAZY: gl.constexpr = False):
-        """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and
-        a = P^T sdo_i (masked) in fp32. cols: the tile's query indices, or with LAZY its first
-        query (_cols_of).
+        """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
+        dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
+        cols: the tile's query indices, or with LAZY its first query (_cols_of).
         FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
         (p is then a as well: only for callers that do not need P itself)."""
         if VEC_TMA:
@@ -674,40 +646,24 @@ if HAVE_GLUON:
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), a,
                          0.0)
-        return p, a
+        c, inv = _pow2_scale_g(gl.max(gl.abs(a), axis=1), 8)
+        if KEY_ORDER:
+            a8 = gl.convert_layout(
+                mma_key_order_gluon((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv)), AOP)
+        else:
+            a8 = gl.convert_layout((a * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+        return p, a, c, a8
 
     @gluon.jit
     def _cols_of(cols, BM: gl.constexpr, COL: gl.constexpr, LAZY: gl.constexpr):
-        """The query indices of a dK/dV tile: `cols` itself, or with LAZY (GluonDkdvConfig /
-        MixedDkdvConfig.lazy_cols) computed here from cols = the tile's first query, inside
+        """The query indices of a dK/dV tile: `cols` itself, or with LAZY
+        (MixedDkdvConfig.lazy_cols) computed here from cols = the tile's first query, inside
         each masked branch that needs them. Computed once for both branches, before the
         first, they cost every tile ~64 SASS instructions (the column pattern rebuilt from
         the lane id); inside, the compiler may hoist the pattern out of the loop instead."""
         if LAZY:
             cols = cols + gl.arange(0, BM, layout=COL)
         return cols
-
-    @gluon.jit
-    def _a_operand(x, inv, AOP: gl.constexpr, KEY_ORDER: gl.constexpr):
-        """e4m3(x * inv) per row as an fp8 wgmma A operand (KEY_ORDER: in the registers' own
-        query order, GluonDkdvConfig.key_order_dv / key_order_dk)."""
-        if KEY_ORDER:
-            x8 = gl.convert_layout(
-                mma_key_order_gluon((x * gl.expand_dims(inv, 1)).to(gl.float8e4nv)), AOP)
-        else:
-            x8 = gl.convert_layout((x * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
-        return x8
-
-    @gluon.jit
-    def _running_scale(amax_run, scale_run, x, acc0, acc1):
-        """GluonDkdvConfig.running_scale: the per-key running maximum of |x| with this tile,
-        its power-of-two scale and reciprocal (_pow2_scale_g), and acc0 / acc1 rescaled from the
-        old scale to the new (scale_old / scale_new: a power of two, 1 when the maximum did not
-        grow, 0 while nothing was accumulated). acc0 / acc1 must not be in flight."""
-        amax_new = gl.maximum(amax_run, gl.max(gl.abs(x), axis=1))
-        scale_new, inv = _pow2_scale_g(amax_new, 8)
-        f = gl.expand_dims(scale_run * inv, 1)
-        return amax_new, scale_new, inv, acc0 * f, acc1 * f
 
     @gluon.jit
     def _visible(n_idx, m_idx, shift, L_doc, THR: gl.constexpr):
@@ -727,7 +683,7 @@ if HAVE_GLUON:
                    THR: gl.constexpr, COL: gl.constexpr, LAZY: gl.constexpr = False):
         """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
         dP^T, Delta, sq of out-of-document columns may be anything (another document). cols:
-        as in _dv_values."""
+        as in _dv_operand."""
         BM: gl.constexpr = b.shape[1]
         if SHARED and need_mask:
             b = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), b,
@@ -824,8 +780,7 @@ if HAVE_GLUON:
                    WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
                    THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
                    KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-                   DIAG: gl.constexpr = 0, RUN: gl.constexpr = False,
-                   LAZY: gl.constexpr = False):
+                   DIAG: gl.constexpr = 0):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
         fp32 accumulators (dV half 0, 1, dK half 0, 1). DIAG=1 (timing diagnostic, wrong
         results): the four GEMMs with almost no element-wise work between them (the dV / dK
@@ -847,11 +802,6 @@ if HAVE_GLUON:
         acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
         acc_dk1 = gl.zeros([BN, CH], gl.float32, L)
         shift = _causal_shift(L_doc, CAUSAL)
-        if RUN:   # per-key running maxima of |a| and |dS^T| and their scales (all 0: none yet)
-            am_v = gl.zeros([BN], gl.float32, ROW)
-            c_v = gl.zeros([BN], gl.float32, ROW)
-            am_k = gl.zeros([BN], gl.float32, ROW)
-            c_k = gl.zeros([BN], gl.float32, ROW)
         mbarrier.wait(kv_bar, 0)
         # (head, block) cursors of the current tile and of the tile NS - 1 ahead (the refill):
         # advanced per tile, so the loop divides by nb only here (two runtime divisions per
@@ -873,10 +823,6 @@ if HAVE_GLUON:
             i0 = lo + blk_cur * BM
             h = hk * GROUP + g_cur
             m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
-            if LAZY:
-                cols = i0
-            else:
-                cols = m_idx
             g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
             mbarrier.wait(ready.index(s), (it // NS) & 1)
             qs = q_s.index(s)
@@ -895,29 +841,16 @@ if HAVE_GLUON:
             if DIAG == 1:
                 a8 = gl.convert_layout(_mma_wait(s_tok, 1, SYNC).to(gl.float8e4nv), AOP)
                 c = rowf
-            elif RUN:
-                p, a = _dv_values(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift,
-                                  need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1, BM, COL,
-                                  VEC_TMA, SYNC, FOLD, THR_MASK, LAZY)
-                am_v, c_v, inv, acc_dv0, acc_dv1 = _running_scale(am_v, c_v, a, acc_dv0, acc_dv1)
-                a8 = _a_operand(a, inv, AOP, KEY_ORDER_DV)
-                # the whole dV GEMM now, accumulating in the tensor core, over the dS^T math
-                acc_dv0 = warpgroup_mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), acc_dv0,
-                                        is_async=True)
-                acc_dv1 = warpgroup_mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), acc_dv1,
-                                        is_async=True)
             else:
-                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc,
+                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc,
                                           shift, need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1,
                                           BM, COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK,
-                                          KEY_ORDER_DV, LAZY)
-            if not LATE_DV and not RUN:   # dV's first half overlaps the dS^T math
+                                          KEY_ORDER_DV)
+            if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
             dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
-            if RUN:   # dV's two halves stay in flight
-                dp = _mma_wait(dp_tok, 2, SYNC)
-            elif LATE_DV:   # nothing issued after dP^T yet
+            if LATE_DV:   # nothing issued after dP^T yet
                 dp = _mma_wait(dp_tok, 0, SYNC)
             else:
                 dp = _mma_wait(dp_tok, 1, SYNC)
@@ -929,31 +862,19 @@ if HAVE_GLUON:
                 # sq_i again from shared memory: not kept live in registers across the wgmma
                 # waits
                 sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, cols, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK, COL, LAZY)
-                if RUN:   # acc_dk: the previous tile's dK GEMM was retired at its end
-                    am_k, c_k, inv2, acc_dk0, acc_dk1 = _running_scale(am_k, c_k, b, acc_dk0,
-                                                                       acc_dk1)
+                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                               need_mask, SHARED_MASK, THR_MASK, COL)
+                c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+                if KEY_ORDER_DK:
+                    b8 = gl.convert_layout(
+                        mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)),
+                        AOP)
                 else:
-                    c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                b8 = _a_operand(b, inv2, AOP, KEY_ORDER_DK)
-            if RUN:
-                acc_dk0 = warpgroup_mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), acc_dk0,
-                                        is_async=True)
-                acc_dk1 = warpgroup_mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), acc_dk1,
-                                        is_async=True)
-                acc_dv0, acc_dv1, acc_dk0, acc_dk1 = warpgroup_mma_wait(
-                    0, deps=(acc_dv0, acc_dv1, acc_dk0, acc_dk1))
-                # a8 / b8 were read by the wgmmas just retired: their registers stay theirs to
-                # here (an fp8 operand is not a valid wait dependency in triton 3.6)
-                _keep_alive(a8)
-                _keep_alive(b8)
-            elif LATE_DV:
+                    b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+            if LATE_DV:
                 dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
 
-            if RUN:
-                pass
-            elif NCH == 2:
+            if NCH == 2:
                 dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 dv0 = _mma_wait(dv0_tok, 1, SYNC)
                 acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
@@ -971,11 +892,6 @@ if HAVE_GLUON:
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
-        if RUN:   # back to gradient units
-            acc_dv0 = acc_dv0 * gl.expand_dims(c_v, 1)
-            acc_dv1 = acc_dv1 * gl.expand_dims(c_v, 1)
-            acc_dk0 = acc_dk0 * gl.expand_dims(c_k, 1)
-            acc_dk1 = acc_dk1 * gl.expand_dims(c_k, 1)
         return acc_dv0, acc_dv1, acc_dk0, acc_dk1
 
     # T, HQ, HKV runtime and unspecialized: one binary per (config, D, causal, dtypes), not one
@@ -992,7 +908,7 @@ if HAVE_GLUON:
         PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
         THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
         KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-        DIAG: gl.constexpr = 0, RUN: gl.constexpr = False, LAZY: gl.constexpr = False,
+        DIAG: gl.constexpr = 0,
     ):
         gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
                          "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
@@ -1039,8 +955,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, RUN,
-                              LAZY)),
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
                                   lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
                                   qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
@@ -1057,8 +972,7 @@ if HAVE_GLUON:
                               sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
                               BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG, RUN,
-                              LAZY)
+                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -1724,18 +1638,13 @@ def _args(st, cfg: GluonDkdvConfig, vecs=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
         raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    if cfg.running_scale and (cfg.ws or cfg.sync_mma or cfg.diag or st.D != 128):
-        raise ValueError(f"running_scale is for the D=128 one-warpgroup kernel with async wgmma "
-                         f"(no ws, sync_mma, diag): {cfg}")
     return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
                         PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
                         SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
                         LATE_DV=cfg.late_dv,
                         **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
                         **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}),
-                        **({"DIAG": cfg.diag} if cfg.diag else {}),
-                        **({"RUN": True} if cfg.running_scale else {}),
-                        **({"LAZY": True} if cfg.lazy_cols else {}))
+                        **({"DIAG": cfg.diag} if cfg.diag else {}))
 
 
 def _qT_doT(st, q_key_order: bool, do_key_order: bool):

@@ -6,6 +6,7 @@
     python benchmarks/sass_loop.py --set fold_sdo=True      # a GluonDkdvConfig field changed
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
     python benchmarks/sass_loop.py --common                 # histogram of the common path
+    python benchmarks/sass_loop.py --lines                  # the common path per source line
 
 Compiles for sm_90a with the bundled ptxas (flamia.ops._interp: nothing runs), disassembles
 with the bundled cuobjdump, and takes the main loop (flamia.ops.sass.main_loop: the innermost
@@ -29,7 +30,9 @@ os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the inter
 from flamia.ops import backward_gluon as G  # noqa: E402
 from flamia.ops import backward_gluon_mixed as M  # noqa: E402
 from flamia.ops._interp import resource_usage  # noqa: E402
-from flamia.ops.sass import common_path, local_memory_ops, main_loop, parse, sass_of  # noqa: E402
+from flamia.ops.sass import (  # noqa: E402
+    by_source_line, common_path, local_memory_ops, main_loop, parse, sass_of,
+)
 
 def with_sets(cfg, sets: list[str]):
     """cfg with the --set field=value overrides (values as Python literals, cast to the field's
@@ -83,6 +86,8 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--common", action="store_true", help="histogram of the common path only")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
+    ap.add_argument("--lines", action="store_true",
+                    help="the common path's instructions per source line (nvdisasm -g)")
     args = ap.parse_args()
     kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
     sass = sass_of(kern)
@@ -102,6 +107,11 @@ def main():
           f"(local memory ops {local_memory_ops(common)})")
     for op, n in hist.most_common(args.top):
         print(f"  {op:10s} {n:5d}")
+    if args.lines:
+        print("common path per source line (largest first):")
+        rows = sorted(by_source_line(kern, common).items(), key=lambda kv: -sum(kv[1].values()))
+        for where, ops in rows[:args.top]:
+            print(f"  {sum(ops.values()):5d}  {where:32s} {dict(ops.most_common(6))}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,31 @@ def common_path(loop):
     return [x for x in loop if x[0] not in skipped]
 
 
+def by_source_line(kernel, instrs) -> dict:
+    """{"file.py:line": Counter(opcode)} for the given instructions (e.g. a loop's common path),
+    from the line table ptxas keeps in the cubin (`nvdisasm -g`; triton compiles with line
+    info). Inlined helpers are attributed to their own lines."""
+    import collections
+    want = {a for a, _, _ in instrs}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([triton_tool("nvdisasm"), "-g", "-c", path],
+                              capture_output=True, text=True, check=True).stdout
+    out: dict = collections.defaultdict(collections.Counter)
+    where = "?"
+    for line in text.splitlines():
+        m = re.search(r'//## File ".*?([^/"]+)", line (\d+)', line)
+        if m:
+            where = f"{m.group(1)}:{m.group(2)}"
+            continue
+        m = LINE.search(line)
+        if m and int(m.group(1), 16) in want:
+            out[where][m.group(3).split(".")[0]] += 1
+    return dict(out)
+
+
 def local_memory_ops(instrs) -> int:
     """Local-memory (spill) loads and stores among the instructions."""
     return sum(1 for _, op, _ in instrs if op.startswith(("LDL", "STL")))

@@ -335,8 +335,12 @@ def environment(device) -> dict:
 
 
 def _git_commit() -> str | None:
-    """HEAD commit read from .git (no git binary needed; read-only)."""
+    """FLAMIA_GIT_COMMIT when set (a copied tree whose .git is stale, as on the device: the
+    same rule as `flamia bench`), else HEAD read from .git (no git binary needed; read-only)."""
+    import os
     from pathlib import Path
+    if os.environ.get("FLAMIA_GIT_COMMIT"):
+        return os.environ["FLAMIA_GIT_COMMIT"]
     here = Path(__file__).resolve()
     for parent in here.parents:
         head = parent / ".git" / "HEAD"

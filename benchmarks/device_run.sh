@@ -6,7 +6,7 @@
 #
 # Stages: tests-bwd, tests-fwd, tests (both), bench, bench-fp8 (fp8 rows + fastest baselines only),
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
-# both on BWD_WORKLOADS), dq-next, mixed-dkdv (MIXED_CONFIGS, default the ladder), mixed-dq, fwd-sweep (Triton forward configs,
+# both on BWD_WORKLOADS), dq-next, mixed-dkdv (MIXED_CONFIGS, default the ladder; MIXED_WORKLOADS), mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward; correctness at head dims FWD_DIMS, 128), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
@@ -76,7 +76,7 @@ for spec in "$@"; do
              --reps 10 ;;
     mixed-dkdv) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --recipe fp8_mixed --configs "${MIXED_CONFIGS:-ladder}" --deadline $((secs - 30)) \
-             --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
+             --workloads "${MIXED_WORKLOADS:-doc8k_x4,longtail,doc32k}" --reps 10 ;;
     mixed-dq) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --recipe fp8_mixed --kernel dq --configs ladder --deadline $((secs - 30)) \
              --workloads doc8k_x4,longtail,doc32k --reps 10 ;;

@@ -100,6 +100,9 @@ class MixedDkdvConfig:
     # the tile's query indices inside the masked branches only (backward_gluon._cols_of;
     # CPU SASS per tile at D=128: 1147 -> 1075, local-memory ops 32 -> 10; D=64 886 -> 871)
     lazy_cols: bool = False
+    # tail_zero: q8 -> bf16 (the dK GEMM's B operand) converted unmasked, its rows past the
+    # document end zeroed afterwards on the tiles that have any (constexpr TAIL_ZERO)
+    tail_zero: bool = False
 
 
 def default_mixed_dkdv_config(D: int) -> MixedDkdvConfig:
@@ -164,14 +167,23 @@ if HAVE_GLUON:
                                             bf_s.index(cc))
 
     @gluon.jit
-    def _e4m3_to_bf16_rows(src, dst, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
+    def _e4m3_to_bf16_rows(src, dst, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr,
+                           TAIL_ZERO: gl.constexpr = False):
         """dst (ROWS, 64) bf16 <- the e4m3 values of src (ROWS, 64) (exact), rows with
-        row0 + r >= L zeroed (the next document's bytes: 0 * NaN would reach the GEMM)."""
+        row0 + r >= L zeroed (the next document's bytes: 0 * NaN would reach the GEMM).
+        TAIL_ZERO (MixedDkdvConfig.tail_zero): converted unmasked, those rows zeroed after it
+        only when the tile has any (_zero_tail_rows): the mask costs every tile ~66 SASS."""
         BLQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        x = src.load(BLQ).to(gl.float32)
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, BLQ))
-        x = gl.where(gl.expand_dims(rows < L, 1), x, 0.0)
-        dst.store(x.to(gl.bfloat16))
+        if TAIL_ZERO:
+            dst.store(src.load(BLQ).to(gl.float32).to(gl.bfloat16))
+            if row0 + ROWS > L:   # (rows written above by other threads: ordered first)
+                gl.thread_barrier()
+                _zero_tail_rows(dst, row0, L, ROWS, num_warps)
+        else:
+            x = src.load(BLQ).to(gl.float32)
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, BLQ))
+            x = gl.where(gl.expand_dims(rows < L, 1), x, 0.0)
+            dst.store(x.to(gl.bfloat16))
 
     @gluon.jit
     def _zero_tail_rows(x_s, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
@@ -235,6 +247,7 @@ if HAVE_GLUON:
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
         VEC_TMA: gl.constexpr, SYNC: gl.constexpr, CARRY: gl.constexpr,
         EARLY_DV: gl.constexpr, num_warps: gl.constexpr, LAZY: gl.constexpr = False,
+        TAIL_ZERO: gl.constexpr = False,
     ):
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
@@ -331,7 +344,7 @@ if HAVE_GLUON:
                 acc_dk0, acc_dk1 = _wait_pair(acc_dk0, acc_dk1, 1 + NCH, NCH, SYNC)
             for cc in gl.static_range(NCH):
                 _e4m3_to_bf16_rows(qs.slice(cc * CH, CH, dim=1), qb_s.index(cc), i0, L_doc, BM,
-                                   num_warps)
+                                   num_warps, TAIL_ZERO)
             if tail:   # at most once per head: doT8 columns past the document end
                 _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
             fence_async_shared()
@@ -566,7 +579,8 @@ def _dkdv_args(st, cfg: MixedDkdvConfig, vecs=None, ops=None):
     tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
     return G._launch_args(st, cfg, descs, tensors, False, CARRY=cfg.carry and not cfg.sync_mma,
                           EARLY_DV=cfg.early_dv,
-                          **({"LAZY": True} if cfg.lazy_cols else {}))
+                          **({"LAZY": True} if cfg.lazy_cols else {}),
+                          **({"TAIL_ZERO": True} if cfg.tail_zero else {}))
 
 
 def launch_dkdv_gluon_mixed(st, config: MixedDkdvConfig | None = None, vecs=None,

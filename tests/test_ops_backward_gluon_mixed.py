@@ -126,6 +126,11 @@ def test_module_imports_and_rejects_other_recipes():
     # D=128: query indices only inside the masked branches (measured 14 % faster, bitwise equal)
     assert M.default_mixed_dkdv_config(128).lazy_cols
     assert not M.default_mixed_dkdv_config(64).lazy_cols
+    # q8's bf16 copy converted unmasked, rows past the document end zeroed on tail tiles only
+    assert M.default_mixed_dkdv_config(128).tail_zero and M.default_mixed_dkdv_config(64).tail_zero
+    st = G.fake_state(128, T=64, Hq=2, Hkv=1, recipe="fp8_mixed")
+    kw = M._dkdv_args(st, M.default_mixed_dkdv_config(128))[2]
+    assert kw["TAIL_ZERO"] and kw["LAZY"]
     st = G.fake_state(64, T=64, Hq=2, Hkv=1)          # recipe fp8
     with pytest.raises((ValueError, RuntimeError)):
         M.launch_dkdv_gluon_mixed(st)

@@ -106,10 +106,12 @@ class MixedDkdvConfig:
 
 
 def default_mixed_dkdv_config(D: int) -> MixedDkdvConfig:
-    """D=128 with lazy_cols: bitwise the same dK / dV, 14-15 % faster on the H200 (ms, same
-    process: doc8k_x4 11.92 -> 10.16, longtail 10.87 -> 9.40, doc32k 46.87 -> 40.07;
-    benchmarks/NOTES.md session 13). D=64 keeps it off (not timed)."""
-    return MixedDkdvConfig(stages=3 if D <= 64 else 2, lazy_cols=D > 64)
+    """tail_zero, and at D=128 lazy_cols: bitwise the same dK / dV as without (H200, ms, same
+    process; benchmarks/NOTES.md session 13). lazy_cols: doc8k_x4 11.92 -> 10.16, longtail
+    10.87 -> 9.40, doc32k 46.87 -> 40.07 (at D=64: 7.17 -> 6.99, d64_longtail 5.55 -> 5.64,
+    not adopted). tail_zero: doc8k_x4 10.13 -> 9.80, longtail 9.43 -> 9.23, doc32k within
+    the run's noise, d64_doc8k_x4 7.46 -> 7.17, d64_longtail 5.57 -> 5.55."""
+    return MixedDkdvConfig(stages=3 if D <= 64 else 2, lazy_cols=D > 64, tail_zero=True)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward; correctness at head dims FWD_DIMS, 128), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
-# benchmarks/quant_dev.py), profile, profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs
+# benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs
 # of back-to-back calls, GAP_WORKLOADS), host (cProfile
 # of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
 # the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4).
@@ -92,7 +92,7 @@ for spec in "$@"; do
              --only "${FWD_WORKLOADS:-doc32k,doc8k_x4,doc2k_x16,longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
              --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
-    profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ;;
+    profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;
     train) run_stage "$name" "$secs" python -m flamia.train --out "$OUT/train_check" \
              --time-limit $((secs - 40)) ${TRAIN_ARGS:-} ;;
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;

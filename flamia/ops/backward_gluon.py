@@ -305,13 +305,17 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
+    def _promote(tok, N: gl.constexpr, acc, c, SYNC: gl.constexpr):
+        """The fp32 promotion of one fresh fp8 GEMM result: acc + result * c per row, once the
+        wgmma is retired (waited for down to N groups still in flight)."""
+        return acc + _mma_wait(tok, N, SYNC) * gl.expand_dims(c, 1)
+
+    @gluon.jit
     def _promote_pair(tok0, tok1, acc0, acc1, c, SYNC: gl.constexpr):
-        """The fp32 promotion of two in-flight 64-column GEMM halves (issued in this order, no
-        later wgmma outstanding): acc_k += result_k * c per row, each as soon as it is done."""
-        d0 = _mma_wait(tok0, 1, SYNC)
-        acc0 = acc0 + d0 * gl.expand_dims(c, 1)
-        d1 = _mma_wait(tok1, 0, SYNC)
-        acc1 = acc1 + d1 * gl.expand_dims(c, 1)
+        """_promote of two in-flight 64-column GEMM halves (issued in this order, no later
+        wgmma outstanding), each as soon as it is done."""
+        acc0 = _promote(tok0, 1, acc0, c, SYNC)
+        acc1 = _promote(tok1, 0, acc1, c, SYNC)
         return acc0, acc1
 
     @gluon.jit
@@ -877,19 +881,15 @@ if HAVE_GLUON:
 
             if NCH == 2:
                 dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c, SYNC)
                 dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                dv1 = _mma_wait(dv1_tok, 1, SYNC)
-                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                acc_dv1 = _promote(dv1_tok, 1, acc_dv1, c, SYNC)
                 dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 acc_dk0, acc_dk1 = _promote_pair(dk0_tok, dk1_tok, acc_dk0, acc_dk1, c2, SYNC)
             else:
                 dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-                dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                dk0 = _mma_wait(dk0_tok, 0, SYNC)
-                acc_dk0 = acc_dk0 + dk0 * gl.expand_dims(c2, 1)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c, SYNC)
+                acc_dk0 = _promote(dk0_tok, 0, acc_dk0, c2, SYNC)
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
@@ -1086,8 +1086,7 @@ if HAVE_GLUON:
             acc0, acc1 = _promote_pair(d0_tok, d1_tok, acc0, acc1, c, SYNC)
         else:
             d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-            d0 = _mma_wait(d0_tok, 0, SYNC)
-            acc0 = acc0 + d0 * gl.expand_dims(c, 1)
+            acc0 = _promote(d0_tok, 0, acc0, c, SYNC)
         return acc0, acc1
 
     @gluon.jit

@@ -77,8 +77,9 @@ if HAVE_GLUON:
     from .backward_gluon import (  # noqa: F401  (gluon.jit resolves them from this module)
         _causal_shift, _dkdv_bounds, _dkdv_epilogue, _dkdv_program, _dq_bounds, _dq_program,
         _dv_operand, _init_barriers, _invalidate_barriers, _issue_key_vecs, _issue_query_vecs,
-        _key_scales, _kv_tile, _mask_ds, _mask_ds_t, _mma, _mma_wait, _next_tile, _q_tile_at,
-        _q_tile_rows, _query_scales, _row_vec, _store_out, _vec_ring, _zero_tail_cols)
+        _key_scales, _kv_tile, _mask_ds, _mask_ds_t, _mma, _mma_wait, _next_tile, _promote,
+        _q_tile_at, _q_tile_rows, _query_scales, _row_vec, _store_out, _vec_ring,
+        _zero_tail_cols)
 
 CH_ = G.CH_     # 64: column chunk of D; also BM (dK/dV) / BN (dQ)
 RECIPE_MIXED = 1
@@ -377,18 +378,15 @@ if HAVE_GLUON:
                 dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
                 dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0, SYNC)
                 dk1_tok = _mma_acc(b16, qb_s.index(1), acc_dk1, SYNC)
-                dv0 = _mma_wait(dv0_tok, 3, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
-                dv1 = _mma_wait(dv1_tok, 2, SYNC)
-                acc_dv1 = acc_dv1 + dv1 * gl.expand_dims(c, 1)
+                acc_dv0 = _promote(dv0_tok, 3, acc_dv0, c, SYNC)
+                acc_dv1 = _promote(dv1_tok, 2, acc_dv1, c, SYNC)
                 if CARRY:
                     acc_dk0, acc_dk1 = _wait_pair(dk0_tok, dk1_tok, 2, NCH, SYNC)
                 else:
                     acc_dk0, acc_dk1 = _wait_pair(dk0_tok, dk1_tok, 0, NCH, SYNC)
             else:
                 dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0, SYNC)
-                dv0 = _mma_wait(dv0_tok, 1, SYNC)
-                acc_dv0 = acc_dv0 + dv0 * gl.expand_dims(c, 1)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c, SYNC)
                 if CARRY:
                     acc_dk0, acc_dk1 = _wait_pair(dk0_tok, acc_dk1, 1, NCH, SYNC)
                 else:

@@ -601,6 +601,13 @@ class _FakeGraph:
                 for i, L in enumerate(lens)]
 
     def execute(self, pack, workspace, handle=None):
+        # the backward kinds differentiate their own recomputation (also when called from an
+        # autograd.Function's backward, where grad mode is off); the forward kinds track nothing
+        backward = self.node[0] in ("bwd", "fp8bwd")
+        with torch.enable_grad() if backward else torch.no_grad():
+            self._execute(pack)
+
+    def _execute(self, pack):
         kind, a, outs = self.node
         q = a["q"]
         b = q.dim[0]
@@ -625,7 +632,7 @@ class _FakeGraph:
             dQ, dK, dV = outs
             for qi, ki, vi, doi, dqi, dki, dvi in zip(V(q), V(a["k"]), V(a["v"]), V(a["dO"]),
                                                       V(dQ), V(dK), V(dV)):
-                x = [t.float().requires_grad_(True) for t in (qi, ki, vi)]
+                x = [t.detach().float().requires_grad_(True) for t in (qi, ki, vi)]
                 out, _ = attn(*x, a["scale"])
                 out.backward(doi.float())
                 for dst, src in zip((dqi, dki, dvi), x):
@@ -646,7 +653,7 @@ class _FakeGraph:
             sc = lambda n: pack[a[n]].reshape(()).float()  # noqa: E731
             for qi, ki, vi, doi, dqi, dki, dvi in zip(V(q), V(a["k"]), V(a["v"]), V(a["dO"]),
                                                       V(dQ), V(dK), V(dV)):
-                x = [(t.float() * sc(n)).requires_grad_(True)
+                x = [(t.detach().float() * sc(n)).requires_grad_(True)
                      for t, n in ((qi, "dq"), (ki, "dk"), (vi, "dv"))]
                 out, _ = attn(*x, a["scale"])
                 dO = doi.float() * sc("ddo")
@@ -726,3 +733,42 @@ def test_run_writes_after_each_workload_and_honours_max_minutes(cpu_bench, tmp_p
     assert res["workloads"] == [] and res["not_run"] == ["a", "b"] and not res["complete"]
     run.write_outputs(res, paths, chart=False)
     assert "not run (time budget): a, b" in paths["md"].read_text()
+
+
+def test_cudnn_ragged_training_function_with_fake_frontend(fake_cudnn, monkeypatch):
+    """The differentiable cuDNN ragged attention of `train-check --runs cudnn`: outputs and
+    gradients per document, and one graph pair per (documents, length bucket, shapes)."""
+    from flamia.bench import cudnn_graphs as CG
+    from flamia.integrations.hf import sdpa_per_document
+
+    monkeypatch.setattr(CG, "GRAPH_BUILDS", {"count": 0, "seconds": 0.0})
+    fn = CG._ragged_function()
+
+    def check(lengths, seed):
+        g = torch.Generator().manual_seed(seed)
+        T, Hq, Hkv, D = sum(lengths), 4, 2, 64
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        q, k, v, do = (torch.randn(T, h, D, generator=g).bfloat16()
+                       for h in (Hq, Hkv, Hkv, Hq))
+        x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o = fn.apply(*x, cu, max(lengths), D ** -0.5)
+        o.backward(do)
+        y = [t.float().requires_grad_(True) for t in (q, k, v)]
+        ref = sdpa_per_document(*y, cu, True, D ** -0.5)
+        ref.backward(do.float())
+        assert (o.float() - ref).abs().max() < 2e-2
+        for got, want in zip(x, y):
+            assert (got.grad.float() - want.grad).abs().max() < 5e-2
+
+    check([40, 56, 7], 0)
+    assert CG.GRAPH_BUILDS["count"] == 1
+    check([60, 40, 3], 1)            # same count, length bucket (64) and T: graphs reused
+    assert CG.GRAPH_BUILDS["count"] == 1
+    check([30, 73], 2)               # two documents: a new pair
+    assert CG.GRAPH_BUILDS["count"] == 2
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA"):
+        CG.cudnn_ragged_varlen(q, q, q, cu, 8)
+    with pytest.raises(NotImplementedError, match="causal"):
+        CG.cudnn_ragged_varlen(q, q, q, cu, 8, causal=False)

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from flamia.train import data as D
 from flamia.train import report
-from flamia.train.loop import TrainConfig, lr_at, parse_runs
+from flamia.train.loop import TrainConfig, check_runs_can_run, lr_at, parse_runs
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -145,6 +146,10 @@ def test_parse_runs():
     assert [r.name for r in runs] == ["bf16", "fp8", "fp8_mixed", "fp8_tensorwise", "bf16_seed1", "torch"]
     assert runs[4].attention == "flamia:bf16" and runs[4].seed_offset == 1
     assert runs[3].leaky and not runs[1].leaky and runs[5].attention == "torch"
+    assert parse_runs("cudnn")[0].attention == "cudnn"
+    with pytest.raises(ValueError, match="CUDA"):     # before any training, with the reason
+        check_runs_can_run(parse_runs("bf16,cudnn"), torch.device("cpu"))
+    check_runs_can_run(parse_runs("bf16,torch"), torch.device("cpu"))
     with pytest.raises(ValueError):
         parse_runs("fp7")
     with pytest.raises(ValueError):
@@ -245,9 +250,42 @@ def test_tiny_train_check_end_to_end(tmp_path, capsys):
     assert v["reference"] == "bf16" and v["seed_runs"] == ["bf16_seed1"]
     assert v["runs"]["fp8_tensorwise"]["at_step"] == 2 and v["runs"]["bf16"]["at_step"] == 4
     assert v["runs"]["fp8_tensorwise"]["ref_val_exact_at_step"] == r["bf16"]["val_loss_exact"][0]
-    assert (out / "train_check.md").read_text().startswith("# flamia train-check")
+    md = (out / "train_check.md").read_text()
+    assert md.startswith("# flamia train-check")
+    # interleaved step timing (tiny: 1 round x 2 batches) of the one non-leaky attention
+    t = res["step_timing"]
+    assert list(t["attentions"]) == ["flamia:bf16"] and t["fastest_bf16"] == "flamia:bf16"
+    assert t["attentions"]["flamia:bf16"]["n"] == 2 and t["attentions"]["flamia:bf16"]["run"] == "bf16"
+    assert v["speed_vs_fastest_bf16"] == {"flamia:bf16": 1.0}
+    assert "timed interleaved" in md and "[timing]" in printed
     try:
         import matplotlib  # noqa: F401
         assert (out / "train_check.png").stat().st_size > 10_000
     except ImportError:
         assert not (out / "train_check.png").exists()
+
+
+@pytest.mark.usefixtures("reference_only")
+def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from flamia.train import loop, main
+
+    real = loop.train_run
+
+    def train_run(spec, *args, **kwargs):
+        if spec.name == "fp8":
+            raise RuntimeError("broken attention")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_run", train_run)
+    out = tmp_path / "out"
+    rc = main(["--tiny", "--steps", "2", "--runs", "bf16,fp8,bf16_seed1", "--max-files", "60",
+               "--tokens-per-step", "128", "--max-doc-len", "64", "--val-batches", "1",
+               "--time-steps", "1", "--out", str(out)])
+    assert rc == 0   # (--tiny)
+    res = json.loads((out / "train_check.json").read_text())
+    assert set(res["results"]) == {"bf16", "bf16_seed1"}
+    assert res["errors"] == {"fp8": "RuntimeError: broken attention"}
+    assert not res["verdict"]["pass"] and res["verdict"]["skipped"] == ["fp8"]
+    assert list(res["step_timing"]["attentions"]) == ["flamia:bf16"]     # fp8 left out
+    assert "FAILED run fp8: RuntimeError: broken attention" in (out / "train_check.md").read_text()

@@ -115,25 +115,40 @@ def _out(t, dim, stride, dtype=None):
 _GRAPHS: dict = {}
 
 
-def _cached(kind: str, problem: Problem, device, build):
-    """cuDNN graphs depend only on the shapes: build once per (kind, problem, device)."""
-    key = (kind, problem, str(device))
+def _cached(kind: str, shapes, device, build):
+    """cuDNN graphs depend only on the shapes: build once per (kind, shapes, device)."""
+    key = (kind, shapes, str(device))
     if key not in _GRAPHS:
         _GRAPHS[key] = build()
     return _GRAPHS[key]
 
 
-class _RaggedGraphs:
-    """Forward and backward graphs of bf16 ragged SDPA for one problem, with their static
-    device buffers (actual lengths, ragged offsets)."""
+class RaggedOffsets:
+    """The runtime tensors of a ragged call, made on the device from cu_seqlens (no host sync):
+    actual lengths (b, 1, 1, 1) int32 and element offsets (b + 1, 1, 1, 1) int64 of the q-like
+    (T, Hq, D), kv-like (T, Hkv, D) and ragged-stats (T, Hq) buffers."""
 
-    def __init__(self, problem: Problem, cu_seqlens, ragged_stats: bool = False):
+    def __init__(self, cu_seqlens, Hq: int, Hkv: int, D: int):
         import torch
 
+        cu = cu_seqlens.to(torch.int64)
+        b = cu.numel() - 1
+        self.seqlen = (cu[1:] - cu[:-1]).to(torch.int32).view(b, 1, 1, 1)
+        self.q = (cu * (Hq * D)).view(b + 1, 1, 1, 1)
+        self.kv = (cu * (Hkv * D)).view(b + 1, 1, 1, 1)
+        self.stats = (cu * Hq).view(b + 1, 1, 1, 1)
+
+
+class _RaggedGraphs:
+    """Forward and backward graphs of bf16 causal ragged SDPA for b documents of at most s
+    tokens, T tokens in all. The graphs depend only on these shapes; the document lengths and
+    offsets are runtime tensors (RaggedOffsets), so one pair serves every batch of the shape."""
+
+    def __init__(self, b: int, s: int, T: int, Hq: int, Hkv: int, D: int, scale: float,
+                 ragged_stats: bool = False):
         c = _cudnn()
         self.h = handle()
-        b, s, Hq, Hkv, D = problem.n_docs, problem.max_len, problem.heads_q, problem.heads_kv, \
-            problem.head_dim
+        self.Hq, self.Hkv, self.D = Hq, Hkv, D
         BF16, FLOAT, I32, I64 = (c.data_type.BFLOAT16, c.data_type.FLOAT, c.data_type.INT32,
                                  c.data_type.INT64)
         qdim, qstr = [b, Hq, s, D], [s * Hq * D, D, Hq * D, 1]
@@ -141,15 +156,9 @@ class _RaggedGraphs:
         # softmax stats: dense (b, Hq, s_max, 1), or ragged "TH1" (T, Hq) with offsets cu * Hq
         self.sdim = [b, Hq, s, 1]
         sstr = [s * Hq, 1, Hq, 1] if ragged_stats else [Hq * s, s, 1, 1]
-        self.stats_shape = (problem.T, Hq) if ragged_stats else tuple(self.sdim)
+        self.stats_shape = (T, Hq) if ragged_stats else tuple(self.sdim)
         self.ragged_stats = ragged_stats
-        dev = cu_seqlens.device
-        self.seqlen = torch.tensor(problem.doc_lengths, dtype=torch.int32, device=dev).view(b, 1, 1, 1)
-        cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-        self.q_off = (cu * (Hq * D)).view(b + 1, 1, 1, 1).contiguous()
-        self.kv_off = (cu * (Hkv * D)).view(b + 1, 1, 1, 1).contiguous()
-        self.stats_off = (cu * Hq).view(b + 1, 1, 1, 1).contiguous()
-        max_t = ((problem.T + 63) // 64) * 64
+        max_t = ((T + 63) // 64) * 64
 
         def graph():
             return c.pygraph(io_data_type=BF16, intermediate_data_type=FLOAT,
@@ -171,7 +180,7 @@ class _RaggedGraphs:
             f[n + "_off"] = offset(gf, n + "_off")
         for n in ("q", "k", "v"):
             f[n].set_ragged_offset(f[n + "_off"])
-        base = dict(name="sdpa", q=f["q"], k=f["k"], v=f["v"], attn_scale=problem.scale,
+        base = dict(name="sdpa", q=f["q"], k=f["k"], v=f["v"], attn_scale=scale,
                     use_padding_mask=True, seq_len_q=f["seq_q"], seq_len_kv=f["seq_kv"])
         o, stats = _try_variants(gf.sdpa, _stats_variants(_causal_variants(base)), "pygraph.sdpa")
         _out(o, qdim, qstr, BF16)
@@ -192,7 +201,7 @@ class _RaggedGraphs:
             bt[n + "_off"] = offset(gb, n + "_off")
             bt[n].set_ragged_offset(bt[n + "_off"])
         base = dict(name="sdpa_backward", q=bt["q"], k=bt["k"], v=bt["v"], o=bt["o"], dO=bt["dO"],
-                    stats=bt["stats"], attn_scale=problem.scale, use_padding_mask=True,
+                    stats=bt["stats"], attn_scale=scale, use_padding_mask=True,
                     seq_len_q=bt["seq_q"], seq_len_kv=bt["seq_kv"])
         variants = _causal_variants(base)
         variants = [dict(kw, max_total_seq_len_q=max_t, max_total_seq_len_kv=max_t)
@@ -208,28 +217,66 @@ class _RaggedGraphs:
         self.gf, self.gb, self.f, self.bt = gf, gb, f, bt
         self.ws = max(int(gf.get_workspace_size()), int(gb.get_workspace_size()), 1)
 
+    def offsets(self, cu_seqlens) -> RaggedOffsets:
+        return RaggedOffsets(cu_seqlens, self.Hq, self.Hkv, self.D)
 
-def _ragged_graphs(problem: Problem, cu_seqlens) -> _RaggedGraphs:
-    """Dense softmax stats first (the long-standing layout), ragged (T, Hq) stats if refused."""
-    try:
-        return _RaggedGraphs(problem, cu_seqlens, ragged_stats=False)
-    except Exception as first:
+    def forward(self, q, k, v, off: RaggedOffsets):
+        """(o, softmax stats, workspace) of packed q (T, Hq, D), k, v (T, Hkv, D)."""
+        import torch
+
+        f = self.f
+        o = torch.empty_like(q)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
+        ws = torch.empty(self.ws, dtype=torch.uint8, device=q.device)
+        pack = {f["q"]: q, f["k"]: k, f["v"]: v, f["o"]: o, f["stats"]: stats,
+                f["seq_q"]: off.seqlen, f["seq_kv"]: off.seqlen,
+                f["q_off"]: off.q, f["k_off"]: off.kv, f["v_off"]: off.kv, f["o_off"]: off.q}
+        if "stats_off" in f:
+            pack[f["stats_off"]] = off.stats
+        self.gf.execute(pack, ws, handle=self.h)
+        return o, stats, ws
+
+    def backward(self, q, k, v, o, do, stats, off: RaggedOffsets, ws=None):
+        """(dq, dk, dv) for the forward's o and stats and the output gradient do (T, Hq, D)."""
+        import torch
+
+        bt = self.bt
+        if ws is None:
+            ws = torch.empty(self.ws, dtype=torch.uint8, device=q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pack = {bt["q"]: q, bt["k"]: k, bt["v"]: v, bt["o"]: o, bt["dO"]: do,
+                bt["stats"]: stats, bt["dQ"]: dq, bt["dK"]: dk, bt["dV"]: dv,
+                bt["seq_q"]: off.seqlen, bt["seq_kv"]: off.seqlen,
+                bt["q_off"]: off.q, bt["k_off"]: off.kv, bt["v_off"]: off.kv,
+                bt["o_off"]: off.q, bt["dO_off"]: off.q}
+        if "stats_off" in bt:
+            pack[bt["stats_off"]] = off.stats
+        self.gb.execute(pack, ws, handle=self.h)
+        return dq, dk, dv
+
+
+def ragged_graphs(b: int, s: int, T: int, Hq: int, Hkv: int, D: int, scale: float, device):
+    """The cached graph pair for these shapes: dense softmax stats first (the long-standing
+    layout), ragged (T, Hq) stats if cuDNN refuses them."""
+    def build():
         try:
-            return _RaggedGraphs(problem, cu_seqlens, ragged_stats=True)
-        except Exception as second:
-            raise RuntimeError(f"cuDNN ragged graphs: with dense stats: {_short(first, 250)}; "
-                               f"with ragged stats: {_short(second, 250)}") from second
+            return _RaggedGraphs(b, s, T, Hq, Hkv, D, scale, ragged_stats=False)
+        except Exception as first:
+            try:
+                return _RaggedGraphs(b, s, T, Hq, Hkv, D, scale, ragged_stats=True)
+            except Exception as second:
+                raise RuntimeError(f"cuDNN ragged graphs: with dense stats: {_short(first, 250)}; "
+                                   f"with ragged stats: {_short(second, 250)}") from second
+    return _cached("ragged", (b, s, T, Hq, Hkv, D, float(scale)), device, build)
 
 
 class CudnnRaggedBF16(Bound):
     def __init__(self, problem: Problem, inputs: Inputs, n_copies: int = 1):
-        g = _cached("ragged", problem, inputs.q.device,
-                    lambda: _ragged_graphs(problem, inputs.cu_seqlens))
-        self.h, self.gf, self.gb, self.f, self.bt, self.ws = g.h, g.gf, g.gb, g.f, g.bt, g.ws
-        self.seqlen, self.q_off, self.kv_off = g.seqlen, g.q_off, g.kv_off
-        self.stats_off, self.stats_shape = g.stats_off, g.stats_shape
+        self.g = ragged_graphs(problem.n_docs, problem.max_len, problem.T, problem.heads_q,
+                               problem.heads_kv, problem.head_dim, problem.scale, inputs.q.device)
+        self.off = self.g.offsets(inputs.cu_seqlens)
         self.notes = ["THD ragged offsets, padding mask, native GQA"] + (
-            ["ragged softmax stats"] if g.ragged_stats else [])
+            ["ragged softmax stats"] if self.g.ragged_stats else [])
         if n_copies == 1:
             self.copies = [(inputs.q, inputs.k, inputs.v, inputs.dout)]
         else:
@@ -237,42 +284,14 @@ class CudnnRaggedBF16(Bound):
                            for _ in range(n_copies)]
         self.n_copies = n_copies
 
-    def _fwd(self, i):
-        import torch
-
-        q, k, v, _ = self.copies[i]
-        f = self.f
-        o = torch.empty_like(q)
-        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
-        ws = torch.empty(self.ws, dtype=torch.uint8, device=q.device)
-        pack = {f["q"]: q, f["k"]: k, f["v"]: v, f["o"]: o, f["stats"]: stats,
-                f["seq_q"]: self.seqlen, f["seq_kv"]: self.seqlen,
-                f["q_off"]: self.q_off, f["k_off"]: self.kv_off, f["v_off"]: self.kv_off,
-                f["o_off"]: self.q_off}
-        if "stats_off" in f:
-            pack[f["stats_off"]] = self.stats_off
-        self.gf.execute(pack, ws, handle=self.h)
-        return o, stats, ws
-
     def _fwdbwd(self, i):
-        import torch
-
         q, k, v, do = self.copies[i]
-        o, stats, ws = self._fwd(i)
-        bt = self.bt
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        pack = {bt["q"]: q, bt["k"]: k, bt["v"]: v, bt["o"]: o, bt["dO"]: do,
-                bt["stats"]: stats, bt["dQ"]: dq, bt["dK"]: dk, bt["dV"]: dv,
-                bt["seq_q"]: self.seqlen, bt["seq_kv"]: self.seqlen,
-                bt["q_off"]: self.q_off, bt["k_off"]: self.kv_off,
-                bt["v_off"]: self.kv_off, bt["o_off"]: self.q_off, bt["dO_off"]: self.q_off}
-        if "stats_off" in bt:
-            pack[bt["stats_off"]] = self.stats_off
-        self.gb.execute(pack, ws, handle=self.h)
-        return o, dq, dk, dv
+        o, stats, ws = self.g.forward(q, k, v, self.off)
+        return (o,) + self.g.backward(q, k, v, o, do, stats, self.off, ws)
 
     def fwd(self, i):
-        self._fwd(i)
+        q, k, v, _ = self.copies[i]
+        self.g.forward(q, k, v, self.off)
 
     def fwdbwd(self, i):
         self._fwdbwd(i)
@@ -462,3 +481,83 @@ class CudnnFp8Dense(Bound):
 
     def close(self):
         self.copies = None
+
+
+# ---------------------------------------------------------------------------------------------
+# cuDNN ragged bf16 attention as a differentiable function: a training baseline
+# (`flamia train-check` run "cudnn"), the same graphs as the benchmark's "cudnn" row.
+# ---------------------------------------------------------------------------------------------
+
+GRAPH_BUILDS = {"count": 0, "seconds": 0.0}   # graph pairs built for training calls so far
+_FUNCTION = None
+
+
+def _seq_bucket(max_seqlen: int) -> int:
+    """The graph's per-document length s: the next power of two (>= 64), so that batches with
+    different longest documents share graphs (the lengths themselves are runtime tensors)."""
+    s = 64
+    while s < max_seqlen:
+        s *= 2
+    return s
+
+
+def _ragged_function():
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class CudnnRaggedAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+            import time
+            shapes = (cu_seqlens.numel() - 1, _seq_bucket(max_seqlen), q.shape[0], q.shape[1],
+                      k.shape[1], q.shape[2], float(scale))
+            new = ("ragged", shapes, str(q.device)) not in _GRAPHS
+            t0 = time.perf_counter()
+            g = ragged_graphs(*shapes, q.device)
+            if new:
+                GRAPH_BUILDS["count"] += 1
+                GRAPH_BUILDS["seconds"] += time.perf_counter() - t0
+            off = g.offsets(cu_seqlens)
+            o, stats, _ = g.forward(q, k, v, off)
+            ctx.save_for_backward(q, k, v, o, stats)
+            ctx.graphs, ctx.off = g, off
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, stats = ctx.saved_tensors
+            dq, dk, dv = ctx.graphs.backward(q, k, v, o, do.contiguous(), stats, ctx.off)
+            return dq, dk, dv, None, None, None
+
+    _FUNCTION = CudnnRaggedAttention
+    return _FUNCTION
+
+
+def cudnn_ragged_varlen(q, k, v, cu_seqlens, max_seqlen: int, causal: bool = True,
+                        softmax_scale: float | None = None):
+    """Causal bf16 attention over packed documents by cuDNN (ragged THD graphs), differentiable:
+    q (T, Hq, D), k / v (T, Hkv, D) bf16 on CUDA, int32 cu_seqlens. Returns (T, Hq, D).
+
+    One graph pair per (number of documents, power-of-two bucket of the longest one, T, heads,
+    D, scale), built on first use and cached; GRAPH_BUILDS counts them and their build time."""
+    import torch
+
+    if not causal:
+        raise NotImplementedError("cudnn_ragged_varlen: causal attention only")
+    if not q.is_cuda:
+        raise ValueError("cudnn_ragged_varlen: q, k, v must be CUDA tensors (cuDNN)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"cudnn_ragged_varlen: {name} must be bfloat16, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"cudnn_ragged_varlen: {name} must be (T, H, D), got {tuple(t.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"cudnn_ragged_varlen: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} are not packed self-attention with GQA")
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _ragged_function().apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                    cu_seqlens.to(device=q.device, dtype=torch.int32),
+                                    int(max_seqlen), scale)

@@ -56,7 +56,8 @@ PREFIX = "flamia_"
 EXACT_NAME = "flamia_torch_exact"
 
 __all__ = [
-    "register", "register_all", "register_exact", "make_attention_function", "mask_function",
+    "register", "register_all", "register_exact", "register_varlen", "make_attention_function",
+    "mask_function",
     "Packing", "resolve_packing", "attention_forward", "registered_name", "exact_backend",
     "torch_exact_varlen", "PREFIX", "EXACT_NAME",
 ]
@@ -453,6 +454,16 @@ def register(name: str | None = "flamia_fp8", recipe="fp8", check_finite: bool =
 def register_all(check_finite: bool = True, deterministic: bool = False) -> dict[str, str]:
     """Register every recipe as "flamia_<recipe>"; returns {recipe: name}."""
     return {r: register(registered_name(r), r, check_finite, deterministic) for r in RECIPES}
+
+
+def register_varlen(name: str, varlen: Callable) -> str:
+    """Register any packed attention `varlen(q, k, v, cu_seqlens, max_seqlen, causal,
+    softmax_scale) -> (T, Hq, D)` under `name`, with flamia's packing rules (e.g. a bf16
+    baseline such as cuDNN's ragged attention, to train the same model with it)."""
+    def varlen_attention(module, query, key, value, attention_mask, **kwargs):
+        return attention_forward(module, query, key, value, attention_mask, varlen=varlen,
+                                 **kwargs)
+    return _register(name, varlen_attention)
 
 
 def register_exact(name: str = EXACT_NAME) -> str:

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longer files are cut into documents of at most this many tokens (2048; tiny 128)")
     p.add_argument("--runs", default=None,
                    help=f"comma list of runs: a recipe name, 'torch' (torch's exact bf16 varlen "
-                        f"attention), optional _seed<N> suffix (default {DEFAULT_RUNS}; tiny {TINY_RUNS})")
+                        f"attention), 'cudnn' (cuDNN bf16 ragged attention; CUDA), optional "
+                        f"_seed<N> suffix (default {DEFAULT_RUNS}; tiny {TINY_RUNS})")
     p.add_argument("--out", default="train_check_results", help="output directory")
     p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (2e-3)")
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                         ("kv-heads", "key/value heads"), ("head-dim", "head dim (64 or 128)"),
                         ("intermediate", "SwiGLU intermediate size")):
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {help_}")
+    p.add_argument("--time-rounds", type=int, default=None,
+                   help="after the runs, time the training step of every non-leaky run's attention "
+                        "interleaved on one model, this many rounds (5; tiny 1; 0: off)")
+    p.add_argument("--time-steps", type=int, default=None,
+                   help="batches per attention and round of that timing (8; tiny 2)")
     p.add_argument("--no-amp", action="store_true", help="fp32 without bf16 autocast")
     return p
 
@@ -101,6 +107,8 @@ def config_from_args(args):
         val_batches=pick(args.val_batches, 8, 2),
         log_every=pick(args.log_every, 10, 1),
         timing_skip=2 if tiny else 5,
+        time_rounds=pick(args.time_rounds, 5, 1),
+        time_steps=pick(args.time_steps, 8, 2),
         data_seed=args.data_seed,
         init_seed=args.seed,
         exact=args.exact,

@@ -22,7 +22,7 @@ from .model import (ModelSize, batch_to_device, build_model, count_parameters, l
 class RunSpec:
     """One training run: which attention trains the model, and the init seed."""
     name: str
-    attention: str      # "flamia:<recipe>" or "torch" (torch's exact varlen attention)
+    attention: str      # "flamia:<recipe>", "torch" (torch's exact varlen) or "cudnn" (ragged)
     seed_offset: int = 0
 
     @property
@@ -38,7 +38,8 @@ def parse_runs(text: str) -> list[RunSpec]:
     """'bf16,fp8,fp8_mixed,fp8_tensorwise,bf16_seed1' -> RunSpecs.
 
     <recipe> trains with flamia's recipe; 'torch' with torch's exact bf16 varlen attention
-    (FlashAttention-2 varlen on CUDA); a '_seed<N>' suffix offsets the init seed by N (same data).
+    (FlashAttention-2 varlen on CUDA); 'cudnn' with cuDNN's bf16 ragged attention (CUDA and
+    cudnn-frontend only); a '_seed<N>' suffix offsets the init seed by N (same data).
     """
     runs = []
     for tok in (t.strip() for t in text.split(",")):
@@ -50,9 +51,11 @@ def parse_runs(text: str) -> list[RunSpec]:
             runs.append(RunSpec(tok, f"flamia:{base}", seed))
         elif base in ("torch", "torch_bf16"):
             runs.append(RunSpec(tok, "torch", seed))
+        elif base == "cudnn":
+            runs.append(RunSpec(tok, "cudnn", seed))
         else:
             raise ValueError(f"unknown run {tok!r}: use a recipe ({', '.join(RECIPES)}), 'torch', "
-                             "optionally with a _seed<N> suffix")
+                             "'cudnn', optionally with a _seed<N> suffix")
     if len({r.name for r in runs}) != len(runs):
         raise ValueError(f"duplicate run names in {text!r}")
     return runs
@@ -64,7 +67,20 @@ def attention_names(check_finite: bool = False) -> dict[str, str]:
     names = {f"flamia:{r}": hf.register(f"flamia_train_{r}", r, check_finite=check_finite)
              for r in RECIPES}
     names["torch"] = hf.register_exact()
+    from ..bench.cudnn_graphs import cudnn_ragged_varlen
+    names["cudnn"] = hf.register_varlen("flamia_baseline_cudnn_ragged", cudnn_ragged_varlen)
     return names
+
+
+def check_runs_can_run(runs: list[RunSpec], device: torch.device) -> None:
+    """Fail before any training when a run's attention cannot run here."""
+    if any(r.attention == "cudnn" for r in runs):
+        if device.type != "cuda":
+            raise ValueError("run 'cudnn' (cuDNN ragged attention) needs a CUDA device")
+        import importlib.util
+        if importlib.util.find_spec("cudnn") is None:    # the cudnn-frontend package
+            raise ValueError("run 'cudnn' needs the cudnn-frontend package "
+                             "(pip install nvidia-cudnn-frontend)")
 
 
 # ----------------------------------------------------------------------------- config
@@ -90,6 +106,8 @@ class TrainConfig:
     init_seed: int = 0
     log_every: int = 10
     timing_skip: int = 5             # first steps excluded from tokens/s (compilation, autotune)
+    time_rounds: int = 5             # interleaved step timing after the runs (0: off)
+    time_steps: int = 8              # batches per attention and round of that timing
     exact: str = "torch"             # exact evaluator: "torch" or "flamia:bf16"
     amp: bool = True
     device: str = "auto"
@@ -207,6 +225,24 @@ def _optimizer(model, cfg: TrainConfig, device):
     return torch.optim.AdamW(groups, **kw)
 
 
+def train_step(model, opt, batch, lr: float, cfg: TrainConfig, device) -> tuple:
+    """One optimizer step on one packed batch: (loss, grad norm, seconds). The time runs from
+    an idle device to the step's last kernel (host-to-device copy of the batch included)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    _sync(device)
+    t0 = time.perf_counter()
+    b = batch_to_device(batch, device)
+    loss = loss_sum(model, b, cfg.amp) / b["n_targets"]
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss_v, gnorm_v = loss.detach().item(), gnorm.item()    # syncs
+    _sync(device)
+    return loss_v, gnorm_v, time.perf_counter() - t0
+
+
 def train_run(spec: RunSpec, cfg: TrainConfig, data: Data, names: dict, device,
               log=print, deadline: float | None = None) -> dict:
     """Train one model from scratch; returns its curves, evaluations, timings and status."""
@@ -234,21 +270,8 @@ def train_run(spec: RunSpec, cfg: TrainConfig, data: Data, names: dict, device,
             rec["status"] = "timeout"
             log(f"[{spec.name}] time limit reached after {step} steps: stopping this run")
             break
-        batch = data.train_steps[step]
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        _sync(device)
-        t0 = time.perf_counter()
-        b = batch_to_device(batch, device)
-        loss = loss_sum(model, b, cfg.amp) / b["n_targets"]
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v, gnorm_v = loss.detach().item(), gnorm.item()    # syncs
-        _sync(device)
-        dt = time.perf_counter() - t0
+        loss_v, gnorm_v, dt = train_step(model, opt, data.train_steps[step], lr, cfg, device)
         rec["step"].append(step + 1)
         rec["train_loss"].append(loss_v)
         rec["lr"].append(lr)
@@ -297,6 +320,63 @@ def train_run(spec: RunSpec, cfg: TrainConfig, data: Data, names: dict, device,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rec
+
+
+BF16_ATTENTIONS = ("flamia:bf16", "torch", "cudnn")   # exact bf16 attention: the speed baselines
+
+
+def time_steps(cfg: TrainConfig, data: Data, runs: list[RunSpec], names: dict, device,
+               log=print) -> dict | None:
+    """Training-step time of each non-leaky run's attention, measured interleaved on one model.
+
+    The per-run tokens/s of train_run come from runs minutes apart, and two identical bf16 runs
+    differ by ~1 % there. Here one model (the runs' init seed) takes steps on the same
+    cfg.time_steps batches with each attention in turn: one warm-up pass per attention
+    (compilation, autotuning, cuDNN graphs), then cfg.time_rounds rounds, the order rotated per
+    round. Returns per attention the median step time and tokens/s, and the fastest exact bf16
+    attention (BF16_ATTENTIONS) among them."""
+    atts = []
+    for r in runs:
+        if not r.leaky and r.attention not in atts:
+            atts.append(r.attention)
+    if cfg.time_rounds <= 0 or not atts:
+        return None
+    label = {a: next(r.name for r in runs if r.attention == a) for a in atts}
+    batches = data.train_steps[:max(1, cfg.time_steps)]
+    model = build_model(cfg.model, cfg.max_doc_len, cfg.init_seed, device, names[atts[0]])
+    model.train()
+    opt = _optimizer(model, cfg, device)
+    lr = cfg.lr * cfg.min_lr_ratio
+    log(f"=== step timing: {', '.join(label[a] for a in atts)}; {len(batches)} batches x "
+        f"{cfg.time_rounds} rounds each, interleaved, one model ===")
+    times = {a: [] for a in atts}
+    for rnd in range(-1, cfg.time_rounds):            # round -1: warm-up, not recorded
+        k = max(rnd, 0) % len(atts)
+        for a in atts[k:] + atts[:k]:
+            set_attention(model, names[a])
+            for batch in batches:
+                loss_v, _, dt = train_step(model, opt, batch, lr, cfg, device)
+                if not math.isfinite(loss_v):
+                    raise FloatingPointError(f"step timing: non-finite loss with {a}")
+                if rnd >= 0:
+                    times[a].append(dt)
+    out = {}
+    for a in atts:
+        med = statistics.median(times[a])
+        out[a] = {"run": label[a], "median_s": med, "tokens_per_s": cfg.tokens_per_step / med,
+                  "min_s": min(times[a]), "n": len(times[a])}
+    bf16 = [a for a in atts if a in BF16_ATTENTIONS]
+    fastest = min(bf16, key=lambda a: out[a]["median_s"]) if bf16 else None
+    for a in atts:
+        rel = (f"  {out[fastest]['median_s'] / out[a]['median_s']:.3f}x the fastest bf16 "
+               f"({label[fastest]})" if fastest else "")
+        log(f"[timing] {label[a]:>12s} ({a}): {out[a]['median_s'] * 1e3:.2f} ms/step, "
+            f"{out[a]['tokens_per_s']:,.0f} tok/s{rel}")
+    del opt, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"rounds": cfg.time_rounds, "batches": len(batches), "lr": lr,
+            "attentions": out, "fastest_bf16": fastest}
 
 
 def environment(device) -> dict:
@@ -373,6 +453,7 @@ def run_check(cfg: TrainConfig, runs: list[RunSpec], log=print, on_progress=None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    check_runs_can_run(runs, device)
     names = attention_names(check_finite=False)
     if cfg.exact not in names:
         raise ValueError(f"unknown exact evaluator {cfg.exact!r}: use 'torch' or 'flamia:bf16'")
@@ -401,7 +482,20 @@ def run_check(cfg: TrainConfig, runs: list[RunSpec], log=print, on_progress=None
             continue
         log(f"=== run {spec.name}: attention {spec.attention}, init seed "
             f"{cfg.init_seed + spec.seed_offset} ===")
-        rec = train_run(spec, cfg, data, names, device, log, deadline)
+        try:
+            rec = train_run(spec, cfg, data, names, device, log, deadline)
+        except Exception as e:   # one broken attention must not cost the other runs
+            import traceback
+            log(traceback.format_exc())
+            log(f"=== run {spec.name}: FAILED ({type(e).__name__}: {e}); going on ===")
+            results["skipped"].append(spec.name)
+            results.setdefault("errors", {})[spec.name] = f"{type(e).__name__}: {e}"
+            continue
+        if spec.attention == "cudnn":
+            from ..bench.cudnn_graphs import GRAPH_BUILDS
+            rec["cudnn_graph_builds"] = dict(GRAPH_BUILDS)
+            log(f"[{spec.name}] cuDNN graph pairs built so far: {GRAPH_BUILDS['count']} "
+                f"({GRAPH_BUILDS['seconds']:.1f} s, inside the steps that built them)")
         results["results"][spec.name] = rec
         log(f"[{spec.name}] done in {rec['wall_s']:.0f}s (eval {rec['eval_wall_s']:.0f}s): "
             f"{rec['tokens_per_s'] or 0:,.0f} tok/s, status {rec['status']}; "
@@ -410,5 +504,11 @@ def run_check(cfg: TrainConfig, runs: list[RunSpec], log=print, on_progress=None
         results["total_wall_s"] = time.perf_counter() - t0
         if on_progress is not None:
             on_progress(results)
+    if deadline is not None and time.perf_counter() > deadline:
+        log("step timing: skipped (time limit reached)")
+    else:
+        failed = results.get("errors", {})
+        results["step_timing"] = time_steps(cfg, data, [r for r in runs if r.name not in failed],
+                                            names, device, log)
     results["total_wall_s"] = time.perf_counter() - t0
     return results

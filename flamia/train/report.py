@@ -15,6 +15,9 @@ Verdict rules (all on the final validation loss, nats per byte-token):
   same batch, after warmup -- the data order is identical, so batch difficulty cancels; for the
   reference itself, 50 % above its own trailing median of 20 steps); not diverging (mean loss of
   the last 10 % of steps not more than 5 % above the best such window).
+- speed (reported, not part of pass / fail): the training step of each non-leaky run's attention
+  timed interleaved on one model (loop.time_steps), against the fastest exact bf16 attention
+  among them (flamia bf16, torch varlen, cuDNN ragged).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def _reference(results: dict, order: list[str]) -> str | None:
         return "bf16"
     for n in order:
         r = results[n]
-        if not r["leaky"] and (r["recipe"] == "bf16" or r["attention"] == "torch"):
+        if not r["leaky"] and (r["recipe"] == "bf16" or r["attention"] in ("torch", "cudnn")):
             return n
     return order[0] if order else None
 
@@ -144,7 +147,8 @@ def verdict(results: dict) -> dict:
     skipped = list(results.get("skipped") or [])
     overall = bool(candidates) and all(per_run[n]["pass"] for n in candidates) and not skipped
     return {"reference": ref_name, "seed_runs": seeds, "seed_spread": spread, "tolerance": tol,
-            "leak_tolerance": leak_tol, "runs": per_run, "skipped": skipped, "pass": overall}
+            "leak_tolerance": leak_tol, "runs": per_run, "skipped": skipped, "pass": overall,
+            "speed_vs_fastest_bf16": speed(results.get("step_timing"))}
 
 
 def _fmt(x, spec=".4f"):
@@ -181,13 +185,48 @@ def table(results: dict, v: dict) -> str:
             f"{p['stability']['summary']} | {_fmt(p['tokens_per_s'], ',.0f')} | "
             f"{_fmt(p['speedup_vs_ref'], '.3f')}x | {verdict_s} |")
     lines.append("")
-    if v.get("skipped"):
-        lines.append(f"skipped (time limit): {', '.join(v['skipped'])}")
+    errors = results.get("errors") or {}
+    for n, msg in errors.items():
+        lines.append(f"FAILED run {n}: {msg}")
+    late = [n for n in v.get("skipped", []) if n not in errors]
+    if late:
+        lines.append(f"skipped (time limit): {', '.join(late)}")
     timed_out = [n for n in v["runs"] if runs[n]["status"] == "timeout"]
     if timed_out:
         lines.append(f"stopped by the time limit: {', '.join(timed_out)}")
     lines.append(f"overall (non-leaky runs): {'PASS' if v['pass'] else 'FAIL'}")
+    lines += timing_table(results.get("step_timing"))
     return "\n".join(lines)
+
+
+def speed(timing: dict | None) -> dict | None:
+    """From the interleaved step timing: each attention's step time against the fastest exact
+    bf16 attention's (> 1: faster)."""
+    if not timing or not timing.get("fastest_bf16"):
+        return None
+    att = timing["attentions"]
+    base = att[timing["fastest_bf16"]]["median_s"]
+    return {a: base / t["median_s"] for a, t in att.items()}
+
+
+def timing_table(timing: dict | None) -> list:
+    if not timing:
+        return []
+    rel = speed(timing) or {}
+    fastest = timing.get("fastest_bf16")
+    name = timing["attentions"][fastest]["run"] if fastest else None
+    lines = ["", f"Training step, timed interleaved on one model ({timing['rounds']} rounds x "
+                 f"{timing['batches']} batches per attention, after a warm-up pass; median):", "",
+             "| run | attention | ms / step | tokens / s | vs fastest bf16 attention |",
+             "| --- | --- | --- | --- | --- |"]
+    for a, t in timing["attentions"].items():
+        mark = " (fastest bf16)" if a == fastest else ""
+        lines.append(f"| {t['run']} | {a} | {t['median_s'] * 1e3:.2f} | {t['tokens_per_s']:,.0f} | "
+                     f"{_fmt(rel.get(a), '.3f')}x{mark} |")
+    if name:
+        lines.append("")
+        lines.append(f"fastest exact bf16 attention: {name} ({fastest})")
+    return lines
 
 
 def _ema(xs, alpha):

@@ -154,10 +154,19 @@ def main():
                     help="the training forward alone (inputs require grad, nothing backward)")
     ap.add_argument("--gaps", action="store_true",
                     help="also: GPU idle gaps between kernels of back-to-back calls, host syncs")
+    ap.add_argument("--docs", default=None,
+                    help="one workload from flags instead (flamia bench --docs syntax), e.g. "
+                         "'2048x14,1024x4' with --heads 8/2 --head-dim 64: train-check's shape")
+    ap.add_argument("--heads", default="32/8", help="with --docs: HQ/HKV")
+    ap.add_argument("--head-dim", type=int, default=128, help="with --docs")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     report = []
-    workloads, _ = load_workloads()
+    if args.docs:
+        from flamia.bench.workloads import workload_from_flags
+        workloads = [workload_from_flags(args.docs, args.heads, args.head_dim, name="docs")]
+    else:
+        workloads, _ = load_workloads()
     for w in workloads:
         if only and w.name not in only:
             continue

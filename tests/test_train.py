@@ -192,6 +192,13 @@ def test_verdict_rules():
     assert not v["pass"]                                            # "bad" fails the check
     text = report.table(results, v)
     assert "control: leak DETECTED" in text and "FAIL" in text
+    # another exact bf16 attention, same seed: its distance to the reference is noise too
+    results["runs"].append("torch")
+    results["results"]["torch"] = _fake("torch", "torch", 2.10, 2.10)
+    v = report.verdict(results)
+    assert v["exact_bf16_runs"] == ["torch"] and v["exact_bf16_spread"] == pytest.approx(0.10)
+    assert v["seed_spread"] == pytest.approx(0.01) and v["tolerance"] == pytest.approx(0.10)
+    assert v["runs"]["torch"]["role"] == "exact bf16" and v["runs"]["bad"]["quality_ok"]
 
 
 def test_verdict_nan_and_spike():

@@ -12,6 +12,7 @@ import torch
 
 from ..recipes import RECIPES
 from . import data as D
+from .report import EXACT_BF16
 from .model import (ModelSize, batch_to_device, build_model, count_parameters, loss_sum,
                     set_attention)
 
@@ -322,9 +323,6 @@ def train_run(spec: RunSpec, cfg: TrainConfig, data: Data, names: dict, device,
     return rec
 
 
-BF16_ATTENTIONS = ("flamia:bf16", "torch", "cudnn")   # exact bf16 attention: the speed baselines
-
-
 def time_steps(cfg: TrainConfig, data: Data, runs: list[RunSpec], names: dict, device,
                log=print) -> dict | None:
     """Training-step time of each non-leaky run's attention, measured interleaved on one model.
@@ -334,7 +332,7 @@ def time_steps(cfg: TrainConfig, data: Data, runs: list[RunSpec], names: dict, d
     cfg.time_steps batches with each attention in turn: one warm-up pass per attention
     (compilation, autotuning, cuDNN graphs), then cfg.time_rounds rounds, the order rotated per
     round. Returns per attention the median step time and tokens/s, and the fastest exact bf16
-    attention (BF16_ATTENTIONS) among them."""
+    attention (report.EXACT_BF16) among them."""
     atts = []
     for r in runs:
         if not r.leaky and r.attention not in atts:
@@ -365,7 +363,7 @@ def time_steps(cfg: TrainConfig, data: Data, runs: list[RunSpec], names: dict, d
         med = statistics.median(times[a])
         out[a] = {"run": label[a], "median_s": med, "tokens_per_s": cfg.tokens_per_step / med,
                   "min_s": min(times[a]), "n": len(times[a])}
-    bf16 = [a for a in atts if a in BF16_ATTENTIONS]
+    bf16 = [a for a in atts if a in EXACT_BF16]
     fastest = min(bf16, key=lambda a: out[a]["median_s"]) if bf16 else None
     for a in atts:
         rel = (f"  {out[fastest]['median_s'] / out[a]['median_s']:.3f}x the fastest bf16 "

@@ -23,7 +23,7 @@ def test_cudnn_ragged_varlen_matches_fp32_per_document(D):
     g = torch.Generator(device=dev).manual_seed(D)
     Hq, Hkv = 8, 2
     builds = CG.GRAPH_BUILDS["count"]
-    for lengths in ([1000, 37, 2048, 513, 1], [7, 2000, 1024, 1500, 68]):   # same T, 5 docs
+    for lengths in ([1000, 37, 2048, 513, 1], [7, 2000, 1024, 500, 68]):   # same T, 5 docs
         T = sum(lengths)
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
                           device=dev)

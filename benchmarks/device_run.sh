@@ -11,7 +11,7 @@
 # FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward; correctness at head dims FWD_DIMS, 128), fwd-cands (Triton forward FP8 configs
 # FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
 # benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs
-# of back-to-back calls, GAP_WORKLOADS), host (cProfile
+# of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile
 # of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
 # the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
@@ -99,7 +99,7 @@ for spec in "$@"; do
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     gaps) run_stage "$name" "$secs" python benchmarks/profile_call.py --gaps \
              --only "${GAP_WORKLOADS:-doc32k,doc8k_x4,doc512_x64,d64_doc8k_x4}" ;;
-    host) run_stage "$name" "$secs" python benchmarks/host_profile.py ;;
+    host) run_stage "$name" "$secs" python benchmarks/host_profile.py ${HOST_ARGS:-} ;;
     ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py

@@ -2,6 +2,7 @@
 
     python benchmarks/host_profile.py                         # doc512_x64, fp8, fwd+bwd
     python benchmarks/host_profile.py --only doc2k_x16 --forward-only --top 40
+    python benchmarks/host_profile.py --docs 2048x14,1024x4 --heads 8/2 --head-dim 64   # train-check
 
 benchmarks/profile_call.py measures the host issue time per call (1.9-2.9 ms per fp8 fwd+bwd
 on the H200 machine's CPU, session 5) against the kernels' GPU time; at doc512_x64 the two are
@@ -36,8 +37,17 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--docs", default=None,
+                    help="one workload from flags instead (flamia bench --docs syntax)")
+    ap.add_argument("--heads", default="32/8", help="with --docs: HQ/HKV")
+    ap.add_argument("--head-dim", type=int, default=128, help="with --docs")
     args = ap.parse_args()
-    workloads, _ = load_workloads()
+    if args.docs:
+        from flamia.bench.workloads import workload_from_flags
+        workloads = [workload_from_flags(args.docs, args.heads, args.head_dim, name="docs")]
+        args.only = "docs"
+    else:
+        workloads, _ = load_workloads()
     for w in workloads:
         if w.name not in args.only.split(","):
             continue

@@ -6,8 +6,8 @@ import torch
 
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
-from flamia.ops.kmajor import (kmajor_copy, kmajor_layout, mma_key_order_host, mma_order16_host,
-                               padded_columns)
+from flamia.ops.kmajor import (kmajor_copies, kmajor_copy, kmajor_layout, mma_key_order_host,
+                               mma_order16_host, padded_columns)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
 
@@ -99,6 +99,33 @@ def test_padded_copy_in_mma_order():
     assert torch.equal(keyed, plain[:, :, mma_order16_host(torch.arange(Tp))])
     doc_of_col = torch.bucketize(torch.arange(Tp), pcu[1:].long(), right=True)
     assert torch.equal(doc_of_col, doc_of_col[mma_order16_host(torch.arange(Tp))])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_copies_in_one_launch_equal_the_separate_copies(n):
+    """kmajor_copies (the backward's dO, q, k copies in one launch): byte for byte what the
+    separate copies write, with different head counts, strides and orders per copy, every
+    column written (poisoned destinations)."""
+    lengths = (37, 0, 16, 1, 50)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, D = sum(lengths), 16
+    _, tok_of_col, Tp = kmajor_layout(cu, T)
+    g = torch.Generator().manual_seed(n)
+    heads, orders = (3, 3, 1)[:n], (True, False, False)[:n]
+    # the third source is a strided (T, H, D) view: token stride larger than H * D
+    srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in heads[:2]]
+    if n == 3:
+        srcs.append(torch.randint(1, 256, (T, 2, D), generator=g, dtype=torch.uint8)[:, :1])
+    want = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
+    got = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
+    for src, dst, order in zip(srcs, want, orders):
+        kmajor_copy(src, dst, tok_of_col, block_c=16, mma_order=order)
+    kmajor_copies(list(zip(srcs, got, orders)), tok_of_col, block_c=16)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="same D and Tp"):
+        kmajor_copies([(srcs[0], got[0], False), (srcs[1], got[1][:, :, :16].contiguous(), False)],
+                      tok_of_col)
 
 
 def test_bad_arguments():

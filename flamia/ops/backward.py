@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .kmajor import kmajor_copy, kmajor_layout, padded_columns
+from .kmajor import kmajor_copies, kmajor_copy, kmajor_layout, padded_columns
 from .layout import QuantizedQKV
 from .schedule import per_cu_seqlens
 
@@ -743,12 +743,12 @@ def launch_preprocess(st: BwdState) -> None:
     if st.recipe != 2:
         # K-major copies (every column written, pads zero): dO's from the bytes just stored,
         # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized); qT8 / doT8 in
-        # the key order of the dK/dV kernel that will read them
+        # the key order of the dK/dV kernel that will read them; all in one launch
         st.qT8_key_order, st.doT8_key_order = _dkdv_key_order(st)
-        kmajor_copy(st.do8, st.doT8, st.tok_of_col, mma_order=st.doT8_key_order)
+        copies = [(st.do8, st.doT8, st.doT8_key_order)]
         if st.recipe == 0:
-            kmajor_copy(st.q8, st.qT8, st.tok_of_col, mma_order=st.qT8_key_order)
-            kmajor_copy(st.k8, st.kT8, st.tok_of_col)
+            copies += [(st.q8, st.qT8, st.qT8_key_order), (st.k8, st.kT8, False)]
+        kmajor_copies(copies, st.tok_of_col)
 
 
 def _use_tma(st: BwdState) -> bool:

@@ -92,11 +92,11 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 
 @triton.jit
-def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
-                        D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
-                        MMA_ORDER: tl.constexpr):
+def _copy_columns(src, dst, tok_of_col, T, Tp, stride_t, h,
+                  D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
+                  MMA_ORDER: tl.constexpr):
+    """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :]."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    h = tl.program_id(1)
     d = tl.arange(0, D)
     if PLAIN:
         tok = mma_order16(c) if MMA_ORDER else c
@@ -109,6 +109,31 @@ def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
     tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=(c < Tp)[None, :])
 
 
+@triton.jit
+def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
+                        D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
+                        MMA_ORDER: tl.constexpr):
+    _copy_columns(src, dst, tok_of_col, T, Tp, stride_t, tl.program_id(1), D, BLOCK_C, PLAIN,
+                  MMA_ORDER)
+
+
+@triton.jit
+def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp,
+                          stride0, stride1, stride2, H0, H1,
+                          D: tl.constexpr, BLOCK_C: tl.constexpr, N: tl.constexpr,
+                          MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
+    """N (2 or 3) padded-layout copies in one launch: grid axis 1 runs over the heads of copy
+    0, then of copy 1, then of copy 2."""
+    h = tl.program_id(1)
+    if h < H0:
+        _copy_columns(src0, dst0, tok_of_col, T, Tp, stride0, h, D, BLOCK_C, False, MMA0)
+    elif (N == 2) or (h < H0 + H1):
+        _copy_columns(src1, dst1, tok_of_col, T, Tp, stride1, h - H0, D, BLOCK_C, False, MMA1)
+    else:
+        _copy_columns(src2, dst2, tok_of_col, T, Tp, stride2, h - H0 - H1, D, BLOCK_C, False,
+                      MMA2)
+
+
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
                 block_c: int = 64, mma_order: bool = False) -> torch.Tensor:
     """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
@@ -116,14 +141,9 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     mma_order=True: column c holds what column mma_order16(c) would (Tp a multiple of 16; the
     padded layout's documents start at multiples of 16, so every 16-column group stays in its
     document). src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
+    _check_copy(src, dst)
     T, H, D = src.shape
-    Hd, Dd, Tp = dst.shape
-    if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
-        raise ValueError(f"kmajor_copy: src {tuple(src.shape)} {src.dtype} -> dst "
-                         f"{tuple(dst.shape)} {dst.dtype}: need 1-byte types, same heads and D")
-    if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
-        raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
-                         "contiguous")
+    Tp = dst.shape[2]
     plain = tok_of_col is None
     if mma_order and Tp % 16:
         raise ValueError(f"kmajor_copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
@@ -134,6 +154,50 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
         src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, MMA_ORDER=bool(mma_order),
         num_warps=4)
     return dst
+
+
+def _check_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    T, H, D = src.shape
+    Hd, Dd, Tp = dst.shape
+    if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
+        raise ValueError(f"kmajor_copy: src {tuple(src.shape)} {src.dtype} -> dst "
+                         f"{tuple(dst.shape)} {dst.dtype}: need 1-byte types, same heads and D")
+    if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
+        raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
+                         "contiguous")
+
+
+def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
+    """Several kmajor_copy(src, dst, tok_of_col, mma_order=...) into the padded layout, in one
+    launch (the backward's dO, q and k copies: two launches fewer per call, which at short
+    documents are host time; benchmarks/NOTES.md session 14). copies: 1-3 (src, dst, mma_order)
+    with one D and one Tp; the results are those of the separate copies, byte for byte."""
+    copies = list(copies)
+    if not 1 <= len(copies) <= 3:
+        raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
+    for src, dst, _ in copies:
+        _check_copy(src, dst)
+    if len(copies) == 1:
+        src, dst, order = copies[0]
+        kmajor_copy(src, dst, tok_of_col, block_c=block_c, mma_order=order)
+        return
+    D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
+    if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
+        raise ValueError("kmajor_copies: every copy needs the same D and Tp")
+    if any(order for _, _, order in copies) and Tp % 16:
+        raise ValueError(f"kmajor_copies: mma_order needs Tp % 16 == 0 (Tp={Tp})")
+    heads = [src.shape[1] for src, _, _ in copies]
+    if Tp == 0 or sum(heads) == 0:
+        return
+    T = copies[0][0].shape[0]
+    padded = copies + [copies[-1]] * (3 - len(copies))     # unused slots: never taken
+    (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = padded
+    _kmajor_copies_kernel[(triton.cdiv(Tp, block_c), sum(heads))](
+        s0.view(torch.uint8), d0.view(torch.uint8), s1.view(torch.uint8), d1.view(torch.uint8),
+        s2.view(torch.uint8), d2.view(torch.uint8), tok_of_col, T, Tp,
+        s0.stride(0), s1.stride(0), s2.stride(0), heads[0], heads[1],
+        D=D, BLOCK_C=block_c, N=len(copies), MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2),
+        num_warps=4)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .kmajor import kmajor_copy
+from .kmajor import _check_copy, _copy_columns
 from .layout import QuantizedQKV
 from ..quant import hadamard
 from ..recipes import Recipe, get_recipe
@@ -115,8 +115,28 @@ def _max_combine(a, b):
 @triton.jit
 def _vcap_kernel(SV, VCAP, CU, T, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
     """vcap[h, i] = max(sv[h, j] for j in the document of i, j <= i if causal)."""
-    doc = tl.program_id(0)
-    h = tl.program_id(1)
+    _vcap_doc(SV, VCAP, CU, T, tl.program_id(0), tl.program_id(1), CAUSAL, BLOCK)
+
+
+@triton.jit
+def _vt_vcap_kernel(V8, VT8, SV, VCAP, CU, T, Tp, stride_t, HKV, N_COL_BLOCKS, N_DOCS,
+                    D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
+                    CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+    """The forward's two passes after quantization in one launch (one launch less per call:
+    host time at short documents): grid axis 1 < HKV copies v8 into the K-major vt8 (plain
+    layout, kmajor._copy_columns), the rest computes vcap (_vcap_doc); axis 0 is the column
+    block of a copy program and the document of a vcap program."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    if j < HKV:
+        if i < N_COL_BLOCKS:
+            _copy_columns(V8, VT8, VT8, T, Tp, stride_t, j, D, BLOCK_C, True, MMA_ORDER)
+    elif i < N_DOCS:
+        _vcap_doc(SV, VCAP, CU, T, i, j - HKV, CAUSAL, BLOCK)
+
+
+@triton.jit
+def _vcap_doc(SV, VCAP, CU, T, doc, h, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.load(CU + doc)
     end = tl.load(CU + doc + 1)
     src = SV + h.to(tl.int64) * T
@@ -210,11 +230,33 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
         D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
     if vt8 is not None:
         # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
-        # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor)
-        kmajor_copy(v8, vt8, mma_order=vt_mma_order)
-    compute_vcap(sv, cu_seqlens, causal, out=vcap)
+        # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor),
+        # with vcap in the same launch
+        _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal, vt_mma_order)
+    else:
+        compute_vcap(sv, cu_seqlens, causal, out=vcap)
     return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8,
                         vt8_mma_order=vt8 is not None and vt_mma_order)
+
+
+def _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal: bool, mma_order: bool,
+                 block_c: int = 64) -> None:
+    """kmajor_copy(v8, vt8, mma_order=mma_order) and compute_vcap(sv, ..., out=vcap) in one
+    launch: the same bytes and values as the two (tests/test_ops_forward.py)."""
+    _check_copy(v8, vt8)
+    T, Hkv, D = v8.shape
+    Tp = vt8.shape[2]
+    n_docs = cu_seqlens.numel() - 1
+    if mma_order and Tp % 16:
+        raise ValueError(f"vt8: mma_order needs Tp % 16 == 0 (Tp={Tp})")
+    n_cols = triton.cdiv(Tp, block_c)
+    if Hkv == 0 or max(n_cols, n_docs) == 0:
+        return
+    block = 64 if interpreting() else 1024
+    _vt_vcap_kernel[(max(n_cols, n_docs), 2 * Hkv)](
+        v8.view(torch.uint8), vt8.view(torch.uint8), sv, vcap, cu_seqlens, T, Tp, v8.stride(0),
+        Hkv, n_cols, n_docs, D=D, BLOCK_C=block_c, MMA_ORDER=bool(mma_order),
+        CAUSAL=bool(causal), BLOCK=block, num_warps=4)
 
 
 def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,

@@ -173,8 +173,16 @@ def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
         st.sdo[1, st.T // 2] = float("nan")
         st.sdo[2, 0] = 0.0
         st.lse[0, 0] = float("-inf")
+    for x in (st.sk, st.sv):
+        x.copy_(torch.exp2(torch.randint(-30, 10, x.shape, generator=g).float()))
     cfg = G.GluonDkdvConfig(fold_sdo=fold, pack_vecs=True)
     ref = G._packed_query_vectors(st, cfg, "torch")
+    assert st.kv_vecs is None
     got = G._packed_query_vectors(st, cfg)
     assert got.shape == ref.shape == (4 * 4, st.Tp) and got.is_contiguous()
     assert torch.equal(ref.view(torch.int32), got.view(torch.int32))
+    # the same launch gathered the dQ kernel's sk / sv: what its own gather would give
+    assert G.padded_kv_vectors_triton(st) is st.kv_vecs
+    for a, b in zip(G.padded_kv_vectors(st), st.kv_vecs):
+        assert b.shape == a.shape and b.is_contiguous() and (b.data_ptr() % 16) == 0
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

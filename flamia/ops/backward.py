@@ -666,6 +666,8 @@ class BwdState:
     # fp8_mixed on the Gluon kernels: bf16 dO, V, K (backward_gluon_mixed.mixed_operands), built
     # once for the dK/dV and the dQ launch
     mixed_ops: tuple | None = None
+    # the dQ kernel's padded (sk, sv), when the dK/dV launch gathered them with its own vectors
+    kv_vecs: tuple | None = None
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,

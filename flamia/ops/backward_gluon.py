@@ -1609,9 +1609,14 @@ def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
     documents); "torch" or the four padded vectors: by torch ops (fold_sdo, pack_vectors),
     bitwise the same (tests/test_ops_kmajor.py)."""
     if vecs is None or (isinstance(vecs, str) and vecs == "triton"):
-        from .kmajor import padded_rows
-        return padded_rows((st.lse, st.delta, st.sq, st.sdo), st.tok_of_col, st.Tp,
-                           fill0_inf=True, interleave=True, fold0=cfg.fold_sdo)
+        # with the dQ kernel's padded sk / sv in the same launch (kept on the state for
+        # padded_kv_vectors_triton): one launch less per call
+        from .kmajor import padded_rows_two
+        packed, st.kv_vecs = padded_rows_two(
+            dict(srcs=(st.lse, st.delta, st.sq, st.sdo), fill0_inf=True, interleave=True,
+                 fold0=cfg.fold_sdo),
+            dict(srcs=(st.sk, st.sv)), st.tok_of_col, st.Tp)
+        return packed
     vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
     return pack_vectors(fold_sdo(vecs) if cfg.fold_sdo else vecs)
 
@@ -1725,7 +1730,10 @@ def padded_kv_vectors(st):
 
 
 def padded_kv_vectors_triton(st):
-    """padded_kv_vectors(st) by one Triton launch (kmajor.padded_rows): bitwise the same."""
+    """padded_kv_vectors(st) by one Triton launch (kmajor.padded_rows), or the ones the dK/dV
+    launch gathered with its query vectors (_packed_query_vectors): bitwise the same."""
+    if getattr(st, "kv_vecs", None) is not None:
+        return st.kv_vecs
     from .kmajor import padded_rows
     return padded_rows((st.sk, st.sv), st.tok_of_col, st.Tp)
 

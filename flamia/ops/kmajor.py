@@ -213,12 +213,37 @@ def _log2_pow2(s):
 def _padded_rows_kernel(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H,
                         NV: tl.constexpr, FILL0_INF: tl.constexpr, INTERLEAVE: tl.constexpr,
                         FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per (block of output columns, head): _padded_rows_cols."""
+    _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, tl.program_id(1),
+                      NV, FILL0_INF, INTERLEAVE, FOLD0, BLOCK_C)
+
+
+@triton.jit
+def _padded_rows_two_kernel(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp,
+                            HA, HB, NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr,
+                            INTERLEAVE_A: tl.constexpr, FOLD0_A: tl.constexpr,
+                            NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
+                            INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """Two padded_rows gathers in one launch: grid axis 1 runs over set a's heads, then b's."""
+    h = tl.program_id(1)
+    if h < HA:
+        _padded_rows_cols(a0, a1, a2, a3, dst_a, tok_of_col, T, Tp, HA, h, NV_A, FILL0_INF_A,
+                          INTERLEAVE_A, FOLD0_A, BLOCK_C)
+    else:
+        _padded_rows_cols(b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HB, h - HA, NV_B,
+                          FILL0_INF_B, INTERLEAVE_B, FOLD0_B, BLOCK_C)
+
+
+@triton.jit
+def _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, h,
+                      NV: tl.constexpr, FILL0_INF: tl.constexpr, INTERLEAVE: tl.constexpr,
+                      FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
     """dst[v, h, c] (INTERLEAVE: dst[h, v, c]) = src_v[h, tok_of_col[c]] (fp32), pads
     (tok < 0) 0, or +inf for v = 0 with FILL0_INF. FOLD0 (NV = 4): row 0 is src0 * log2(e) -
-    log2(src3) (backward_gluon.fold_sdo). One program per (block of output columns, head):
-    every column written."""
+    log2(src3) (backward_gluon.fold_sdo). The columns of program_id(0)'s block, head h: every
+    column written."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    h = tl.program_id(1)
     c_ok = c < Tp
     tok = tl.load(tok_of_col + c, mask=c_ok, other=-1)
     ok = tok >= 0
@@ -260,24 +285,59 @@ def padded_rows(srcs, tok_of_col: torch.Tensor, Tp: int, fill0_inf: bool = False
     rows h * len(srcs) + v (backward_gluon.pack_vectors); fold0=True (4 sources: lse, Delta,
     sq, sdo) puts lse * log2(e) - log2(sdo) in the first row (backward_gluon.fold_sdo), bitwise
     as the torch ops compute it (sdo is a power of two)."""
-    nv = len(srcs)
-    if not 1 <= nv <= 4:
-        raise ValueError(f"padded_rows: 1-4 sources, not {nv}")
-    if fold0 and nv != 4:
-        raise ValueError("padded_rows: fold0 needs the four sources lse, Delta, sq, sdo")
-    H, T = srcs[0].shape
-    srcs = [s.contiguous() for s in srcs]
-    for s in srcs:
-        if tuple(s.shape) != (H, T):
-            raise ValueError(f"padded_rows: sources of shape {(H, T)}, got {tuple(s.shape)}")
-    shape = (H, nv, Tp) if interleave else (nv, H, Tp)
-    dst = torch.empty(shape, dtype=torch.float32, device=srcs[0].device)
-    if Tp > 0 and H > 0:
-        s = srcs + [srcs[0]] * (4 - nv)
-        _padded_rows_kernel[(triton.cdiv(Tp, block_c), H)](
-            s[0], s[1], s[2], s[3], dst, tok_of_col, T, Tp, H, NV=nv, FILL0_INF=fill0_inf,
-            INTERLEAVE=interleave, FOLD0=fold0, BLOCK_C=block_c, num_warps=4,
+    g = _RowsGather(srcs, Tp, fill0_inf, interleave, fold0)
+    if Tp > 0 and g.H > 0:
+        s = g.slots
+        _padded_rows_kernel[(triton.cdiv(Tp, block_c), g.H)](
+            s[0], s[1], s[2], s[3], g.dst, tok_of_col, g.T, Tp, g.H, **g.flags(""),
+            BLOCK_C=block_c, num_warps=4,
             enable_fp_fusion=False)   # fold0: two roundings, as torch's mul then sub
-    if interleave:
-        return dst.view(H * nv, Tp)
-    return tuple(dst[i] for i in range(nv))
+    return g.result()
+
+
+def padded_rows_two(a: dict, b: dict, tok_of_col: torch.Tensor, Tp: int, block_c: int = 256):
+    """padded_rows(tok_of_col=..., Tp=..., **a) and the same of b (sources of one T, any head
+    counts) in one launch: (result of a, result of b), bitwise the two separate calls'. The
+    backward's query vectors (dK/dV) and key vectors (dQ) this way: one launch less per call."""
+    ga, gb = (_RowsGather(tp=Tp, **x) for x in (a, b))
+    if ga.T != gb.T:
+        raise ValueError(f"padded_rows_two: sources of {ga.T} and {gb.T} tokens")
+    if Tp > 0 and ga.H + gb.H > 0:
+        sa, sb = ga.slots, gb.slots
+        _padded_rows_two_kernel[(triton.cdiv(Tp, block_c), ga.H + gb.H)](
+            sa[0], sa[1], sa[2], sa[3], ga.dst, sb[0], sb[1], sb[2], sb[3], gb.dst, tok_of_col,
+            ga.T, Tp, ga.H, gb.H, **ga.flags("_A"), **gb.flags("_B"), BLOCK_C=block_c,
+            num_warps=4, enable_fp_fusion=False)
+    return ga.result(), gb.result()
+
+
+class _RowsGather:
+    """One padded_rows gather: its checked sources (4 launch slots), destination buffer and
+    flags, and the views it returns."""
+
+    def __init__(self, srcs, tp: int, fill0_inf: bool = False, interleave: bool = False,
+                 fold0: bool = False):
+        nv = len(srcs)
+        if not 1 <= nv <= 4:
+            raise ValueError(f"padded_rows: 1-4 sources, not {nv}")
+        if fold0 and nv != 4:
+            raise ValueError("padded_rows: fold0 needs the four sources lse, Delta, sq, sdo")
+        H, T = srcs[0].shape
+        srcs = [x.contiguous() for x in srcs]
+        for x in srcs:
+            if tuple(x.shape) != (H, T):
+                raise ValueError(f"padded_rows: sources of shape {(H, T)}, got {tuple(x.shape)}")
+        self.nv, self.H, self.T, self.Tp = nv, H, T, tp
+        self.fill0_inf, self.interleave, self.fold0 = fill0_inf, interleave, fold0
+        self.slots = srcs + [srcs[0]] * (4 - nv)
+        shape = (H, nv, tp) if interleave else (nv, H, tp)
+        self.dst = torch.empty(shape, dtype=torch.float32, device=srcs[0].device)
+
+    def flags(self, suffix: str) -> dict:
+        return {"NV" + suffix: self.nv, "FILL0_INF" + suffix: self.fill0_inf,
+                "INTERLEAVE" + suffix: self.interleave, "FOLD0" + suffix: self.fold0}
+
+    def result(self):
+        if self.interleave:
+            return self.dst.view(self.H * self.nv, self.Tp)
+        return tuple(self.dst[i] for i in range(self.nv))

@@ -215,6 +215,10 @@ def table(results: dict, v: dict) -> str:
     if timed_out:
         lines.append(f"stopped by the time limit: {', '.join(timed_out)}")
     lines.append(f"overall (non-leaky runs): {'PASS' if v['pass'] else 'FAIL'}")
+    if results.get("step_timing"):
+        lines.append("(tok/s above: each run's own median, from runs minutes apart; on a shared "
+                     "host they differ by several % for identical work. The speed comparison is "
+                     "the interleaved timing below.)")
     lines += timing_table(results.get("step_timing"))
     return "\n".join(lines)
 

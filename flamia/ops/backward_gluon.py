@@ -1732,7 +1732,7 @@ def padded_kv_vectors(st):
 def padded_kv_vectors_triton(st):
     """padded_kv_vectors(st) by one Triton launch (kmajor.padded_rows), or the ones the dK/dV
     launch gathered with its query vectors (_packed_query_vectors): bitwise the same."""
-    if getattr(st, "kv_vecs", None) is not None:
+    if st.kv_vecs is not None:
         return st.kv_vecs
     from .kmajor import padded_rows
     return padded_rows((st.sk, st.sv), st.tok_of_col, st.Tp)

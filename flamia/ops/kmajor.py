@@ -141,12 +141,10 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     mma_order=True: column c holds what column mma_order16(c) would (Tp a multiple of 16; the
     padded layout's documents start at multiples of 16, so every 16-column group stays in its
     document). src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
-    _check_copy(src, dst)
+    _check_copy(src, dst, mma_order)
     T, H, D = src.shape
     Tp = dst.shape[2]
     plain = tok_of_col is None
-    if mma_order and Tp % 16:
-        raise ValueError(f"kmajor_copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
     if Tp == 0 or H == 0:
         return dst
     _kmajor_copy_kernel[(triton.cdiv(Tp, block_c), H)](
@@ -156,7 +154,8 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     return dst
 
 
-def _check_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+def _check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -> None:
+    """The argument rules of kmajor_copy (and of every launch built on _copy_columns)."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
@@ -165,6 +164,8 @@ def _check_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
         raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
                          "contiguous")
+    if mma_order and Tp % 16:
+        raise ValueError(f"kmajor_copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
 
 
 def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
@@ -175,8 +176,8 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
     copies = list(copies)
     if not 1 <= len(copies) <= 3:
         raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
-    for src, dst, _ in copies:
-        _check_copy(src, dst)
+    for src, dst, order in copies:
+        _check_copy(src, dst, order)
     if len(copies) == 1:
         src, dst, order = copies[0]
         kmajor_copy(src, dst, tok_of_col, block_c=block_c, mma_order=order)
@@ -184,8 +185,6 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
     D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
     if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
         raise ValueError("kmajor_copies: every copy needs the same D and Tp")
-    if any(order for _, _, order in copies) and Tp % 16:
-        raise ValueError(f"kmajor_copies: mma_order needs Tp % 16 == 0 (Tp={Tp})")
     heads = [src.shape[1] for src, _, _ in copies]
     if Tp == 0 or sum(heads) == 0:
         return

@@ -243,20 +243,22 @@ def _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal: bool, mma_order: bool,
                  block_c: int = 64) -> None:
     """kmajor_copy(v8, vt8, mma_order=mma_order) and compute_vcap(sv, ..., out=vcap) in one
     launch: the same bytes and values as the two (tests/test_ops_forward.py)."""
-    _check_copy(v8, vt8)
+    _check_copy(v8, vt8, mma_order)
     T, Hkv, D = v8.shape
     Tp = vt8.shape[2]
     n_docs = cu_seqlens.numel() - 1
-    if mma_order and Tp % 16:
-        raise ValueError(f"vt8: mma_order needs Tp % 16 == 0 (Tp={Tp})")
     n_cols = triton.cdiv(Tp, block_c)
     if Hkv == 0 or max(n_cols, n_docs) == 0:
         return
-    block = 64 if interpreting() else 1024
     _vt_vcap_kernel[(max(n_cols, n_docs), 2 * Hkv)](
         v8.view(torch.uint8), vt8.view(torch.uint8), sv, vcap, cu_seqlens, T, Tp, v8.stride(0),
         Hkv, n_cols, n_docs, D=D, BLOCK_C=block_c, MMA_ORDER=bool(mma_order),
-        CAUSAL=bool(causal), BLOCK=block, num_warps=4)
+        CAUSAL=bool(causal), BLOCK=_vcap_block(), num_warps=4)
+
+
+def _vcap_block() -> int:
+    """Tokens per step of vcap's scan (_vcap_doc)."""
+    return 64 if interpreting() else 1024
 
 
 def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
@@ -268,7 +270,6 @@ def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
         out = torch.empty_like(sv)
     if T == 0 or n_docs <= 0:
         return out
-    block = 64 if interpreting() else 1024
-    _vcap_kernel[(n_docs, Hkv)](sv, out, cu_seqlens, T, CAUSAL=bool(causal), BLOCK=block,
-                                num_warps=4)
+    _vcap_kernel[(n_docs, Hkv)](sv, out, cu_seqlens, T, CAUSAL=bool(causal),
+                                BLOCK=_vcap_block(), num_warps=4)
     return out

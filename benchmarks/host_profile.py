@@ -24,10 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from flamia.bench.workloads import load_workloads  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 
-from profile_call import call_fn  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
+from profile_call import add_workload_flags, call_fn, workloads_of  # noqa: E402  (benchmarks/ is on sys.path as the script dir)
 
 
 def main():
@@ -37,17 +36,11 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--docs", default=None,
-                    help="one workload from flags instead (flamia bench --docs syntax)")
-    ap.add_argument("--heads", default="32/8", help="with --docs: HQ/HKV")
-    ap.add_argument("--head-dim", type=int, default=128, help="with --docs")
+    add_workload_flags(ap)
     args = ap.parse_args()
+    workloads = workloads_of(args)
     if args.docs:
-        from flamia.bench.workloads import workload_from_flags
-        workloads = [workload_from_flags(args.docs, args.heads, args.head_dim, name="docs")]
         args.only = "docs"
-    else:
-        workloads, _ = load_workloads()
     for w in workloads:
         if w.name not in args.only.split(","):
             continue

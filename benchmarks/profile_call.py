@@ -145,6 +145,23 @@ def sync_points(fn):
             if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
 
 
+def add_workload_flags(ap) -> None:
+    """--docs / --heads / --head-dim: one workload from flags instead of workloads.json."""
+    ap.add_argument("--docs", default=None,
+                    help="one workload from flags instead (flamia bench --docs syntax), e.g. "
+                         "'2048x14,1024x4' with --heads 8/2 --head-dim 64: train-check's shape")
+    ap.add_argument("--heads", default="32/8", help="with --docs: HQ/HKV")
+    ap.add_argument("--head-dim", type=int, default=128, help="with --docs")
+
+
+def workloads_of(args) -> list:
+    """The --docs workload (named "docs"), or every workload of workloads.json."""
+    if args.docs:
+        from flamia.bench.workloads import workload_from_flags
+        return [workload_from_flags(args.docs, args.heads, args.head_dim, name="docs")]
+    return load_workloads()[0]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -154,19 +171,11 @@ def main():
                     help="the training forward alone (inputs require grad, nothing backward)")
     ap.add_argument("--gaps", action="store_true",
                     help="also: GPU idle gaps between kernels of back-to-back calls, host syncs")
-    ap.add_argument("--docs", default=None,
-                    help="one workload from flags instead (flamia bench --docs syntax), e.g. "
-                         "'2048x14,1024x4' with --heads 8/2 --head-dim 64: train-check's shape")
-    ap.add_argument("--heads", default="32/8", help="with --docs: HQ/HKV")
-    ap.add_argument("--head-dim", type=int, default=128, help="with --docs")
+    add_workload_flags(ap)
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     report = []
-    if args.docs:
-        from flamia.bench.workloads import workload_from_flags
-        workloads = [workload_from_flags(args.docs, args.heads, args.head_dim, name="docs")]
-    else:
-        workloads, _ = load_workloads()
+    workloads = workloads_of(args)
     for w in workloads:
         if only and w.name not in only:
             continue

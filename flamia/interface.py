@@ -8,6 +8,7 @@ reference) and both are autograd-capable.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -78,7 +79,9 @@ class _KernelAttention(torch.autograd.Function):
         persistent = persistent_forward(q.shape[-1], recipe, q.device)
         qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not persistent)
         out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
-        ctx.qkv = qkv
+        # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
+        # so what waits for the backward is Hkv * D bytes per token smaller.
+        ctx.qkv = dataclasses.replace(qkv, vt8=None)
         ctx.cfg = (max_seqlen, causal, softmax_scale, deterministic)
         ctx.save_for_backward(out, lse, cu_seqlens)
         ctx.mark_non_differentiable(lse)

@@ -186,3 +186,35 @@ def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
     for a, b in zip(G.padded_kv_vectors(st), st.kv_vecs):
         assert b.shape == a.shape and b.is_contiguous() and (b.data_ptr() % 16) == 0
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("lengths", [(300, 0, 1, 77, 45), (5,), (0, 3)])
+def test_copies_and_rows_in_one_launch_equal_the_separate_launches(lengths):
+    """kmajor_copies_and_rows (the backward's K-major copies and its padded per-token vectors
+    after the preprocess kernel): every byte and value what kmajor_copies and padded_rows_two
+    give, poisoned destinations, the packed query vectors folded as the dK/dV kernel reads them
+    and the dQ kernel's key vectors."""
+    from flamia.ops import backward_gluon as G
+    from flamia.ops.kmajor import kmajor_copies_and_rows, padded_rows_two
+    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    g = torch.Generator().manual_seed(2)
+    for x in (st.lse, st.delta, st.sq, st.sk, st.sv):
+        x.copy_(torch.randn(x.shape, generator=g) * 30)
+    st.sdo.copy_(torch.exp2(torch.randint(-30, 10, st.sdo.shape, generator=g).float()))
+    T, D = st.T, 16
+    srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in (4, 4, 2)]
+    orders = (True, False, False)
+    want = [torch.full((s.shape[1], D, st.Tp), 0xFF, dtype=torch.uint8) for s in srcs]
+    got = [w.clone() for w in want]
+    kmajor_copies(list(zip(srcs, want, orders)), st.tok_of_col, block_c=64)
+    ref = padded_rows_two(*G.vector_gathers(st, True), st.tok_of_col, st.Tp)
+    res = kmajor_copies_and_rows(list(zip(srcs, got, orders)), *G.vector_gathers(st, True),
+                                 st.tok_of_col, st.Tp)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(ref[0].view(torch.int32), res[0].view(torch.int32))
+    for a, b in zip(ref[1], res[1]):
+        assert b.is_contiguous() and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with pytest.raises(ValueError, match="columns"):
+        kmajor_copies_and_rows(list(zip(srcs, got, orders)), *G.vector_gathers(st, True),
+                               st.tok_of_col, st.Tp + 16)

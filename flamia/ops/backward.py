@@ -65,7 +65,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .kmajor import kmajor_copies, kmajor_copy, kmajor_layout, padded_columns
+from .kmajor import (kmajor_copies, kmajor_copies_and_rows, kmajor_copy, kmajor_layout,
+                     padded_columns)
 from .layout import QuantizedQKV
 from .schedule import per_cu_seqlens
 
@@ -668,6 +669,8 @@ class BwdState:
     mixed_ops: tuple | None = None
     # the dQ kernel's padded (sk, sv), when the dK/dV launch gathered them with its own vectors
     kv_vecs: tuple | None = None
+    # (fold_sdo, the dK/dV kernel's packed query vectors) when launch_preprocess gathered them
+    query_vecs: tuple | None = None
 
 
 def make_state(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
@@ -750,7 +753,26 @@ def launch_preprocess(st: BwdState) -> None:
         copies = [(st.do8, st.doT8, st.doT8_key_order)]
         if st.recipe == 0:
             copies += [(st.q8, st.qT8, st.qT8_key_order), (st.k8, st.kT8, False)]
-        kmajor_copies(copies, st.tok_of_col)
+        fold = _packed_vecs_fold(st)
+        if fold is None:
+            kmajor_copies(copies, st.tok_of_col)
+        else:
+            # and the Gluon kernels' padded per-token vectors in the same launch (one launch
+            # less per call; the dK/dV and dQ launchers take them from the state)
+            from .backward_gluon import vector_gathers
+            packed, st.kv_vecs = kmajor_copies_and_rows(copies, *vector_gathers(st, fold),
+                                                        st.tok_of_col, st.Tp)
+            st.query_vecs = (fold, packed)
+
+
+def _packed_vecs_fold(st: BwdState) -> bool | None:
+    """The default Gluon fp8 dK/dV kernel's fold_sdo when launch_dkdv will run it with packed
+    query vectors gathered by Triton (GluonDkdvConfig.pack_vecs), else None."""
+    if st.recipe != RECIPE_IDS["fp8"] or not _gluon_applies(st, st.cfg.gluon_dkdv):
+        return None
+    from .backward_gluon import default_gluon_config
+    cfg = default_gluon_config(st.D)
+    return cfg.fold_sdo if cfg.pack_vecs and cfg.vec_tma else None
 
 
 def _use_tma(st: BwdState) -> bool:

@@ -1608,17 +1608,26 @@ def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
     default: one launch instead of ~12 small torch ops, which cost host time on short
     documents); "torch" or the four padded vectors: by torch ops (fold_sdo, pack_vectors),
     bitwise the same (tests/test_ops_kmajor.py)."""
+    if vecs is None and st.query_vecs is not None and st.query_vecs[0] == cfg.fold_sdo:
+        return st.query_vecs[1]     # gathered by launch_preprocess (vector_gathers)
     if vecs is None or (isinstance(vecs, str) and vecs == "triton"):
         # with the dQ kernel's padded sk / sv in the same launch (kept on the state for
         # padded_kv_vectors_triton): one launch less per call
         from .kmajor import padded_rows_two
-        packed, st.kv_vecs = padded_rows_two(
-            dict(srcs=(st.lse, st.delta, st.sq, st.sdo), fill0_inf=True, interleave=True,
-                 fold0=cfg.fold_sdo),
-            dict(srcs=(st.sk, st.sv)), st.tok_of_col, st.Tp)
+        packed, st.kv_vecs = padded_rows_two(*vector_gathers(st, cfg.fold_sdo), st.tok_of_col,
+                                             st.Tp)
         return packed
     vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
     return pack_vectors(fold_sdo(vecs) if cfg.fold_sdo else vecs)
+
+
+def vector_gathers(st, fold: bool):
+    """The padded_rows gathers (kmajor.padded_rows_two's a and b) of the fp8 kernels' per-token
+    vectors: the dK/dV kernel's packed query vectors (lse, Delta, sq, sdo interleaved per head,
+    lse folded with fold_sdo) and the dQ kernel's key vectors (sk, sv)."""
+    return (dict(srcs=(st.lse, st.delta, st.sq, st.sdo), fill0_inf=True, interleave=True,
+                 fold0=fold),
+            dict(srcs=(st.sk, st.sv)))
 
 
 def fold_sdo(vecs):

@@ -124,7 +124,15 @@ def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp,
                           MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
     """N (2 or 3) padded-layout copies in one launch: grid axis 1 runs over the heads of copy
     0, then of copy 1, then of copy 2."""
-    h = tl.program_id(1)
+    _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1, stride2,
+               H0, H1, tl.program_id(1), D, BLOCK_C, N, MMA0, MMA1, MMA2)
+
+
+@triton.jit
+def _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1, stride2,
+               H0, H1, h, D: tl.constexpr, BLOCK_C: tl.constexpr, N: tl.constexpr,
+               MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
+    """Row h of a copies grid: the heads of copy 0, then of copy 1, then of copy 2."""
     if h < H0:
         _copy_columns(src0, dst0, tok_of_col, T, Tp, stride0, h, D, BLOCK_C, False, MMA0)
     elif (N == 2) or (h < H0 + H1):
@@ -132,6 +140,28 @@ def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp,
     else:
         _copy_columns(src2, dst2, tok_of_col, T, Tp, stride2, h - H0 - H1, D, BLOCK_C, False,
                       MMA2)
+
+
+@triton.jit
+def _copies_and_rows_kernel(src0, dst0, src1, dst1, src2, dst2, stride0, stride1, stride2, H0, H1,
+                            a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, HA, HB, tok_of_col, T,
+                            Tp, HC, D: tl.constexpr, N: tl.constexpr, MMA0: tl.constexpr,
+                            MMA1: tl.constexpr, MMA2: tl.constexpr,
+                            NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr,
+                            INTERLEAVE_A: tl.constexpr, FOLD0_A: tl.constexpr,
+                            NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
+                            INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """kmajor_copies and padded_rows_two in one launch: grid axis 1 runs over the copies' HC
+    heads, then row set a's heads, then b's; axis 0 over column blocks of both."""
+    h = tl.program_id(1)
+    if h < HC:
+        _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1,
+                   stride2, H0, H1, h, D, BLOCK_C, N, MMA0, MMA1, MMA2)
+    else:
+        _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB,
+                     h - HC, NV_A, FILL0_INF_A, INTERLEAVE_A, FOLD0_A, NV_B, FILL0_INF_B,
+                     INTERLEAVE_B, FOLD0_B, BLOCK_C)
 
 
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
@@ -173,30 +203,64 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
     launch (the backward's dO, q and k copies: two launches fewer per call, which at short
     documents are host time; benchmarks/NOTES.md session 14). copies: 1-3 (src, dst, mma_order)
     with one D and one Tp; the results are those of the separate copies, byte for byte."""
-    copies = list(copies)
-    if not 1 <= len(copies) <= 3:
-        raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
-    for src, dst, order in copies:
-        _check_copy(src, dst, order)
-    if len(copies) == 1:
-        src, dst, order = copies[0]
+    plan = _CopiesPlan(copies)
+    if plan.n == 1:
+        src, dst, order = plan.copies[0]
         kmajor_copy(src, dst, tok_of_col, block_c=block_c, mma_order=order)
         return
-    D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
-    if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
-        raise ValueError("kmajor_copies: every copy needs the same D and Tp")
-    heads = [src.shape[1] for src, _, _ in copies]
-    if Tp == 0 or sum(heads) == 0:
+    if plan.Tp == 0 or plan.heads == 0:
         return
-    T = copies[0][0].shape[0]
-    padded = copies + [copies[-1]] * (3 - len(copies))     # unused slots: never taken
-    (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = padded
-    _kmajor_copies_kernel[(triton.cdiv(Tp, block_c), sum(heads))](
-        s0.view(torch.uint8), d0.view(torch.uint8), s1.view(torch.uint8), d1.view(torch.uint8),
-        s2.view(torch.uint8), d2.view(torch.uint8), tok_of_col, T, Tp,
-        s0.stride(0), s1.stride(0), s2.stride(0), heads[0], heads[1],
-        D=D, BLOCK_C=block_c, N=len(copies), MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2),
-        num_warps=4)
+    _kmajor_copies_kernel[(triton.cdiv(plan.Tp, block_c), plan.heads)](
+        *plan.slots[:6], tok_of_col, plan.T, plan.Tp, *plan.slots[6:11], D=plan.D,
+        BLOCK_C=block_c, **plan.flags, num_warps=4)
+
+
+def kmajor_copies_and_rows(copies, a: dict, b: dict, tok_of_col: torch.Tensor, Tp: int,
+                           block_c: int = 64):
+    """kmajor_copies(copies, tok_of_col) and padded_rows_two(a, b, tok_of_col, Tp) in one
+    launch: the backward's K-major copies and its padded query / key vectors after the
+    preprocess kernel (one launch less per call: host time at short documents). Returns what
+    padded_rows_two returns; every byte and value is the separate launches' (pure copies,
+    tests/test_ops_kmajor.py)."""
+    plan = _CopiesPlan(copies)
+    ga, gb = (_RowsGather(tp=Tp, **x) for x in (a, b))
+    if plan.Tp != Tp or ga.T != gb.T or ga.T != plan.T:
+        raise ValueError(f"kmajor_copies_and_rows: copies of {plan.T} tokens into {plan.Tp} "
+                         f"columns, vectors of {ga.T} / {gb.T} tokens into {Tp}")
+    if Tp > 0 and plan.heads + ga.H + gb.H > 0:
+        sa, sb = ga.slots, gb.slots
+        _copies_and_rows_kernel[(triton.cdiv(Tp, block_c), plan.heads + ga.H + gb.H)](
+            *plan.slots, sa[0], sa[1], sa[2], sa[3], ga.dst, sb[0], sb[1], sb[2], sb[3], gb.dst,
+            ga.H, gb.H, tok_of_col, plan.T, Tp, plan.heads, D=plan.D, **plan.flags,
+            **ga.flags("_A"), **gb.flags("_B"), BLOCK_C=block_c, num_warps=4,
+            enable_fp_fusion=False)   # fold0: two roundings, as torch's mul then sub
+    return ga.result(), gb.result()
+
+
+class _CopiesPlan:
+    """kmajor_copies' checked arguments: 1-3 (src, dst, mma_order) of one D and Tp, as the
+    launch slots (src0, dst0, src1, dst1, src2, dst2, stride0, stride1, stride2, H0, H1; unused
+    slots repeat the last copy and are never taken) and constexpr flags."""
+
+    def __init__(self, copies):
+        copies = list(copies)
+        if not 1 <= len(copies) <= 3:
+            raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
+        for src, dst, order in copies:
+            _check_copy(src, dst, order)
+        D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
+        if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
+            raise ValueError("kmajor_copies: every copy needs the same D and Tp")
+        self.copies, self.n, self.D, self.Tp = copies, len(copies), D, Tp
+        self.T = copies[0][0].shape[0]
+        heads = [src.shape[1] for src, _, _ in copies]
+        self.heads = sum(heads)
+        (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = copies + [copies[-1]] * (3 - len(copies))
+        self.slots = (s0.view(torch.uint8), d0.view(torch.uint8), s1.view(torch.uint8),
+                      d1.view(torch.uint8), s2.view(torch.uint8), d2.view(torch.uint8),
+                      s0.stride(0), s1.stride(0), s2.stride(0), heads[0],
+                      heads[1] if len(heads) > 1 else 0)
+        self.flags = dict(N=max(len(copies), 2), MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2))
 
 
 @triton.jit
@@ -225,7 +289,17 @@ def _padded_rows_two_kernel(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of
                             INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
                             BLOCK_C: tl.constexpr):
     """Two padded_rows gathers in one launch: grid axis 1 runs over set a's heads, then b's."""
-    h = tl.program_id(1)
+    _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB,
+                 tl.program_id(1), NV_A, FILL0_INF_A, INTERLEAVE_A, FOLD0_A, NV_B, FILL0_INF_B,
+                 INTERLEAVE_B, FOLD0_B, BLOCK_C)
+
+
+@triton.jit
+def _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB, h,
+                 NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr, INTERLEAVE_A: tl.constexpr,
+                 FOLD0_A: tl.constexpr, NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
+                 INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row h of a two-gathers grid: set a's heads, then b's."""
     if h < HA:
         _padded_rows_cols(a0, a1, a2, a3, dst_a, tok_of_col, T, Tp, HA, h, NV_A, FILL0_INF_A,
                           INTERLEAVE_A, FOLD0_A, BLOCK_C)

@@ -210,16 +210,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
-        """backward._pow2_scale: (s, 1/s), s the smallest power of two with amax / s <= 1.75 *
-        2^FMT_EXP, clamped to 2^-126; 0 for amax == 0; NaN for Inf / NaN. Exact bit arithmetic."""
+        """backward._pow2_scale for the kernels' A operands: (s, 1/s), s the smallest power of
+        two with amax / s <= 1.75 * 2^FMT_EXP, clamped to 2^-126; NaN for Inf / NaN. Exact bit
+        arithmetic. Unlike backward._pow2_scale an all-zero row (amax == 0) gets (2^-126,
+        2^126), not (0, 0): its operand row is the same signed zeros either way (x * 2^126 of a
+        zero), so is its GEMM row r (signed zeros, or NaN from a non-finite B), and r * s is r
+        under either scale: bitwise the same results, two `where`s less per row (D=128 dK/dV
+        929 -> 917 SASS per tile, dQ 515 -> 507)."""
         bits = amax.to(gl.int32, bitcast=True)
         e = (bits >> 23) & 0xFF
         e_new = e - FMT_EXP + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
         e_new = gl.minimum(gl.maximum(e_new, 1), 254)
         scale = (e_new << 23).to(gl.float32, bitcast=True)
         inv = ((254 - e_new) << 23).to(gl.float32, bitcast=True)
-        scale = gl.where(amax > 0, scale, 0.0)
-        inv = gl.where(amax > 0, inv, 0.0)
         bad = (amax != amax) | (amax == float("inf"))
         scale = gl.where(bad, float("nan"), scale)
         inv = gl.where(bad, float("nan"), inv)

@@ -85,10 +85,15 @@ class _KernelAttention(torch.autograd.Function):
         ctx.cfg = (max_seqlen, causal, softmax_scale, deterministic)
         ctx.save_for_backward(out, lse, cu_seqlens)
         ctx.mark_non_differentiable(lse)
+        # lse gets no gradient: without this autograd would fill a zero (Hq, T) one for the
+        # backward to ignore (an allocation and a launch per call)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:          # (grads are not materialized: nothing reached out)
+            return (None,) * 9
         attention_backward = _kernel_entry_points()[0][2]
         out, lse, cu_seqlens = ctx.saved_tensors
         max_seqlen, causal, softmax_scale, deterministic = ctx.cfg

@@ -287,3 +287,20 @@ def test_kernel_path_keeps_no_forward_only_copy():
     assert saved.vt8 is None and saved.v8 is not None
     out.float().square().sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_lse_output_needs_no_gradient():
+    """return_lse=True: lse is not differentiable, and a loss of out alone gives the same
+    gradients as without lse (autograd does not materialize a zero gradient for it)."""
+    q, k, v, cu = packed(lengths=(9, 4), hq=2, hkv=1, d=64)
+    grads = []
+    for want_lse in (False, True):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        res = call_varlen(*x, cu, max_q=9, recipe="fp8", return_lse=want_lse)
+        out = res[0] if want_lse else res
+        if want_lse:
+            assert not res[1].requires_grad
+        out.float().sum().backward()
+        grads.append([t.grad for t in x])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

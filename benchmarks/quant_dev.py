@@ -3,8 +3,7 @@
     python benchmarks/quant_dev.py                         # default knobs vs the candidates
     python benchmarks/quant_dev.py --configs 64x4w4,128x2w8 --rounds 5
 
-Config names: BLOCK_TxSUBwWARPS[p] (tokens per block, blocks per program, warps; p: the next
-block's load issued before this block's math, quantize_qkv(prefetch=True)); the default
+Config names: BLOCK_TxSUBwWARPS (tokens per block, blocks per program, warps); the default
 (quantize_qkv's own choice) is timed first. Every candidate's outputs (q8, k8, v8, vt8, scales,
 vcap) must equal the default's bitwise on the same inputs, else it is reported and not timed:
 the knobs change the schedule, not the numerics. Timing: the whole `quantize_qkv` call (what a
@@ -32,11 +31,10 @@ CANDIDATES = "64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,32x4w4"
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(p?)", name)
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)", name)
     if not m:
-        raise SystemExit(f"config {name!r}: expected BLOCK_TxSUBwWARPS[p], e.g. 64x4w4")
-    return dict(block_t=int(m.group(1)), sub=int(m.group(2)), num_warps=int(m.group(3)),
-                prefetch=m.group(4) == "p")
+        raise SystemExit(f"config {name!r}: expected BLOCK_TxSUBwWARPS, e.g. 64x4w4")
+    return dict(block_t=int(m.group(1)), sub=int(m.group(2)), num_warps=int(m.group(3)))
 
 
 def outputs(x) -> list[torch.Tensor]:

@@ -58,36 +58,19 @@ def _pow2_scale(amax, bad):
 
 
 @triton.jit
-def _load_rows(X, stride_xt, T, t0, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, D)
-    return tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
-                   mask=(offs_t < T)[:, None], other=0.0)
-
-
-@triton.jit
 def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
                    D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                   ROTATE: tl.constexpr, PREFETCH: tl.constexpr):
-    """SUB consecutive blocks of BLOCK_T tokens of one head: (rotate), scale, cast, store.
-    PREFETCH: block i + 1's load is issued before block i's math and stores (two blocks' loads
-    in flight per program instead of one; the same values)."""
+                   ROTATE: tl.constexpr):
+    """SUB consecutive blocks of BLOCK_T tokens of one head: (rotate), scale, cast, store."""
     offs_d = tl.arange(0, D)
     if ROTATE:
         # Loaded once per program and reused for SUB token blocks (it is D*D*2 bytes of L2 traffic).
         had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
-    if PREFETCH:
-        x_next = _load_rows(X, stride_xt, T, t_base, D, BLOCK_T)
     for i in tl.static_range(SUB):
         offs_t = t_base + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
         rows = offs_t.to(tl.int64)
-        if PREFETCH:
-            x = x_next
-            if i + 1 < SUB:
-                x_next = _load_rows(X, stride_xt, T, t_base + (i + 1) * BLOCK_T, D, BLOCK_T)
-        else:
-            x = _load_rows(X, stride_xt, T, t_base + i * BLOCK_T, D, BLOCK_T)
+        x = tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=tmask[:, None], other=0.0)
         if ROTATE:
             xf = tl.dot(x, had) * rot_scale      # ±1 entries: exact products, fp32 sums
         else:
@@ -107,21 +90,21 @@ def _quantize_qkv_kernel(Q, K, V, Q8, K8, V8, SQ, SK, SV, HAD,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          T, HQ, HKV, rot_scale,
                          D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                         ROTATE: tl.constexpr, PREFETCH: tl.constexpr):
+                         ROTATE: tl.constexpr):
     # Axis 0 walks the heads of one token chunk, so programs in flight read neighbouring memory.
     row = tl.program_id(0)
     t_base = tl.program_id(1) * (BLOCK_T * SUB)
     if row < HQ:
         _quantize_rows(Q + row * stride_qh, stride_qt, Q8 + row * D, HQ * D, SQ + row * T,
-                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE, PREFETCH)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE)
     elif row < HQ + HKV:
         h = row - HQ
         _quantize_rows(K + h * stride_kh, stride_kt, K8 + h * D, HKV * D, SK + h * T,
-                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE, PREFETCH)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE)
     else:
         h = row - HQ - HKV
         _quantize_rows(V + h * stride_vh, stride_vt, V8 + h * D, HKV * D, SV + h * T,
-                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, False, PREFETCH)
+                       HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, False)
 
 
 @triton.jit
@@ -196,15 +179,14 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
                  vt_mma_order: bool = True,
                  block_t: int | None = None, sub: int | None = None, num_warps: int = 4,
-                 prefetch: bool = False, poison: bool = False) -> QuantizedQKV:
+                 poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 / fp8_mixed: rotated, per-(token, head) e4m3 values and fp32 power-of-two scales, vt8
     (write_vt; in wgmma order within 16-token groups unless vt_mma_order=False: flamia.ops.kmajor)
     and vcap. bf16: the inputs themselves (bf16; fp16 inputs are rounded to bf16 as
     the reference does), no scales. block_t / sub / num_warps: tuning knobs (tokens per block,
-    blocks per program), prefetch (the next block's load issued before this block's math).
-    poison=True fills outputs with NaN first (tests: every element written).
+    blocks per program). poison=True fills outputs with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
     T, Hq, D = q.shape
@@ -245,8 +227,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
         q, k, v, q8, k8, v8, sq, sk, sv, had,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         T, Hq, Hkv, 1.0 / math.sqrt(D),
-        D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, PREFETCH=bool(prefetch),
-        num_warps=num_warps)
+        D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
     if vt8 is not None:
         # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
         # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor),

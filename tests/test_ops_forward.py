@@ -340,6 +340,13 @@ def test_metadata_memo_follows_cu_seqlens_version():
     assert torch.equal(out_memo, out_fresh)
 
 
+def _fake_capability(monkeypatch, cap):
+    """Every CUDA device reports capability `cap` (to torch and to flamia.ops' memo of it)."""
+    from flamia import ops
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    monkeypatch.setattr(ops, "_capability", lambda index: cap)
+
+
 def test_persistent_forward_rule(monkeypatch):
     """Which batches the persistent Gluon forward takes: fp8 recipes at D=128, any document
     lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the Triton kernel
@@ -348,7 +355,7 @@ def test_persistent_forward_rule(monkeypatch):
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    _fake_capability(monkeypatch, (9, 0))
     ok = F.persistent_forward(128, "fp8", cuda)
     try:
         from flamia.ops import forward_gluon as G
@@ -359,9 +366,9 @@ def test_persistent_forward_rule(monkeypatch):
     for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):
         assert not F.persistent_forward(*args, cuda), args
     assert not F.persistent_forward(128, "fp8", torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (10, 0))
+    _fake_capability(monkeypatch, (10, 0))
     assert not F.persistent_forward(128, "fp8", cuda)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    _fake_capability(monkeypatch, (9, 0))
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "0")
     assert not F.persistent_forward(128, "fp8", cuda)
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "1")

@@ -22,6 +22,7 @@ Entry points (implemented in quantize.py / forward.py / backward.py):
 """
 from __future__ import annotations
 
+import functools
 import os
 
 # Recipes the kernels implement; anything else runs on the reference (flamia/reference.py).
@@ -45,3 +46,30 @@ def kernels_available(x, recipe_name: str) -> bool:
     if x.is_cuda:
         return True
     return interpreting() and os.environ.get("FLAMIA_KERNELS", "") == "1"
+
+
+def is_sm90(device) -> bool:
+    """Is `device` a CUDA device of compute capability 9.0 (Hopper, the Gluon kernels' target)?
+    Memoized per device: the launchers ask at every call (host time at short documents)."""
+    import torch
+    dev = torch.device(device)
+    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device, memoized per device."""
+    import torch
+    return _sm_count(torch.device(device).index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple:
+    """(None: the current device, as torch.cuda.get_device_capability takes it.)"""
+    import torch
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, is_sm90
 from .kmajor import (kmajor_copies, kmajor_copies_and_rows, kmajor_copy, kmajor_layout,
                      padded_columns)
 from .layout import QuantizedQKV
@@ -804,7 +804,7 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
     if not (enabled and st.recipe in GLUON_RECIPES and not st.dq_atomic and not st.interp
             and st.dk.is_cuda and os.environ.get("FLAMIA_GLUON", "1") != "0"):
         return False
-    if torch.cuda.get_device_capability(st.dk.device) != (9, 0):
+    if not is_sm90(st.dk.device):
         return False
     from . import backward_gluon
     return backward_gluon.HAVE_GLUON and st.D in (64, 128)

@@ -147,6 +147,7 @@ def plain_gluon_config(D: int) -> GluonDkdvConfig:
     return GluonDkdvConfig(stages=3 if D <= 64 else 2)
 
 
+@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
 def default_gluon_config(D: int) -> GluonDkdvConfig:
     """The fastest config measured on the H200 (benchmarks/NOTES.md, session 6 item 1 and
     session 7 item 7; bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at
@@ -197,6 +198,7 @@ def plain_dq_config(D: int) -> GluonDqConfig:
     return GluonDqConfig(stages=4 if D <= 64 else 3, vec_gather=True)
 
 
+@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
 def default_dq_config(D: int) -> GluonDqConfig:
     """The persistent kernel, two CTAs per SM, q8 / do8 single-buffered at the plain ring depth
     (benchmarks/NOTES.md session 11 item 2; bitwise the plain kernel's results). H200, ms, plain

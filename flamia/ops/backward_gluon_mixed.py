@@ -62,6 +62,7 @@ arguments, _compile_sm90 and resource_report.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ class MixedDkdvConfig:
     tail_zero: bool = False
 
 
+@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
 def default_mixed_dkdv_config(D: int) -> MixedDkdvConfig:
     """tail_zero, and at D=128 lazy_cols: bitwise the same dK / dV as without (H200, ms, same
     process; benchmarks/NOTES.md session 13). lazy_cols: doc8k_x4 11.92 -> 10.16, longtail
@@ -126,6 +128,7 @@ class MixedDqConfig:
     carry: bool = False     # dQ wgmmas left in flight (stages >= 2); off: C7515, as dK/dV's
 
 
+@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
 def default_mixed_dq_config(D: int) -> MixedDqConfig:
     return MixedDqConfig(stages=3 if D <= 64 else 2)
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, is_sm90
 from .kmajor import mma_key_order, mma_order16
 from .layout import QuantizedQKV
 from .schedule import Schedule, work_list
@@ -120,7 +120,7 @@ def persistent_forward(head_dim: int, recipe, device) -> bool:
     if getattr(recipe, "name", recipe) not in ("fp8", "fp8_mixed") or head_dim != 128:
         return False
     dev = torch.device(device)
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+    if not is_sm90(dev):
         return False
     from . import forward_gluon
     return forward_gluon.HAVE_GLUON

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import sm_count
+
 _MEMO_ATTR = "_flamia_memo"
 
 
@@ -110,6 +112,5 @@ def work_list(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n
 def persistent_grid(n_work: int, ctas_per_sm: int, device: torch.device) -> tuple[int]:
     """Grid of a persistent kernel: ctas_per_sm CTAs per SM, at most one per work index (and
     at least one). On a CPU (compile-only builds) the H200's 132 SMs."""
-    n_sm = (torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else 132)
+    n_sm = sm_count(device) if device.type == "cuda" else 132
     return (max(1, min(n_work, ctas_per_sm * n_sm)),)

@@ -1,0 +1,101 @@
+"""One attention call (forward + backward) issued eagerly vs replayed from a CUDA graph, on the H200.
+
+    python benchmarks/graph_timing.py                                   # the train-check shape
+    python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
+
+Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a
+training step queue theirs: when the host issues a call more slowly than the GPU runs it, the
+eager rate is the host's, and the graph's is the GPU's. The gap between the two columns is what
+a fixed-shape training loop can win by capturing its step (tests/gpu/test_cuda_graphs_gpu.py:
+replays are bitwise the eager calls).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import flamia  # noqa: E402
+from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
+
+
+def parse_docs(spec: str) -> list[int]:
+    """'2048x14,1024x4' -> [2048] * 14 + [1024] * 4."""
+    out = []
+    for part in spec.split(","):
+        n, _, times = part.partition("x")
+        out += [int(n)] * int(times or 1)
+    return out
+
+
+def make_step(recipe, lengths, hq, hkv, D):
+    T = sum(lengths)
+    mk = lambda h: torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, dout = mk(hq).requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk(hq)
+    cu = cu_seqlens_from_lengths(lengths, device="cuda")
+    L = max(lengths)
+
+    def step():
+        out = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
+                                             check_finite=False)
+        return torch.autograd.grad(out, (q, k, v), dout)
+    return step
+
+
+def per_call_ms(fn, n: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", default="2048x14,1024x4")
+    ap.add_argument("--heads", default="8/2")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--recipes", default="fp8,bf16")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    lengths = parse_docs(args.docs)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; docs {args.docs} "
+          f"(T={sum(lengths)}), heads {hq}/{hkv}, D={args.head_dim}; {args.calls} calls x "
+          f"{args.rounds} rounds, queued back to back")
+    fns = {}
+    for recipe in args.recipes.split(","):
+        step = make_step(recipe, lengths, hq, hkv, args.head_dim)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        fns[(recipe, "eager")] = step
+        fns[(recipe, "graph")] = graph.replay
+    times = {key: [] for key in fns}
+    for _ in range(args.rounds):
+        for key, fn in fns.items():
+            times[key].append(per_call_ms(fn, args.calls))
+    print(f"{'recipe':10s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}")
+    for recipe in args.recipes.split(","):
+        e = statistics.median(times[(recipe, "eager")])
+        g = statistics.median(times[(recipe, "graph")])
+        print(f"{recipe:10s} {e:14.3f} {g:14.3f} {e / g:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

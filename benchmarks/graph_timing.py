@@ -21,16 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import flamia  # noqa: E402
+from flamia.bench.workloads import parse_docs, parse_heads  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
-
-
-def parse_docs(spec: str) -> list[int]:
-    """'2048x14,1024x4' -> [2048] * 14 + [1024] * 4."""
-    out = []
-    for part in spec.split(","):
-        n, _, times = part.partition("x")
-        out += [int(n)] * int(times or 1)
-    return out
+from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
 
 
 def make_step(recipe, lengths, hq, hkv, D):
@@ -47,17 +40,6 @@ def make_step(recipe, lengths, hq, hkv, D):
     return step
 
 
-def per_call_ms(fn, n: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", default="2048x14,1024x4")
@@ -67,8 +49,8 @@ def main():
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    lengths = parse_docs(args.docs)
-    hq, hkv = (int(x) for x in args.heads.split("/"))
+    lengths = list(parse_docs(args.docs))
+    hq, hkv = parse_heads(args.heads)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; docs {args.docs} "
           f"(T={sum(lengths)}), heads {hq}/{hkv}, D={args.head_dim}; {args.calls} calls x "
           f"{args.rounds} rounds, queued back to back")
@@ -89,7 +71,7 @@ def main():
     times = {key: [] for key in fns}
     for _ in range(args.rounds):
         for key, fn in fns.items():
-            times[key].append(per_call_ms(fn, args.calls))
+            times[key].append(queued_ms(fn, args.calls))
     print(f"{'recipe':10s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}")
     for recipe in args.recipes.split(","):
         e = statistics.median(times[(recipe, "eager")])

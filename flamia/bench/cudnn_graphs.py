@@ -29,6 +29,9 @@ _HANDLE = None
 
 
 def handle():
+    """The process's cuDNN handle, bound to the current torch stream: called at every execute,
+    so cuDNN runs where the caller's torch ops run (a side stream, a CUDA graph capture), not
+    on whatever stream was current when a graph was built."""
     import torch
 
     global _HANDLE
@@ -236,7 +239,7 @@ class _RaggedGraphs:
                 f["q_off"]: off.q, f["k_off"]: off.kv, f["v_off"]: off.kv, f["o_off"]: off.q}
         if "stats_off" in f:
             pack[f["stats_off"]] = off.stats
-        self.gf.execute(pack, ws, handle=self.h)
+        self.gf.execute(pack, ws, handle=handle())
         return o, stats, ws
 
     def backward(self, q, k, v, o, do, stats, off: RaggedOffsets, ws=None):
@@ -254,7 +257,7 @@ class _RaggedGraphs:
                 bt["o_off"]: off.q, bt["dO_off"]: off.q}
         if "stats_off" in bt:
             pack[bt["stats_off"]] = off.stats
-        self.gb.execute(pack, ws, handle=self.h)
+        self.gb.execute(pack, ws, handle=handle())
         return dq, dk, dv
 
 
@@ -450,7 +453,7 @@ class CudnnFp8Dense(Bound):
             pack[f["amax_s"]] = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)
         for n in self.FWD_SCALARS:
             pack[f[n]] = self.sc[n]
-        self.gf.execute(pack, ws, handle=self.h)
+        self.gf.execute(pack, ws, handle=handle())
         return o8, stats, ws
 
     def _fwdbwd(self, i):
@@ -468,7 +471,7 @@ class CudnnFp8Dense(Bound):
             pack[bt["amax_" + n]] = amax[n]
         for n in self.BWD_SCALARS:
             pack[bt[n]] = self.sc[n]
-        self.gb.execute(pack, ws, handle=self.h)
+        self.gb.execute(pack, ws, handle=handle())
         return o8, dq8, dk8, dv8, amax
 
     def fwd(self, i):

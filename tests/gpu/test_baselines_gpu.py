@@ -47,3 +47,42 @@ def test_cudnn_ragged_varlen_matches_fp32_per_document(D):
             assert _rel(got.grad, want.grad) < 2e-2, (name, _rel(got.grad, want.grad))
     # both document sets: 5 documents, longest in the 2048 bucket, same T: one graph pair
     assert CG.GRAPH_BUILDS["count"] - builds <= 1
+
+
+def test_cudnn_ragged_runs_on_the_callers_stream():
+    """cuDNN executes on the torch stream current at the call (the handle is bound per execute):
+    captured in a CUDA graph from a side stream after warm-up there, a replay with new inputs
+    gives the eager call's outputs and gradients (were cuDNN still bound to the stream current
+    when its graphs were built, nothing of it would be captured)."""
+    from flamia.bench import cudnn_graphs as CG
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    lengths, Hq, Hkv, D = [700, 17, 1, 1330], 8, 2, 64
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                      device=dev)
+    mk = lambda h: torch.randn(T, h, D, device=dev, generator=g).bfloat16()  # noqa: E731
+    q, k, v, do = mk(Hq).requires_grad_(), mk(Hkv).requires_grad_(), mk(Hkv).requires_grad_(), mk(Hq)
+
+    def step():
+        out = CG.cudnn_ragged_varlen(q, k, v, cu, max(lengths))
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    step()                                    # graphs built on the default stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for x, h in zip((q, k, v, do), (Hq, Hkv, Hkv, Hq)):
+            x.copy_(mk(h))
+    graph.replay()
+    eager = step()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), captured, eager):
+        assert torch.equal(a, b), name

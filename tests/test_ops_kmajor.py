@@ -218,3 +218,20 @@ def test_copies_and_rows_in_one_launch_equal_the_separate_launches(lengths):
     with pytest.raises(ValueError, match="columns"):
         kmajor_copies_and_rows(list(zip(srcs, got, orders)), *G.vector_gathers(st, True),
                                st.tok_of_col, st.Tp + 16)
+
+
+def test_dkdv_launcher_takes_the_vectors_preprocess_gathered():
+    """backward.launch_preprocess gathers the packed query vectors with the K-major copies
+    (state.query_vecs, tagged with the fold_sdo they were folded for): the dK/dV launcher uses
+    them for a config with that fold_sdo and gathers its own otherwise."""
+    from flamia.ops import backward_gluon as G
+    st = G.fake_state(64, T=40, Hq=4, Hkv=2, lengths=[33, 7])
+    for x in (st.lse, st.delta, st.sq, st.sk, st.sv):
+        x.copy_(torch.randn(x.shape))
+    st.sdo.copy_(torch.exp2(torch.randint(-8, 8, st.sdo.shape).float()))
+    sentinel = torch.zeros(1)
+    st.query_vecs = (True, sentinel)
+    assert G._packed_query_vectors(st, G.GluonDkdvConfig(fold_sdo=True, pack_vecs=True)) is sentinel
+    own = G._packed_query_vectors(st, G.GluonDkdvConfig(fold_sdo=False, pack_vecs=True))
+    ref = G._packed_query_vectors(st, G.GluonDkdvConfig(fold_sdo=False, pack_vecs=True), "torch")
+    assert own is not sentinel and torch.equal(own.view(torch.int32), ref.view(torch.int32))

@@ -26,21 +26,38 @@ from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
 
 
-def make_step(recipe, lengths, hq, hkv, D):
+def make_step(spec, lengths, hq, hkv, D, forward_only=False):
+    """The call of `spec`: a flamia recipe or cudnn, optionally with @NAME=VALUE (an environment
+    variable set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process)."""
+    recipe, _, env = spec.partition("@")
     T = sum(lengths)
     mk = lambda h: torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, dout = mk(hq).requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk(hq)
     cu = cu_seqlens_from_lengths(lengths, device="cuda")
     L = max(lengths)
 
-    def step():
+    def call():
         if recipe == "cudnn":      # cuDNN ragged bf16, the fastest bf16 attention on packed docs
             from flamia.bench.cudnn_graphs import cudnn_ragged_varlen
             out = cudnn_ragged_varlen(q, k, v, cu, L)
         else:
             out = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
                                                  check_finite=False)
-        return torch.autograd.grad(out, (q, k, v), dout)
+        return out if forward_only else torch.autograd.grad(out, (q, k, v), dout)
+
+    def step():
+        if not env:
+            return call()
+        name, _, value = env.partition("=")
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return call()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
     return step
 
 
@@ -51,6 +68,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--recipes", default="fp8,bf16,cudnn",
                     help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend)")
+    ap.add_argument("--forward-only", action="store_true", help="the forward alone")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -61,7 +79,7 @@ def main():
           f"{args.rounds} rounds, queued back to back")
     fns = {}
     for recipe in args.recipes.split(","):
-        step = make_step(recipe, lengths, hq, hkv, args.head_dim)
+        step = make_step(recipe, lengths, hq, hkv, args.head_dim, args.forward_only)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -81,14 +99,14 @@ def main():
     for _ in range(args.rounds):
         for key, fn in fns.items():
             times[key].append(queued_ms(fn, args.calls))
-    print(f"{'recipe':10s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}")
+    print(f"{'recipe':32s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}")
     for recipe in args.recipes.split(","):
         e = statistics.median(times[(recipe, "eager")])
         if (recipe, "graph") not in times:
-            print(f"{recipe:10s} {e:14.3f} {'-':>14s} {'-':>12s}")
+            print(f"{recipe:32s} {e:14.3f} {'-':>14s} {'-':>12s}")
             continue
         g = statistics.median(times[(recipe, "graph")])
-        print(f"{recipe:10s} {e:14.3f} {g:14.3f} {e / g:12.2f}x")
+        print(f"{recipe:32s} {e:14.3f} {g:14.3f} {e / g:12.2f}x")
 
 
 if __name__ == "__main__":

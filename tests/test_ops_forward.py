@@ -371,6 +371,9 @@ def test_persistent_forward_rule(monkeypatch):
     _fake_capability(monkeypatch, (9, 0))
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "0")
     assert not F.persistent_forward(128, "fp8", cuda)
+    monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "all")     # D=64 too (A/Bs)
+    assert F.persistent_forward(64, "fp8", cuda) == ok
+    assert not F.persistent_forward(64, "bf16", cuda) and not F.persistent_forward(256, "fp8", cuda)
     monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not F.persistent_forward(128, "fp8", cuda)

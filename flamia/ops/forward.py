@@ -114,10 +114,13 @@ def persistent_forward(head_dim: int, recipe, device) -> bool:
     doc2k_x16 1.117 -> 1.039, longtail 2.886 -> 2.827, doc32k 12.88 -> 12.77, doc8k_x4 3.283 ->
     3.344; at D=64 it is 9 % slower (d64_doc8k_x4 2.507 -> 2.736), so D=64 keeps the Triton
     kernel. The caller quantizes V^T in token order for it (quantize_qkv(vt_mma_order=False));
-    FLAMIA_PERSISTENT_FWD=0 turns it off."""
-    if os.environ.get("FLAMIA_PERSISTENT_FWD", "1") == "0" or interpreting():
+    FLAMIA_PERSISTENT_FWD=0 turns it off; =all takes it at D=64 too (for A/Bs)."""
+    mode = os.environ.get("FLAMIA_PERSISTENT_FWD", "1")
+    if mode == "0" or interpreting():
         return False
-    if getattr(recipe, "name", recipe) not in ("fp8", "fp8_mixed") or head_dim != 128:
+    if getattr(recipe, "name", recipe) not in ("fp8", "fp8_mixed"):
+        return False
+    if head_dim != 128 and not (mode == "all" and head_dim == 64):
         return False
     dev = torch.device(device)
     if not is_sm90(dev):

@@ -153,7 +153,7 @@ class _RaggedGraphs:
     def __init__(self, b: int, s: int, T: int, Hq: int, Hkv: int, D: int, scale: float,
                  ragged_stats: bool = False):
         c = _cudnn()
-        self.h = handle()
+        h = handle()
         self.Hq, self.Hkv, self.D = Hq, Hkv, D
         BF16, FLOAT, I32, I64 = (c.data_type.BFLOAT16, c.data_type.FLOAT, c.data_type.INT32,
                                  c.data_type.INT64)
@@ -168,7 +168,7 @@ class _RaggedGraphs:
 
         def graph():
             return c.pygraph(io_data_type=BF16, intermediate_data_type=FLOAT,
-                             compute_data_type=FLOAT, handle=self.h)
+                             compute_data_type=FLOAT, handle=h)
 
         def common(g, names_dims):
             t = {n: g.tensor(name=n, dim=d, stride=st, data_type=dt) for n, d, st, dt in names_dims}
@@ -325,7 +325,7 @@ class _Fp8Graphs:
 
     def __init__(self, problem: Problem):
         c = _cudnn()
-        self.h = handle()
+        h = handle()
         L, Hq, D = problem.T, problem.heads_q, problem.head_dim
         FP8, FLOAT = c.data_type.FP8_E4M3, c.data_type.FLOAT
         qdim, qstr = [1, Hq, L, D], [L * Hq * D, D, Hq * D, 1]
@@ -333,7 +333,7 @@ class _Fp8Graphs:
 
         def graph():
             return c.pygraph(io_data_type=FP8, intermediate_data_type=FLOAT,
-                             compute_data_type=FLOAT, handle=self.h)
+                             compute_data_type=FLOAT, handle=h)
 
         # forward graph (amax_s declared as an output where the engine produces it)
         def build_fwd(with_amax_s: bool):
@@ -429,7 +429,7 @@ class CudnnFp8Dense(Bound):
         }
 
         g = _cached("fp8", problem, dev, lambda: _Fp8Graphs(problem))
-        self.h, self.gf, self.f, self.gb, self.bt, self.ws = g.h, g.gf, g.f, g.gb, g.bt, g.ws
+        self.gf, self.f, self.gb, self.bt, self.ws = g.gf, g.f, g.gb, g.bt, g.ws
         self.sdim = g.sdim
 
         # calibration backward: amaxes of dQ, dK, dV, dP -> their scales (best-case delayed scaling)

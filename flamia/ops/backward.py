@@ -749,30 +749,31 @@ def launch_preprocess(st: BwdState) -> None:
         # K-major copies (every column written, pads zero): dO's from the bytes just stored,
         # and for fp8 the forward's q8 / k8 (transposed, nothing re-quantized); qT8 / doT8 in
         # the key order of the dK/dV kernel that will read them; all in one launch
-        st.qT8_key_order, st.doT8_key_order = _dkdv_key_order(st)
+        gcfg = _gluon_fp8_dkdv_config(st)
+        st.qT8_key_order, st.doT8_key_order = ((gcfg.key_order_dk, gcfg.key_order_dv)
+                                               if gcfg is not None else (False, False))
         copies = [(st.do8, st.doT8, st.doT8_key_order)]
         if st.recipe == 0:
             copies += [(st.q8, st.qT8, st.qT8_key_order), (st.k8, st.kT8, False)]
-        fold = _packed_vecs_fold(st)
-        if fold is None:
+        if gcfg is None or not (gcfg.pack_vecs and gcfg.vec_tma):
             kmajor_copies(copies, st.tok_of_col)
         else:
             # and the Gluon kernels' padded per-token vectors in the same launch (one launch
             # less per call; the dK/dV and dQ launchers take them from the state)
             from .backward_gluon import vector_gathers
-            packed, st.kv_vecs = kmajor_copies_and_rows(copies, *vector_gathers(st, fold),
-                                                        st.tok_of_col, st.Tp)
-            st.query_vecs = (fold, packed)
+            packed, st.kv_vecs = kmajor_copies_and_rows(
+                copies, *vector_gathers(st, gcfg.fold_sdo), st.tok_of_col, st.Tp)
+            st.query_vecs = (gcfg.fold_sdo, packed)
 
 
-def _packed_vecs_fold(st: BwdState) -> bool | None:
-    """The default Gluon fp8 dK/dV kernel's fold_sdo when launch_dkdv will run it with packed
-    query vectors gathered by Triton (GluonDkdvConfig.pack_vecs), else None."""
+def _gluon_fp8_dkdv_config(st: BwdState):
+    """The GluonDkdvConfig of the fp8 dK/dV kernel launch_dkdv will run (its default), or None
+    when it runs another kernel: what launch_preprocess prepares for it (the K-major copies'
+    column order, the packed per-token vectors)."""
     if st.recipe != RECIPE_IDS["fp8"] or not _gluon_applies(st, st.cfg.gluon_dkdv):
         return None
     from .backward_gluon import default_gluon_config
-    cfg = default_gluon_config(st.D)
-    return cfg.fold_sdo if cfg.pack_vecs and cfg.vec_tma else None
+    return default_gluon_config(st.D)
 
 
 def _use_tma(st: BwdState) -> bool:
@@ -808,16 +809,6 @@ def _gluon_applies(st: BwdState, enabled: bool) -> bool:
         return False
     from . import backward_gluon
     return backward_gluon.HAVE_GLUON and st.D in (64, 128)
-
-
-def _dkdv_key_order(st: BwdState) -> tuple[bool, bool]:
-    """(qT8, doT8) in wgmma key order for the dK/dV kernel launch_dkdv will run? (The Gluon
-    fp8 kernel's GluonDkdvConfig.key_order_dk / key_order_dv; token order otherwise.)"""
-    if st.recipe != RECIPE_IDS["fp8"] or not _gluon_applies(st, st.cfg.gluon_dkdv):
-        return False, False
-    from .backward_gluon import default_gluon_config
-    cfg = default_gluon_config(st.D)
-    return cfg.key_order_dk, cfg.key_order_dv
 
 
 def _mixed_operands(st: BwdState) -> tuple:

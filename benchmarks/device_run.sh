@@ -4,7 +4,9 @@
 #
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
-# Stages: tests-bwd, tests-fwd, tests-base (the cuDNN training baseline), tests (all), bench, bench-fp8 (fp8 rows + fastest baselines only),
+# Stages: tests-bwd, tests-fwd, tests-base (the cuDNN training baseline), tests-compile (torch.compile
+# and CUDA graphs), tests (all), bench, bench-fp8 (fp8 rows + fastest baselines only), graphs
+# (benchmarks/graph_timing.py GRAPH_ARGS),
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv (MIXED_CONFIGS, default the ladder; MIXED_WORKLOADS), mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
@@ -57,6 +59,9 @@ for spec in "$@"; do
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     tests-base) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_baselines_gpu.py ;;
+    tests-compile) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_compile_gpu.py \
+             tests/gpu/test_cuda_graphs_gpu.py ;;
+    graphs) run_stage "$name" "$secs" python benchmarks/graph_timing.py ${GRAPH_ARGS:-} ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
              --recipes fp8,fp8_mixed --out "$OUT" ;;

@@ -7,7 +7,10 @@ Calls are queued back to back (N per round, interleaved rounds, median), as the 
 training step queue theirs: when the host issues a call more slowly than the GPU runs it, the
 eager rate is the host's, and the graph's is the GPU's. The gap between the two columns is what
 a fixed-shape training loop can win by capturing its step (tests/gpu/test_cuda_graphs_gpu.py:
-replays are bitwise the eager calls).
+replays are bitwise the eager calls). --compiled adds the call under torch.compile (inductor,
+fullgraph: flamia's custom ops, flamia.custom_ops), forward compiled and backward through the
+compiled graph's autograd: the host cost of the custom-op path (--compile-mode reduce-overhead:
+torch.compile's own CUDA graphs).
 """
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
 
 
-def make_step(spec, lengths, hq, hkv, D, forward_only=False):
+def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
     """The call of `spec`: a flamia recipe or cudnn, optionally with @NAME=VALUE (an environment
-    variable set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process)."""
+    variable set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process).
+    compiled: a torch.compile mode: the flamia call under torch.compile(fullgraph=True)."""
     recipe, _, env = spec.partition("@")
     T = sum(lengths)
     mk = lambda h: torch.randn(T, h, D, device="cuda", dtype=torch.bfloat16)  # noqa: E731
@@ -36,13 +40,18 @@ def make_step(spec, lengths, hq, hkv, D, forward_only=False):
     cu = cu_seqlens_from_lengths(lengths, device="cuda")
     L = max(lengths)
 
+    def attend(q, k, v):
+        return flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
+                                              check_finite=False)
+    if compiled:
+        attend = torch.compile(attend, fullgraph=True, mode=compiled)
+
     def call():
         if recipe == "cudnn":      # cuDNN ragged bf16, the fastest bf16 attention on packed docs
             from flamia.bench.cudnn_graphs import cudnn_ragged_varlen
             out = cudnn_ragged_varlen(q, k, v, cu, L)
         else:
-            out = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
-                                                 check_finite=False)
+            out = attend(q, k, v)
         return out if forward_only else torch.autograd.grad(out, (q, k, v), dout)
 
     def step():
@@ -69,6 +78,10 @@ def main():
     ap.add_argument("--recipes", default="fp8,bf16,cudnn",
                     help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend)")
     ap.add_argument("--forward-only", action="store_true", help="the forward alone")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also each flamia recipe under torch.compile")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode of --compiled (reduce-overhead: CUDA graphs)")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -79,6 +92,17 @@ def main():
           f"{args.rounds} rounds, queued back to back")
     fns = {}
     for recipe in args.recipes.split(","):
+        if args.compiled and not recipe.startswith("cudnn"):
+            cstep = make_step(recipe, lengths, hq, hkv, args.head_dim, args.forward_only,
+                              args.compile_mode)
+            try:
+                for _ in range(3):
+                    cstep()
+                fns[(recipe, "compiled")] = cstep
+            except Exception as e:  # noqa: BLE001  (report and go on with the other columns)
+                print(f"{recipe}: compiled ({args.compile_mode}) failed: {type(e).__name__}: "
+                      f"{str(e)[:300]}")
+                torch.cuda.synchronize()
         step = make_step(recipe, lengths, hq, hkv, args.head_dim, args.forward_only)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -99,14 +123,17 @@ def main():
     for _ in range(args.rounds):
         for key, fn in fns.items():
             times[key].append(queued_ms(fn, args.calls))
-    print(f"{'recipe':32s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}")
+    print(f"{'recipe':32s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}"
+          + (f" {'compiled ms/call':>17s}" if args.compiled else ""))
     for recipe in args.recipes.split(","):
         e = statistics.median(times[(recipe, "eager")])
+        c = times.get((recipe, "compiled"))
+        tail = (f" {statistics.median(c):17.3f}" if c else f" {'-':>17s}") if args.compiled else ""
         if (recipe, "graph") not in times:
-            print(f"{recipe:32s} {e:14.3f} {'-':>14s} {'-':>12s}")
+            print(f"{recipe:32s} {e:14.3f} {'-':>14s} {'-':>12s}" + tail)
             continue
         g = statistics.median(times[(recipe, "graph")])
-        print(f"{recipe:32s} {e:14.3f} {g:14.3f} {e / g:12.2f}x")
+        print(f"{recipe:32s} {e:14.3f} {g:14.3f} {e / g:12.2f}x" + tail)
 
 
 if __name__ == "__main__":

@@ -14,27 +14,33 @@ import warnings
 
 import torch
 
-from . import ops
+from . import custom_ops, ops
 from .reference import ReferenceAttention
 from .recipes import RECIPES, Recipe
-from .validate import validate_dense, validate_varlen
+from .validate import check_finite_enabled, check_values, validate_dense, validate_varlen
 
 __all__ = ["flamia_attn_func", "flamia_attn_varlen_func", "FlamiaAttention", "backend"]
 
 KERNEL_HEAD_DIMS = (64, 128)
 
 
-@functools.lru_cache(maxsize=None)
+_ENTRY_POINTS = []
+
+
 def _kernel_entry_points():
     """((quantize_qkv, attention_forward, attention_backward), None), or (None, why) while the
-    kernel modules cannot be imported (then every call runs the reference)."""
-    try:
-        from .ops.backward import attention_backward
-        from .ops.forward import attention_forward
-        from .ops.quantize import quantize_qkv
-    except ImportError as e:
-        return None, f"{type(e).__name__}: {e}"
-    return (quantize_qkv, attention_forward, attention_backward), None
+    kernel modules cannot be imported (then every call runs the reference). Memoized in a
+    module list, not functools.lru_cache: torch.compile traces backend() and would warn about
+    (and step through) the cache wrapper."""
+    if not _ENTRY_POINTS:
+        try:
+            from .ops.backward import attention_backward
+            from .ops.forward import attention_forward
+            from .ops.quantize import quantize_qkv
+            _ENTRY_POINTS.append(((quantize_qkv, attention_forward, attention_backward), None))
+        except ImportError as e:
+            _ENTRY_POINTS.append((None, f"{type(e).__name__}: {e}"))
+    return _ENTRY_POINTS[0]
 
 
 def backend(q: torch.Tensor, recipe: "str | Recipe") -> str:
@@ -68,20 +74,36 @@ def _warn_no_kernels(why: str) -> None:
                   f"(correct, slow)", RuntimeWarning, stacklevel=4)
 
 
+def kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe: str, causal, softmax_scale):
+    """(out, lse, qkv): quantize once and run the forward kernel; qkv is what the backward
+    needs of the quantization (P3: nothing is quantized twice)."""
+    quantize_qkv, attention_forward, _ = _kernel_entry_points()[0]
+    from .ops.forward import persistent_forward
+    # V^T in the key order of the forward kernel that will read it (attention_forward)
+    persistent = persistent_forward(q.shape[-1], recipe, q.device)
+    qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not persistent)
+    out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
+    # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
+    # so what waits for the backward is Hkv * D bytes per token smaller.
+    return out, lse, dataclasses.replace(qkv, vt8=None)
+
+
+def kernel_backward(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale,
+                    deterministic):
+    """(dq, dk, dv) from the forward's out, lse and qkv (kernel_forward)."""
+    attention_backward = _kernel_entry_points()[0][2]
+    return attention_backward(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale,
+                              deterministic)
+
+
 class _KernelAttention(torch.autograd.Function):
-    """Quantize once, forward, and a backward from the same quantized operands and LSE (P3)."""
+    """Quantize once, forward, and a backward from the same quantized operands and LSE (P3).
+    The eager path; under torch.compile the same functions run as custom ops (custom_ops)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, recipe, causal, softmax_scale, deterministic):
-        quantize_qkv, attention_forward, _ = _kernel_entry_points()[0]
-        from .ops.forward import persistent_forward
-        # V^T in the key order of the forward kernel that will read it (attention_forward)
-        persistent = persistent_forward(q.shape[-1], recipe, q.device)
-        qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not persistent)
-        out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
-        # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
-        # so what waits for the backward is Hkv * D bytes per token smaller.
-        ctx.qkv = dataclasses.replace(qkv, vt8=None)
+        out, lse, ctx.qkv = kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe, causal,
+                                           softmax_scale)
         ctx.cfg = (max_seqlen, causal, softmax_scale, deterministic)
         ctx.save_for_backward(out, lse, cu_seqlens)
         ctx.mark_non_differentiable(lse)
@@ -94,20 +116,36 @@ class _KernelAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:          # (grads are not materialized: nothing reached out)
             return (None,) * 9
-        attention_backward = _kernel_entry_points()[0][2]
         out, lse, cu_seqlens = ctx.saved_tensors
         max_seqlen, causal, softmax_scale, deterministic = ctx.cfg
-        dq, dk, dv = attention_backward(dout.contiguous(), out, lse, ctx.qkv, cu_seqlens, max_seqlen,
-                                        causal, softmax_scale, deterministic)
+        dq, dk, dv = kernel_backward(dout.contiguous(), out, lse, ctx.qkv, cu_seqlens, max_seqlen,
+                                     causal, softmax_scale, deterministic)
         return dq, dk, dv, None, None, None, None, None, None
 
 
 def _attention_packed(q, k, v, cu_seqlens, max_seqlen, recipe: Recipe, causal, softmax_scale,
-                      deterministic):
-    """Validated packed inputs -> (out (T, Hq, D) in q.dtype, lse (Hq, T) fp32)."""
-    if backend(q, recipe) == "kernels" and q.shape[0] > 0:
+                      deterministic, deferred=None):
+    """Validated packed inputs -> (out (T, Hq, D) in q.dtype, lse (Hq, T) fp32).
+
+    deferred: under torch.compile, the arguments of validate.check_values that validation left
+    for later (check_content, cu_seqlens_k, max_seqlen_q, max_seqlen_k): the kernel path runs
+    them inside its custom op, the reference path here (a graph break). cu_seqlens is None for a
+    dense call under compile: the kernel path's op builds the memoized one
+    (custom_ops._cu_seqlens), the reference path a plain one."""
+    kernels = backend(q, recipe) == "kernels" and q.shape[0] > 0
+    if deferred is not None:
+        content, cu_k, max_q, max_k = deferred
+        if kernels:
+            return custom_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens,
+                                        max_q, max_k, recipe.name, causal, softmax_scale,
+                                        deterministic, cu_k, content)
+        check_values(q, k, v, softmax_scale, content, cu_seqlens, cu_k, max_q, max_k)
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, q.shape[0] + 1, max(max_seqlen, 1), dtype=torch.int32,
+                                      device=q.device)
+    if kernels:
         return _KernelAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens,
-                                      max_seqlen, recipe, causal, softmax_scale, deterministic)
+                                      max_seqlen, recipe.name, causal, softmax_scale, deterministic)
     return ReferenceAttention.apply(q, k, v, cu_seqlens, recipe, causal, softmax_scale, torch.float32)
 
 
@@ -126,10 +164,14 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     Returns out (T, Hq, D) in q's dtype, or (out, lse) with lse (Hq, T) fp32 (natural log of the
     softmax denominator of the scaled scores) when return_lse=True. Differentiable in q, k, v.
     """
+    compiling = torch.compiler.is_compiling()
     rec, scale, max_seqlen = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal, softmax_scale, recipe, return_lse,
-                                             deterministic, check_finite)
-    out, lse = _attention_packed(q, k, v, cu_seqlens_q, max_seqlen, rec, causal, scale, deterministic)
+                                             deterministic, check_finite, defer_values=compiling)
+    deferred = (check_finite_enabled(check_finite), cu_seqlens_k, int(max_seqlen_q),
+                int(max_seqlen_k)) if compiling else None
+    out, lse = _attention_packed(q, k, v, cu_seqlens_q, max_seqlen, rec, causal, scale, deterministic,
+                                 deferred)
     return (out, lse) if return_lse else out
 
 
@@ -149,13 +191,17 @@ def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", ret
     (out, lse) with lse (B, Hq, S) fp32 when return_lse=True. Other arguments as in
     flamia_attn_varlen_func.
     """
+    compiling = torch.compiler.is_compiling()
     rec, scale = validate_dense(q, k, v, causal, softmax_scale, recipe, return_lse, deterministic,
-                                check_finite)
+                                check_finite, defer_values=compiling)
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    cu = _dense_cu_seqlens(B, S, q.device)                            # one document per row
+    # one document per row (under compile: built later, _attention_packed says why)
+    cu = None if compiling else _dense_cu_seqlens(B, S, q.device)
+    deferred = (check_finite_enabled(check_finite), None, S, S) if compiling else None
     out, lse = _attention_packed(q.reshape(B * S, Hq, D), k.reshape(B * S, Hkv, D),
-                                 v.reshape(B * S, Hkv, D), cu, S, rec, causal, scale, deterministic)
+                                 v.reshape(B * S, Hkv, D), cu, S, rec, causal, scale, deterministic,
+                                 deferred)
     out = out.reshape(B, S, Hq, D)
     if not return_lse:
         return out

@@ -147,8 +147,10 @@ def check_finite_values(q, k, v, softmax_scale: float) -> None:
             f"scores below 2**16, where float32 rounding moves P by at most 2**-7")
 
 
-def validate_dense(q, k, v, causal, softmax_scale, recipe, return_lse, deterministic, check_finite):
-    """Checks for flamia_attn_func. Returns (recipe: Recipe, softmax_scale: float)."""
+def validate_dense(q, k, v, causal, softmax_scale, recipe, return_lse, deterministic, check_finite,
+                   defer_values: bool = False):
+    """Checks for flamia_attn_func. Returns (recipe: Recipe, softmax_scale: float).
+    defer_values: skip check_values (the caller runs it later, see check_values)."""
     check_flags(causal, return_lse, deterministic, check_finite)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -161,8 +163,8 @@ def validate_dense(q, k, v, causal, softmax_scale, recipe, return_lse, determini
                          f"{tuple(q.shape[:2])} and k {tuple(k.shape[:2])}")
     rec = check_recipe(recipe)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    if check_finite_enabled(check_finite) and q.numel() > 0:
-        check_finite_values(q, k, v, scale)
+    if not defer_values:
+        check_values(q, k, v, scale, check_finite_enabled(check_finite))
     return rec, scale
 
 
@@ -177,8 +179,10 @@ def _check_max_seqlen(name: str, value) -> int:
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                    softmax_scale, recipe, return_lse, deterministic, check_finite):
-    """Checks for flamia_attn_varlen_func. Returns (recipe, softmax_scale, max_seqlen: int)."""
+                    softmax_scale, recipe, return_lse, deterministic, check_finite,
+                    defer_values: bool = False):
+    """Checks for flamia_attn_varlen_func. Returns (recipe, softmax_scale, max_seqlen: int).
+    defer_values: skip check_values (the caller runs it later, see check_values)."""
     check_flags(causal, return_lse, deterministic, check_finite)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -206,12 +210,25 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     rec = check_recipe(recipe)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    content = check_finite_enabled(check_finite)
-    if content or not q.is_cuda:
-        _check_cu_values(cu_seqlens_q, cu_seqlens_k, T, max_q, max_k)
-    if content and q.numel() > 0:
-        check_finite_values(q, k, v, scale)
+    if not defer_values:
+        check_values(q, k, v, scale, check_finite_enabled(check_finite), cu_seqlens_q, cu_seqlens_k,
+                     max_q, max_k)
     return rec, scale, max(max_q, max_k)
+
+
+def check_values(q, k, v, softmax_scale: float, content: bool, cu_q=None, cu_k=None, max_q=0,
+                 max_k=0) -> None:
+    """The checks that read tensor values (one device sync): cu_seqlens (when given) against T
+    and max_seqlen, and with `content` (check_finite) NaN / Inf / magnitudes of q, k, v.
+    cu_seqlens on CUDA are read only with `content` (the same sync); on the CPU always (free).
+
+    The validate_* functions run them unless told to defer (defer_values): under torch.compile
+    reading values would break the graph, so the kernel path runs them inside its custom op
+    (flamia.custom_ops), where the compiler does not look."""
+    if cu_q is not None and (content or not q.is_cuda):
+        _check_cu_values(cu_q, cu_k, q.shape[0], max_q, max_k)
+    if content and q.numel() > 0:
+        check_finite_values(q, k, v, softmax_scale)
 
 
 def _check_cu_values(cu_q, cu_k, T, max_q, max_k) -> None:

@@ -1,0 +1,133 @@
+"""The kernel path as two torch.library custom ops, for torch.compile: flamia::fwd, flamia::bwd.
+
+Eager calls run the kernels through interface._KernelAttention, an autograd.Function: the
+leanest host path (a short-document call is bound by its host: benchmarks/NOTES.md, session
+14). Under torch.compile a flamia call is instead one opaque node per direction, built from
+the same functions (interface.kernel_forward / kernel_backward), so compiled results are
+bitwise the eager ones. The compiler sees each op's output shapes (the fake implementations
+below), not Triton launches and host code that reads cu_seqlens, so `torch.compile(model,
+fullgraph=True)` traces a model through flamia attention, and a CUDA-graphing mode captures it
+when its shapes repeat.
+
+What the forward keeps for the backward travels as op outputs, as a custom op requires:
+out, lse and the quantized operands (fp8: q8, k8, v8 and the per-token scales sq, sk, sv,
+vcap). The bf16 recipe's operands are q, k, v themselves (the op's inputs: an output may not
+alias them), so its forward returns empty placeholders and the backward gets q, k, v.
+
+The value checks of flamia.validate (cu_seqlens against T and max_seqlen, NaN / Inf) read
+tensor values; under torch.compile they run inside the forward op (check_values), where
+reading values does not break the graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .ops.layout import QuantizedQKV
+from .recipes import get_recipe
+from .validate import check_values
+
+_FP8_SAVED = ("q8", "k8", "v8", "sq", "sk", "sv", "vcap")
+
+
+def _cu_seqlens(cu_seqlens, q, seqlen: int):
+    """cu_seqlens, or for a dense call (None) the memoized [0, S, 2S, ..] of the eager path
+    (interface._dense_cu_seqlens). Built here, not in the compiled graph: a traced arange would
+    be a new tensor at every call, and the kernels' metadata is memoized on the tensor
+    (flamia.ops.schedule.per_cu_seqlens)."""
+    if cu_seqlens is not None:
+        return cu_seqlens
+    from .interface import _dense_cu_seqlens
+    return _dense_cu_seqlens(q.shape[0] // seqlen, seqlen, q.device)
+
+
+@torch.library.custom_op("flamia::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k: Tensor | None,
+        max_seqlen_q: int, max_seqlen_k: int, recipe: str, causal: bool, softmax_scale: float,
+        deterministic: bool, check_content: bool
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, q8, k8, v8, sq, sk, sv, vcap) of the kernel forward. cu_seqlens None: a dense
+    call of documents of max_seqlen_q tokens (see _cu_seqlens); cu_seqlens_k: checked against
+    cu_seqlens; deterministic: for the backward (every launch is deterministic by default);
+    check_content: check_finite."""
+    from .interface import kernel_forward
+    check_values(q, k, v, softmax_scale, check_content, cu_seqlens, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k)
+    out, lse, qkv = kernel_forward(q, k, v, _cu_seqlens(cu_seqlens, q, max_seqlen_q),
+                                   max(max_seqlen_q, max_seqlen_k), recipe, causal, softmax_scale)
+    if recipe == "bf16":
+        return (out, lse) + tuple(q.new_empty(0, dtype=torch.float32) for _ in _FP8_SAVED)
+    return (out, lse) + tuple(getattr(qkv, name) for name in _FP8_SAVED)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe, causal,
+              softmax_scale, deterministic, check_content):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((Hq, T), dtype=torch.float32)
+    if recipe == "bf16":
+        return (out, lse) + tuple(q.new_empty(0, dtype=torch.float32) for _ in _FP8_SAVED)
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    return (out, lse, q.new_empty((T, Hq, D), dtype=f8), q.new_empty((T, Hkv, D), dtype=f8),
+            q.new_empty((T, Hkv, D), dtype=f8), q.new_empty((Hq, T), dtype=f32),
+            *(q.new_empty((Hkv, T), dtype=f32) for _ in range(3)))
+
+
+@torch.library.custom_op("flamia::bwd", mutates_args=())
+def bwd(dout: Tensor, out: Tensor, lse: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, sq: Tensor,
+        sk: Tensor, sv: Tensor, vcap: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, recipe: str,
+        causal: bool, softmax_scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in dout's dtype. bf16: q8, k8, v8 are the forward's q, k, v and the scales
+    are placeholders (flamia::fwd)."""
+    from .interface import kernel_backward
+    if recipe == "bf16":
+        qkv = QuantizedQKV("bf16", *(x.to(torch.bfloat16) for x in (q8, k8, v8)), None, None,
+                           None, None, rotated=False)
+    else:
+        qkv = QuantizedQKV(recipe, q8, k8, v8, sq, sk, sv, vcap,
+                           rotated=bool(get_recipe(recipe).rotate_qk))
+    return kernel_backward(dout, out, lse, qkv, _cu_seqlens(cu_seqlens, dout, max_seqlen),
+                           max_seqlen, causal, softmax_scale, deterministic)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, out, lse, q8, k8, v8, sq, sk, sv, vcap, cu_seqlens, max_seqlen, recipe,
+              causal, softmax_scale, deterministic):
+    return (dout.new_empty(dout.shape), dout.new_empty(k8.shape, dtype=dout.dtype),
+            dout.new_empty(v8.shape, dtype=dout.dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, _, max_q, max_k, recipe, causal, softmax_scale, deterministic, _ = inputs
+    out, lse, *saved = output
+    if recipe == "bf16":
+        saved[:3] = q, k, v
+    ctx.save_for_backward(out, lse, *saved)
+    ctx.cu_seqlens = cu_seqlens   # (may be None: not a saved tensor then)
+    ctx.cfg = (max(max_q, max_k), recipe, causal, softmax_scale, deterministic)
+    ctx.mark_non_differentiable(lse, *output[2:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, *_):
+    if dout is None:          # nothing reached out (grads are not materialized)
+        return (None,) * 12
+    out, lse, *saved = ctx.saved_tensors
+    max_seqlen, recipe, causal, softmax_scale, deterministic = ctx.cfg
+    dq, dk, dv = bwd(dout.contiguous(), out, lse, *saved, ctx.cu_seqlens, max_seqlen, recipe,
+                     causal, softmax_scale, deterministic)
+    return (dq, dk, dv) + (None,) * 9
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, cu_seqlens, max_seqlen_q, max_seqlen_k, recipe: str, causal: bool,
+              softmax_scale: float, deterministic: bool, cu_seqlens_k=None,
+              check_content: bool = False):
+    """(out, lse) through the custom ops; differentiable in q, k, v."""
+    out, lse, *_ = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe,
+                       causal, softmax_scale, deterministic, check_content)
+    return out, lse

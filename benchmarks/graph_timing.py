@@ -43,7 +43,10 @@ def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
     def attend(q, k, v):
         return flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
                                               check_finite=False)
-    if compiled:
+    if compiled and recipe != "cudnn":
+        # one eager call first: the kernels' caches (the metadata memoized on cu) are then built
+        # outside the memory pool of reduce-overhead's CUDA graphs, whose warm-up would own them
+        torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
         attend = torch.compile(attend, fullgraph=True, mode=compiled)
 
     def call():

@@ -6,8 +6,8 @@ leanest host path (a short-document call is bound by its host: benchmarks/NOTES.
 the same functions (interface.kernel_forward / kernel_backward), so compiled results are
 bitwise the eager ones. The compiler sees each op's output shapes (the fake implementations
 below), not Triton launches and host code that reads cu_seqlens, so `torch.compile(model,
-fullgraph=True)` traces a model through flamia attention, and a CUDA-graphing mode captures it
-when its shapes repeat.
+fullgraph=True)` traces a model through flamia attention. (The ops themselves have no autograd
+registration: _OpAttention, an autograd.Function that dynamo traces, is their autograd.)
 
 What the forward keeps for the backward travels as op outputs, as a custom op requires:
 out, lse and the quantized operands (fp8: q8, k8, v8 and the per-token scales sq, sk, sv,
@@ -48,11 +48,12 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, q8, k8, v8, sq, sk, sv, vcap) of the kernel forward. cu_seqlens None: a dense
     call of documents of max_seqlen_q tokens (see _cu_seqlens); cu_seqlens_k: checked against
-    cu_seqlens; deterministic: for the backward (every launch is deterministic by default);
+    cu_seqlens (None: the same tensor; autograd.Function.apply under dynamo refuses one tensor
+    passed twice); deterministic: for the backward (every launch is deterministic by default);
     check_content: check_finite."""
     from .interface import kernel_forward
-    check_values(q, k, v, softmax_scale, check_content, cu_seqlens, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k)
+    check_values(q, k, v, softmax_scale, check_content, cu_seqlens,
+                 cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse, qkv = kernel_forward(q, k, v, _cu_seqlens(cu_seqlens, q, max_seqlen_q),
                                    max(max_seqlen_q, max_seqlen_k), recipe, causal, softmax_scale)
     if recipe == "bf16":
@@ -99,35 +100,42 @@ def _bwd_fake(dout, out, lse, q8, k8, v8, sq, sk, sv, vcap, cu_seqlens, max_seql
             dout.new_empty(v8.shape, dtype=dout.dtype))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, _, max_q, max_k, recipe, causal, softmax_scale, deterministic, _ = inputs
-    out, lse, *saved = output
-    if recipe == "bf16":
-        saved[:3] = q, k, v
-    ctx.save_for_backward(out, lse, *saved)
-    ctx.cu_seqlens = cu_seqlens   # (may be None: not a saved tensor then)
-    ctx.cfg = (max(max_q, max_k), recipe, causal, softmax_scale, deterministic)
-    ctx.mark_non_differentiable(lse, *output[2:])
-    ctx.set_materialize_grads(False)
+class _OpAttention(torch.autograd.Function):
+    """flamia::fwd with flamia::bwd as its backward. An autograd.Function that torch.compile
+    traces (both directions are single ops), rather than the ops' own autograd registration:
+    AOT autograd then places flamia::bwd in the compiled backward graph itself, without the
+    registration's Python wrapper around every call."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
+                softmax_scale, deterministic, check_content):
+        out, lse, *saved = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
+                               softmax_scale, deterministic, check_content)
+        if recipe == "bf16":
+            saved[:3] = q, k, v
+        ctx.save_for_backward(out, lse, *saved)
+        ctx.cu_seqlens = cu_seqlens   # (may be None: not a saved tensor then)
+        ctx.cfg = (max(max_q, max_k), recipe, causal, softmax_scale, deterministic)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
 
-def _backward(ctx, dout, *_):
-    if dout is None:          # nothing reached out (grads are not materialized)
-        return (None,) * 12
-    out, lse, *saved = ctx.saved_tensors
-    max_seqlen, recipe, causal, softmax_scale, deterministic = ctx.cfg
-    dq, dk, dv = bwd(dout.contiguous(), out, lse, *saved, ctx.cu_seqlens, max_seqlen, recipe,
-                     causal, softmax_scale, deterministic)
-    return (dq, dk, dv) + (None,) * 9
-
-
-fwd.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:          # nothing reached out (grads are not materialized)
+            return (None,) * 12
+        out, lse, *saved = ctx.saved_tensors
+        max_seqlen, recipe, causal, softmax_scale, deterministic = ctx.cfg
+        dq, dk, dv = bwd(dout.contiguous(), out, lse, *saved, ctx.cu_seqlens, max_seqlen, recipe,
+                         causal, softmax_scale, deterministic)
+        return (dq, dk, dv) + (None,) * 9
 
 
 def attention(q, k, v, cu_seqlens, max_seqlen_q, max_seqlen_k, recipe: str, causal: bool,
               softmax_scale: float, deterministic: bool, cu_seqlens_k=None,
               check_content: bool = False):
     """(out, lse) through the custom ops; differentiable in q, k, v."""
-    out, lse, *_ = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, recipe,
-                       causal, softmax_scale, deterministic, check_content)
-    return out, lse
+    if cu_seqlens_k is cu_seqlens:
+        cu_seqlens_k = None
+    return _OpAttention.apply(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              recipe, causal, softmax_scale, deterministic, check_content)

@@ -41,7 +41,16 @@ def _cu_seqlens(cu_seqlens, q, seqlen: int):
     return _dense_cu_seqlens(q.shape[0] // seqlen, seqlen, q.device)
 
 
-@torch.library.custom_op("flamia::fwd", mutates_args=())
+# Not for torch.compile's own CUDA graphs (mode="reduce-overhead"): they copy each input into a
+# static buffer, so the metadata the kernels memoize on cu_seqlens (flamia.ops.schedule) would
+# be rebuilt inside the graph's memory pool and outlive the capture ("tensors in the cudagraph
+# pool not tracked as outputs", H200, benchmarks/NOTES.md session 16). Tagged, inductor runs
+# the ops outside its graphs instead. (torch.cuda.graph around whole calls works:
+# tests/gpu/test_cuda_graphs_gpu.py.)
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("flamia::fwd", mutates_args=(), tags=_TAGS)
 def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k: Tensor | None,
         max_seqlen_q: int, max_seqlen_k: int, recipe: str, causal: bool, softmax_scale: float,
         deterministic: bool, check_content: bool
@@ -76,7 +85,7 @@ def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rec
             *(q.new_empty((Hkv, T), dtype=f32) for _ in range(3)))
 
 
-@torch.library.custom_op("flamia::bwd", mutates_args=())
+@torch.library.custom_op("flamia::bwd", mutates_args=(), tags=_TAGS)
 def bwd(dout: Tensor, out: Tensor, lse: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, sq: Tensor,
         sk: Tensor, sv: Tensor, vcap: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, recipe: str,
         causal: bool, softmax_scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,7 +121,7 @@ class _OpAttention(torch.autograd.Function):
         out, lse, *saved = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
                                softmax_scale, deterministic, check_content)
         if recipe == "bf16":
-            saved[:3] = q, k, v
+            saved = (q, k, v, *saved[3:])
         ctx.save_for_backward(out, lse, *saved)
         ctx.cu_seqlens = cu_seqlens   # (may be None: not a saved tensor then)
         ctx.cfg = (max(max_q, max_k), recipe, causal, softmax_scale, deterministic)

@@ -107,3 +107,20 @@ def test_value_checks_raise_under_inductor():
     bad[5, 3, 7] = float("inf")
     with pytest.raises(ValueError, match="q contains NaN or Inf"):
         compiled(bad, k, v)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_reduce_overhead_mode_runs_flamia_outside_its_graphs(recipe):
+    """mode="reduce-overhead": the ops are tagged cudagraph_unsafe (custom_ops says why), so
+    inductor leaves them out of its CUDA graphs; results stay bitwise eager's."""
+    q, k, v, dout = _inputs("varlen", 64, seed=2)
+    f = _attend("varlen", recipe, cu_seqlens_from_lengths(LENGTHS, device="cuda"))
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):          # warm-up, record, replay
+        got = compiled(q, k, v)
+        got_grads = torch.autograd.grad(got, (q, k, v), dout)
+    want = f(q, k, v)
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.equal(a, b)

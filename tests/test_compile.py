@@ -153,3 +153,22 @@ def test_hf_llama_compiles_with_flamia_attention():
     torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_new_documents_each_step_compile_at_most_twice():
+    """A training loop: every step packs other documents (cu_seqlens of another length,
+    another max_seqlen). Dynamo compiles once, then once more with those dynamic; results stay
+    bitwise eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def f(q, k, v, cu, L):
+        return flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for seed, lengths in enumerate([[40, 24], [30, 2, 32], [10, 20, 30, 4], [64]]):
+        q, k, v, cu, dout = _packed(lengths, seed=seed)
+        got = _run(compiled, q, k, v, dout, cu, max(lengths))
+        for a, b in zip(got, _run(f, q, k, v, dout, cu, max(lengths))):
+            assert torch.equal(a, b)
+    assert counter.frame_count <= 2

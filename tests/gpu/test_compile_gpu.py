@@ -124,3 +124,23 @@ def test_reduce_overhead_mode_runs_flamia_outside_its_graphs(recipe):
     assert torch.equal(got, want)
     for a, b in zip(got_grads, torch.autograd.grad(want, (q, k, v), dout)):
         assert torch.equal(a, b)
+
+
+def test_new_documents_each_step_inductor():
+    """Other documents every step (cu_seqlens length and max_seqlen change): at most two
+    compiles, results bitwise eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def f(q, k, v, cu, L):
+        return flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe="fp8")
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for lengths in ([1500, 548], [700, 17, 0, 1, 1330], [2048], [100] * 20 + [48]):
+        T = sum(lengths)
+        q, k, v = (torch.randn(T, h, 64, generator=gen, device="cuda").bfloat16()
+                   for h in (8, 2, 2))
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        assert torch.equal(compiled(q, k, v, cu, max(lengths)), f(q, k, v, cu, max(lengths)))
+    assert counter.frame_count <= 2

@@ -87,8 +87,9 @@ def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rec
 
 @torch.library.custom_op("flamia::bwd", mutates_args=(), tags=_TAGS)
 def bwd(dout: Tensor, out: Tensor, lse: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, sq: Tensor,
-        sk: Tensor, sv: Tensor, vcap: Tensor, cu_seqlens: Tensor | None, max_seqlen: int, recipe: str,
-        causal: bool, softmax_scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+        sk: Tensor, sv: Tensor, vcap: Tensor, cu_seqlens: Tensor | None, max_seqlen: int,
+        recipe: str, causal: bool, softmax_scale: float, deterministic: bool
+        ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in dout's dtype. bf16: q8, k8, v8 are the forward's q, k, v and the scales
     are placeholders (flamia::fwd)."""
     from .interface import kernel_backward

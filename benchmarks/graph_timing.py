@@ -30,8 +30,9 @@ from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA 
 
 
 def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
-    """The call of `spec`: a flamia recipe or cudnn, optionally with @NAME=VALUE (an environment
-    variable set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process).
+    """The call of `spec`: a flamia recipe or cudnn, optionally with @NAME=VALUE (environment
+    variables set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process;
+    several: fp8@A=1@B=0).
     compiled: a torch.compile mode: the flamia call under torch.compile(fullgraph=True)."""
     recipe, _, env = spec.partition("@")
     T = sum(lengths)
@@ -57,19 +58,21 @@ def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
             out = attend(q, k, v)
         return out if forward_only else torch.autograd.grad(out, (q, k, v), dout)
 
+    settings = [item.partition("=")[::2] for item in env.split("@")] if env else []
+
     def step():
-        if not env:
+        if not settings:
             return call()
-        name, _, value = env.partition("=")
-        old = os.environ.get(name)
-        os.environ[name] = value
+        old = {name: os.environ.get(name) for name, _ in settings}
+        os.environ.update(dict(settings))
         try:
             return call()
         finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
     return step
 
 

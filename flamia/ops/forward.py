@@ -66,6 +66,12 @@ class FwdConfig:
     # loops pipelined too, ptxas serializes every wgmma of the kernel (C7515, non-wgmma code
     # defining accumulator registers inside a pipeline stage).
     masked_stages: int | None = None
+    # diag: a timing diagnostic with WRONG results. 1: the unmasked-tile loop does not apply the
+    # per-key scales (s * sk_j, p * sv_j: 128 FMUL per 64 x 128 tile per thread), what K / V
+    # scales shared by a whole key tile would save (they fold into per-row factors). Set by
+    # FLAMIA_FWD_DIAG=1 on the default config, for A/Bs in one process (benchmarks/NOTES.md
+    # session 16 item 3).
+    diag: int = 0
 
     def with_(self, **kw) -> "FwdConfig":
         return replace(self, **kw)
@@ -135,7 +141,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                 V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                V_MMA_ORDER: tl.constexpr):
+                V_MMA_ORDER: tl.constexpr, KEY_SCALES: tl.constexpr = True):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
     V_MMA_ORDER: row p of a V tile (from vt8) is key mma_order16(p) of the tile (tiles start at
     16-aligned tokens), and P is passed to the PV wgmma in that key order too."""
@@ -159,7 +165,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
             else:
                 kt = tl.load(k_ptrs)
         s = tl.dot(q, kt)
-        if FP8:
+        if FP8 and KEY_SCALES:
             if MASKED:
                 sk = tl.load(SK + offs_n, mask=col_ok, other=0.0)
             else:
@@ -191,7 +197,10 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
                 sv = tl.load(SV + offs_n, mask=col_ok, other=0.0)
             else:
                 sv = tl.load(SV + offs_n)
-            a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
+            if KEY_SCALES:
+                a = (p * sv[None, :]).to(tl.float8e4nv)      # sv_j / cap_i * 256 folded, RNE
+            else:   # (FwdConfig.diag: timing only)
+                a = p.to(tl.float8e4nv)
             if V_MMA_ORDER:
                 # column p of the A operand = P's column mma_order16(p): every value stays in
                 # the thread holding it (flamia.ops.kmajor's module docstring)
@@ -225,7 +234,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      V_KMAJOR: tl.constexpr, FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr):
+                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
+                     DIAG: tl.constexpr = 0):
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -291,7 +301,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                 D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
-                                FULL_STAGES, V_MMA_ORDER)
+                                FULL_STAGES, V_MMA_ORDER, DIAG != 1)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
                                 K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                 D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, V_KMAJOR, FOLD_LR,
@@ -337,6 +347,8 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     if config is None:
         config = default_config(D, fp8, dev)
+        if os.environ.get("FLAMIA_FWD_DIAG"):    # timing diagnostic, wrong results (FwdConfig)
+            config = config.with_(diag=int(os.environ["FLAMIA_FWD_DIAG"]))
     use_tma = bool(config.use_tma and TensorDescriptor is not None)
     v_kmajor = bool(config.v_kmajor and fp8 and qkv.vt8 is not None)
     alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
@@ -383,7 +395,8 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         V_KMAJOR=v_kmajor, FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(v_kmajor and qkv.vt8_mma_order), num_warps=config.num_warps,
+        V_MMA_ORDER=bool(v_kmajor and qkv.vt8_mma_order), DIAG=config.diag,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return out, lse

@@ -128,21 +128,20 @@ def _attention_packed(q, k, v, cu_seqlens, max_seqlen, recipe: Recipe, causal, s
     """Validated packed inputs -> (out (T, Hq, D) in q.dtype, lse (Hq, T) fp32).
 
     deferred: under torch.compile, the arguments of validate.check_values that validation left
-    for later (check_content, cu_seqlens_k, max_seqlen_q, max_seqlen_k): the kernel path runs
-    them inside its custom op, the reference path here (a graph break). cu_seqlens is None for a
-    dense call under compile: the kernel path's op builds the memoized one
-    (custom_ops._cu_seqlens), the reference path a plain one."""
+    for later (check_content, cu_seqlens_k, max_seqlen_q, max_seqlen_k; cu_seqlens_k None for a
+    dense call): the kernel path runs them inside its custom op, the reference path here (a
+    graph break). A dense call's op gets no cu_seqlens and takes the memoized one itself
+    (custom_ops._cu_seqlens): a traced one would be a new tensor at every call."""
     kernels = backend(q, recipe) == "kernels" and q.shape[0] > 0
     if deferred is not None:
         content, cu_k, max_q, max_k = deferred
         if kernels:
-            return custom_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens,
-                                        max_q, max_k, recipe.name, causal, softmax_scale,
-                                        deterministic, cu_k, content)
-        check_values(q, k, v, softmax_scale, content, cu_seqlens, cu_k, max_q, max_k)
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, q.shape[0] + 1, max(max_seqlen, 1), dtype=torch.int32,
-                                      device=q.device)
+            return custom_ops.attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                        None if cu_k is None else cu_seqlens, max_q, max_k,
+                                        recipe.name, causal, softmax_scale, deterministic, cu_k,
+                                        content)
+        check_values(q, k, v, softmax_scale, content, None if cu_k is None else cu_seqlens, cu_k,
+                     max_q, max_k)
     if kernels:
         return _KernelAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens,
                                       max_seqlen, recipe.name, causal, softmax_scale, deterministic)
@@ -175,12 +174,15 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return (out, lse) if return_lse else out
 
 
-@functools.lru_cache(maxsize=64)
-def _dense_cu_seqlens(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """[0, S, 2S, ..., BS]: one tensor per shape, so the metadata the kernels memoize on it
-    (flamia.ops.schedule.per_cu_seqlens) is built once, not at every layer and step. Never
-    modified (the kernels only read cu_seqlens)."""
+def _dense_offsets(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """[0, S, 2S, ..., BS]: the cu_seqlens of a dense batch (one document per row)."""
     return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
+
+
+# One tensor per shape, so the metadata the kernels memoize on it
+# (flamia.ops.schedule.per_cu_seqlens) is built once, not at every layer and step. Never
+# modified (the kernels only read cu_seqlens).
+_dense_cu_seqlens = functools.lru_cache(maxsize=64)(_dense_offsets)
 
 
 def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", return_lse=False,
@@ -196,8 +198,8 @@ def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", ret
                                 check_finite, defer_values=compiling)
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    # one document per row (under compile: built later, _attention_packed says why)
-    cu = None if compiling else _dense_cu_seqlens(B, S, q.device)
+    # one document per row (under compile the cache is not traced: _attention_packed says why)
+    cu = (_dense_offsets if compiling else _dense_cu_seqlens)(B, S, q.device)
     deferred = (check_finite_enabled(check_finite), None, S, S) if compiling else None
     out, lse = _attention_packed(q.reshape(B * S, Hq, D), k.reshape(B * S, Hkv, D),
                                  v.reshape(B * S, Hkv, D), cu, S, rec, causal, scale, deterministic,

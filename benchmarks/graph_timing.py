@@ -2,6 +2,7 @@
 
     python benchmarks/graph_timing.py                                   # the train-check shape
     python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
+    python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1
 
 Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a
 training step queue theirs: when the host issues a call more slowly than the GPU runs it, the
@@ -10,7 +11,9 @@ a fixed-shape training loop can win by capturing its step (tests/gpu/test_cuda_g
 replays are bitwise the eager calls). --compiled adds the call under torch.compile (inductor,
 fullgraph: flamia's custom ops, flamia.custom_ops), forward compiled and backward through the
 compiled graph's autograd: the host cost of the custom-op path (--compile-mode reduce-overhead:
-torch.compile's own CUDA graphs).
+torch.compile's own CUDA graphs). --workloads NAMES (or all) times shared/workloads.json's
+workloads one after another and ends with a table of replayed ms and each spec's speed against
+the first spec's.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import flamia  # noqa: E402
-from flamia.bench.workloads import parse_docs, parse_heads  # noqa: E402
+from flamia.bench.workloads import load_workloads, parse_docs, parse_heads, select  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
 
@@ -76,31 +79,16 @@ def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
     return step
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--docs", default="2048x14,1024x4")
-    ap.add_argument("--heads", default="8/2")
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--recipes", default="fp8,bf16,cudnn",
-                    help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend)")
-    ap.add_argument("--forward-only", action="store_true", help="the forward alone")
-    ap.add_argument("--compiled", action="store_true",
-                    help="also each flamia recipe under torch.compile")
-    ap.add_argument("--compile-mode", default="default",
-                    help="torch.compile mode of --compiled (reduce-overhead: CUDA graphs)")
-    ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    lengths = list(parse_docs(args.docs))
-    hq, hkv = parse_heads(args.heads)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; docs {args.docs} "
-          f"(T={sum(lengths)}), heads {hq}/{hkv}, D={args.head_dim}; {args.calls} calls x "
-          f"{args.rounds} rounds, queued back to back")
+def time_workload(args, specs, lengths, hq, hkv, D):
+    """{(spec, column): median ms per call} for one shape; prints its table. The calls per round
+    are capped so that a round of one column takes about --round-ms (long documents: few calls)."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; docs T={sum(lengths)} "
+          f"({len(lengths)} documents, longest {max(lengths)}), heads {hq}/{hkv}, D={D}; "
+          f"{args.rounds} rounds, queued back to back", flush=True)
     fns = {}
-    for recipe in args.recipes.split(","):
+    for recipe in specs:
         if args.compiled and not recipe.startswith("cudnn"):
-            cstep = make_step(recipe, lengths, hq, hkv, args.head_dim, args.forward_only,
-                              args.compile_mode)
+            cstep = make_step(recipe, lengths, hq, hkv, D, args.forward_only, args.compile_mode)
             try:
                 for _ in range(3):
                     cstep()
@@ -109,7 +97,7 @@ def main():
                 print(f"{recipe}: compiled ({args.compile_mode}) failed: {type(e).__name__}: "
                       f"{str(e)[:300]}")
                 torch.cuda.synchronize()
-        step = make_step(recipe, lengths, hq, hkv, args.head_dim, args.forward_only)
+        step = make_step(recipe, lengths, hq, hkv, D, args.forward_only)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -125,21 +113,81 @@ def main():
         except Exception as e:  # noqa: BLE001  (an attention that cannot be captured)
             print(f"{recipe}: capture failed: {type(e).__name__}: {str(e)[:200]}")
             torch.cuda.synchronize()
+    one = queued_ms(next(iter(fns.values())), 1)
+    calls = max(2, min(args.calls, int(args.round_ms / max(one, 1e-3))))
     times = {key: [] for key in fns}
     for _ in range(args.rounds):
         for key, fn in fns.items():
-            times[key].append(queued_ms(fn, args.calls))
+            times[key].append(queued_ms(fn, calls))
+    med = {key: statistics.median(t) for key, t in times.items()}
+    print(f"{calls} calls per round")
     print(f"{'recipe':32s} {'eager ms/call':>14s} {'graph ms/call':>14s} {'eager/graph':>12s}"
           + (f" {'compiled ms/call':>17s}" if args.compiled else ""))
-    for recipe in args.recipes.split(","):
-        e = statistics.median(times[(recipe, "eager")])
-        c = times.get((recipe, "compiled"))
-        tail = (f" {statistics.median(c):17.3f}" if c else f" {'-':>17s}") if args.compiled else ""
-        if (recipe, "graph") not in times:
+    for recipe in specs:
+        e = med[(recipe, "eager")]
+        c = med.get((recipe, "compiled"))
+        tail = (f" {c:17.3f}" if c else f" {'-':>17s}") if args.compiled else ""
+        if (recipe, "graph") not in med:
             print(f"{recipe:32s} {e:14.3f} {'-':>14s} {'-':>12s}" + tail)
             continue
-        g = statistics.median(times[(recipe, "graph")])
-        print(f"{recipe:32s} {e:14.3f} {g:14.3f} {e / g:12.2f}x" + tail)
+        g = med[(recipe, "graph")]
+        print(f"{recipe:32s} {e:14.3f} {g:14.3f} {e / g:12.2f}x" + tail, flush=True)
+    del fns
+    torch.cuda.empty_cache()
+    return med
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", default="2048x14,1024x4")
+    ap.add_argument("--heads", default="8/2")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--workloads", default=None,
+                    help="suite workloads by name (comma-separated) or 'all', instead of --docs")
+    ap.add_argument("--recipes", default="fp8,bf16,cudnn",
+                    help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend)")
+    ap.add_argument("--forward-only", action="store_true", help="the forward alone")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also each flamia recipe under torch.compile")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode of --compiled (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--calls", type=int, default=40, help="calls per round, at most")
+    ap.add_argument("--round-ms", type=float, default=250.0,
+                    help="fewer calls per round when one call is long (at least 2)")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    specs = args.recipes.split(",")
+    if args.workloads:
+        suite = load_workloads()[0]
+        shapes = [(w.name, list(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim)
+                  for w in select(suite, None if args.workloads == "all" else args.workloads)]
+    else:
+        hq, hkv = parse_heads(args.heads)
+        shapes = [(args.docs, list(parse_docs(args.docs)), hq, hkv, args.head_dim)]
+    results = {}
+    for name, lengths, hq, hkv, D in shapes:
+        print(f"== {name}")
+        results[name] = time_workload(args, specs, lengths, hq, hkv, D)
+    if len(shapes) > 1:
+        base = specs[0]
+        print(f"\nreplayed (GPU) ms per call; x: {base}'s time / the spec's; columns: "
+              + ", ".join(specs))
+        print(f"{'workload':14s}" + "".join(f" {s[:30]:>30s}" for s in specs))
+        ratios = {s: [] for s in specs}
+        for name, med in results.items():
+            b = med.get((base, "graph"))
+            cells = []
+            for s in specs:
+                g = med.get((s, "graph"))
+                if g is None or b is None:
+                    cells.append(f" {'-':>30s}")
+                    continue
+                ratios[s].append(b / g)
+                cells.append(f" {g:20.3f} ({b / g:5.2f}x)")
+            print(f"{name:14s}" + "".join(cells))
+        print(f"{'geomean':14s}" + "".join(
+            f" {'':20s} ({statistics.geometric_mean(r):5.2f}x)" if r else f" {'-':>30s}"
+            for r in ratios.values()))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -1684,12 +1685,21 @@ def _check_dq_ws(cfg: GluonDqConfig) -> None:
         raise ValueError(f"producer_regs {cfg.producer_regs} out of range: {cfg}")
 
 
+def _with_env_diag(cfg):
+    """The default config, or with FLAMIA_BWD_DIAG=1 its timing diagnostic (WRONG results: the
+    GEMMs with almost no element-wise work between them; GluonDkdvConfig.diag, GluonDqConfig.diag).
+    For what-if timings of the public call in one process (benchmarks/graph_timing.py
+    fp8@FLAMIA_BWD_DIAG=1), as FLAMIA_FWD_DIAG for the forward."""
+    diag = os.environ.get("FLAMIA_BWD_DIAG")
+    return dataclasses.replace(cfg, diag=int(diag)) if diag else cfg
+
+
 def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> None:
     """dK, dV of the fp8 recipe into st.dk / st.dv (same contract as backward.launch_dkdv).
     `st` from backward.make_state + backward.launch_preprocess, on an sm_90a GPU. `vecs`:
     padded_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
     or with vecs="triton" / config.vec_gather by one Triton launch, padded_vectors_triton)."""
-    cfg = config or default_gluon_config(st.D)
+    cfg = config or _with_env_diag(default_gluon_config(st.D))
     if _no_tokens(st, st.dk, st.dv):
         return
     grid, args, kwargs = _args(st, cfg, vecs)
@@ -1830,7 +1840,7 @@ def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
     backward.make_state + backward.launch_preprocess (kT8 needed), on an sm_90a GPU. `vecs`:
     padded_kv_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
     or with vecs="triton" / config.vec_gather by one Triton launch, padded_kv_vectors_triton)."""
-    cfg = config or default_dq_config(st.D)
+    cfg = config or _with_env_diag(default_dq_config(st.D))
     if _no_tokens(st, st.dq):
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs)

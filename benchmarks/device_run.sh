@@ -7,7 +7,8 @@
 # Stages: tests-bwd, tests-fwd, tests-base (the cuDNN training baseline), tests-compile (torch.compile
 # and CUDA graphs), tests (all), bench, bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), bounds (graph_timing over the suite and the train shape
-# with BOUND_SPECS: by default cuDNN, fp8, and fp8 with the timing diagnostics of the kernels),
+# with BOUND_SPECS: by default cuDNN, fp8, and fp8 with the timing diagnostics of the kernels;
+# BOUND_ARGS more graph_timing flags), bounds-fwd (the same, forward only, BOUND_SPECS_FWD),
 # bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
 # both on BWD_WORKLOADS), dq-next, mixed-dkdv (MIXED_CONFIGS, default the ladder; MIXED_WORKLOADS), mixed-dq, fwd-sweep (Triton forward configs,
 # fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
@@ -64,8 +65,12 @@ for spec in "$@"; do
              tests/gpu/test_cuda_graphs_gpu.py ;;
     graphs) run_stage "$name" "$secs" python benchmarks/graph_timing.py ${GRAPH_ARGS:-} ;;
     bounds) run_stage "$name" "$secs" bash -c 'python benchmarks/graph_timing.py --workloads all \
-             --recipes "$0" && python benchmarks/graph_timing.py --recipes "$0"' \
-             "${BOUND_SPECS:-cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1,fp8@FLAMIA_BWD_DIAG=1@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" ;;
+             --recipes "$0" $1 && python benchmarks/graph_timing.py --recipes "$0" $1' \
+             "${BOUND_SPECS:-cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1,fp8@FLAMIA_BWD_DIAG=1@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" \
+             "${BOUND_ARGS:-}" ;;
+    bounds-fwd) run_stage "$name" "$secs" bash -c 'python benchmarks/graph_timing.py --workloads all \
+             --forward-only --recipes "$0" && python benchmarks/graph_timing.py --forward-only \
+             --recipes "$0"' "${BOUND_SPECS_FWD:-cudnn,fp8,fp8@FLAMIA_PERSISTENT_FWD=0,fp8@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
              --recipes fp8,fp8_mixed --out "$OUT" ;;

@@ -420,3 +420,18 @@ def test_vecs_option_resolution():
     assert G._resolve_vecs((1, 2), g, None, torch_fn, triton_fn) == (1, 2)
     with pytest.raises(ValueError):
         G._resolve_vecs("cuda", d, None, torch_fn, triton_fn)
+
+
+def test_timing_diagnostic_only_when_asked(monkeypatch):
+    """FLAMIA_BWD_DIAG (benchmarks/graph_timing.py's what-if timings; WRONG results) reaches the
+    default dK/dV and dQ configs only while it is set: the public call never carries it
+    otherwise."""
+    from flamia.ops import backward_gluon as G
+    monkeypatch.delenv("FLAMIA_BWD_DIAG", raising=False)
+    for D in (64, 128):
+        assert G._with_env_diag(G.default_gluon_config(D)).diag == 0
+        assert G._with_env_diag(G.default_dq_config(D)).diag == 0
+    monkeypatch.setenv("FLAMIA_BWD_DIAG", "1")
+    assert G._with_env_diag(G.default_gluon_config(64)).diag == 1
+    assert G._with_env_diag(G.default_dq_config(128)).diag == 1
+    assert G.default_gluon_config(64).diag == 0     # the memoized defaults stay untouched

@@ -47,7 +47,8 @@ def test_dry_run_default_lists_suite(capsys):
     for name in DEFAULT_NAMES:
         assert name in out
     for label in ("flamia fp8", "flamia fp8_mixed", "flamia bf16", "SDPA cuDNN", "SDPA flash",
-                  "cuDNN ragged", "varlen_attn (FA2)", "flex_attention", "cuDNN FP8*"):
+                  "cuDNN ragged", "FlashAttention-4", "varlen_attn (FA2)", "flex_attention",
+                  "cuDNN FP8*"):
         assert label in out
     assert "would skip SDPA cuDNN, SDPA flash, cuDNN FP8*: one document only (workload has 4)" in out
     assert "doc32k: runs" in out and "cuDNN FP8*" in out.split("doc32k: runs")[1].splitlines()[0]
@@ -488,6 +489,108 @@ def test_sdpa_falls_back_to_repeat_when_enable_gqa_is_rejected(cpu_bench, monkey
     assert row["status"] == "ok"
     assert any("repeat_interleave outside the timed region" in n for n in row["notes"])
     assert row["accuracy"]["outliers"]["dK"] < 3e-2 and row["accuracy"]["mild"]["dV"] < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention-4: skip paths on this machine, and the row through a stand-in of its call
+
+
+def _fake_fa4_module(calls: list):
+    """A `flash_attn.cute` stand-in: flash_attn_varlen_func with FA4's keyword arguments,
+    differentiable (plain PyTorch), returning (out, lse) as FA4 does."""
+    from flamia.reference import attention_exact
+
+    def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                               max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None,
+                               seqused_q=None, seqused_k=None, gather_kv_indices=None,
+                               page_table=None, softmax_scale=None, causal=False, **kw):
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k is cu_seqlens_q
+        assert causal and isinstance(max_seqlen_q, int) and max_seqlen_q == max_seqlen_k
+        assert q.shape[1] % k.shape[1] == 0
+        calls.append((tuple(q.shape), tuple(k.shape), max_seqlen_q))
+        out = attention_exact(q, k, v, cu_seqlens_q, causal=True, dtype=torch.float32)
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out.to(q.dtype), lse
+
+    pkg = types.ModuleType("flash_attn")
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = flash_attn_varlen_func
+    pkg.cute = cute
+    return pkg, cute
+
+
+def test_fa4_skipped_when_not_installed(cpu_bench, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)       # import fails
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setattr(B, "fa4_version", lambda: None)
+    w = workload_from_flags("40,56", "4/2", 64, name="two")
+    row = _run_one(w, "fa4")
+    assert row["status"] == "skipped" and row["kind"] == "bf16" and row["impl"] == "FlashAttention-4"
+    assert "flash-attn-4" in row["reason"] and "not importable" in row["reason"]
+    assert "\n" not in row["reason"] and "flamia[fa4]" in row["reason"]
+
+
+def test_fa4_skipped_without_an_sm90_gpu(cpu_bench, monkeypatch):
+    pkg, cute = _fake_fa4_module([])
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    w = workload_from_flags("40,56", "4/2", 64, name="two")
+    row = _run_one(w, "fa4")
+    assert row["status"] == "skipped" and row["reason"] == "FlashAttention-4 needs a CUDA GPU (none here)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    reason = B.Fa4Impl().env_skip()
+    assert "sm90" in reason and "sm100" in reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert B.Fa4Impl().env_skip() is None
+
+
+def test_fa4_label_names_the_installed_version(monkeypatch):
+    monkeypatch.setattr(B, "fa4_version", lambda: "4.0.0b36")
+    impl = B.make_impls([], ["fa4"])[0]
+    assert impl.label == "FlashAttention-4 4.0.0b36" and impl.kind == "bf16" and impl.key == "fa4"
+    assert B.parse_baselines("flash_attn_4") == ["fa4"] and B.parse_baselines("fa4,cudnn") == \
+        ["fa4", "cudnn"]
+    assert "fa4" in B.parse_baselines("all") and "fa4" in B.BASELINE_HELP
+
+
+def test_fa4_row_through_a_stand_in_is_a_bf16_reference(cpu_bench, monkeypatch):
+    calls = []
+    pkg, cute = _fake_fa4_module(calls)
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(B, "fa4_env_skip", lambda: None)
+    w = workload_from_flags("40,56,7", "4/2", 64, name="three")
+    impls = B.make_impls(["bf16"], ["fa4"])
+    res = run.run_workload(w, impls, _cfg([w]), _quiet(), 1, 1)
+    rows = {r["key"]: r for r in res["rows"]}
+    fa4 = rows["fa4"]
+    assert fa4["status"] == "ok", fa4
+    assert any("JIT compiled" in n for n in fa4["notes"]) and any("GQA native" in n
+                                                                  for n in fa4["notes"])
+    assert calls[0] == ((103, 4, 64), (103, 2, 64), 56)   # k, v keep their Hkv heads
+    for fam in ("mild", "outliers"):
+        assert max(fa4["accuracy"][fam].values()) < 3e-2, fa4["accuracy"]
+    assert res["fastest_bf16"]["fwdbwd"]["key"] == "fa4"    # counts as a bf16 baseline
+    assert rows["flamia:bf16"]["speedup_fwdbwd"] is not None
+    results = {"workloads": [res], "env": {}, "settings": {}, "timestamp": "t"}
+    assert fa4["impl"] in report.summary_text(results)
+
+
+def test_fa4_listed_by_the_dry_run(capsys):
+    assert main(["--dry-run", "--only", "doc8k_x4", "--recipes", "none", "--baselines",
+                 "flash_attn_4"]) == 0
+    out = capsys.readouterr().out
+    assert "implementations (1): FlashAttention-4" in out and "[bf16 baseline]" in out
+    assert "doc8k_x4: runs FlashAttention-4" in out
+    assert "  FlashAttention-4" in out.split("environment here")[1]
+
+
+def test_fa4_varlen_needs_cuda_tensors():
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        B.fa4_varlen(q, q, q, torch.tensor([0, 8], dtype=torch.int32), 8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ baseline) and returns a `Bound` with
 `build` raises `Skip` when the implementation cannot run this problem; any other exception is
 recorded by the runner as an error for that row, never fatal.
 
-kind: "flamia" (our rows), "bf16" (the bf16 baselines: the speedup reference is the fastest of
-them), "fp8" (cuDNN FP8: reported, never a speedup reference).
+kind: "flamia" (our rows), "bf16" (the bf16 baselines, FlashAttention-4 among them: the speedup
+reference is the fastest of them), "fp8" (cuDNN FP8: reported, never a speedup reference).
 """
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ from typing import Callable, Sequence
 
 from .workloads import Problem
 
-BASELINE_KEYS = ("sdpa_cudnn", "sdpa_flash", "cudnn", "varlen", "flex", "cudnn_fp8")
+BASELINE_KEYS = ("sdpa_cudnn", "sdpa_flash", "cudnn", "fa4", "varlen", "flex", "cudnn_fp8")
 BASELINE_HELP = {
     "sdpa_cudnn": "torch SDPA, cuDNN backend (one document, dense)",
     "sdpa_flash": "torch SDPA, flash backend (one document, dense)",
     "cudnn": "cuDNN bf16 SDPA on packed documents (cudnn-frontend, ragged THD)",
+    "fa4": "FlashAttention-4 (flash-attn-4, flash_attn.cute.flash_attn_varlen_func), its sm90 "
+           "bf16 CuTe DSL kernels on packed documents",
     "varlen": "torch.nn.attention.varlen.varlen_attn (FlashAttention-2 varlen)",
     "flex": "torch.compile'd flex_attention with a document-causal block mask",
     "cudnn_fp8": "cuDNN FP8 SDPA, per-tensor scales (one document; its quantization not timed)",
@@ -589,6 +591,93 @@ def cudnn_env_skip() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# FlashAttention-4 (flash-attn-4, CuTe DSL kernels; sm90 bf16 here)
+
+FA4_DIST = "flash-attn-4"
+
+
+def _fa4_fn():
+    from flash_attn.cute import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def fa4_version() -> str | None:
+    """The installed flash-attn-4 distribution's version (None when it is not installed)."""
+    try:
+        from importlib.metadata import version
+        return version(FA4_DIST)
+    except Exception:
+        return None
+
+
+def fa4_env_skip() -> str | None:
+    """Why FA4 cannot run here (None if it can): flash_attn.cute must import and the current
+    GPU must be sm90 (the kernels this baseline stands for)."""
+    try:
+        _fa4_fn()
+    except Exception as e:
+        return (f"flash-attn-4 (flash_attn.cute.flash_attn_varlen_func) not importable: "
+                f"{_short(e, 150)} (pip install 'flamia[fa4]')")
+    import torch
+    if not torch.cuda.is_available():
+        return "FlashAttention-4 needs a CUDA GPU (none here)"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return (f"FlashAttention-4 baseline measures the sm90 kernels; this GPU is "
+                f"sm{cap[0]}{cap[1]}")
+    return None
+
+
+def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, causal: bool = True,
+               softmax_scale: float | None = None):
+    """FlashAttention-4 on packed documents, differentiable: q (T, Hq, D), k / v (T, Hkv, D)
+    bf16 on CUDA (GQA native), int32 cu_seqlens. Returns out (T, Hq, D); FA4 also returns its
+    lse, which is dropped. The same signature as cudnn_ragged_varlen (a training baseline)."""
+    import torch
+
+    if not q.is_cuda:
+        raise ValueError("fa4_varlen: q, k, v must be CUDA tensors (FlashAttention-4)")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    out = _fa4_fn()(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(max_seqlen),
+                    max_seqlen_k=int(max_seqlen), causal=causal, softmax_scale=softmax_scale)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class Fa4Impl(Impl):
+    kind = "bf16"
+    recipe = "bf16"
+    key = "fa4"
+    static_notes = ("packed (T, H, D), cu_seqlens; GQA native (Hkv heads)",)
+
+    def __init__(self):
+        ver = fa4_version()
+        self.label = f"FlashAttention-4 {ver}" if ver else "FlashAttention-4"
+
+    def env_skip(self):
+        return fa4_env_skip()
+
+    def build(self, problem, inputs, n_copies=1):
+        fn = _fa4_fn()
+        cu, L = inputs.cu_seqlens, problem.max_len
+
+        def call(q, k, v):
+            return fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=L, max_seqlen_k=L,
+                      causal=True)
+
+        ident = lambda t: t  # noqa: E731
+        leaves, douts = make_leaves(inputs, n_copies, ident, ident, ident)
+        bound = AutogradBound(call, leaves, douts, lambda o, dq, dk, dv: (o, dq, dk, dv),
+                              ["JIT compiled by one forward+backward in build, outside the timing"])
+        try:
+            bound.fwdbwd(0)      # CuTe DSL compiles its forward and backward kernels here
+            _sync()
+        except Exception:
+            bound.close()
+            raise
+        return bound
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 
@@ -598,6 +687,7 @@ def make_impls(recipes: Sequence[str], baselines: Sequence[str]) -> list[Impl]:
         "sdpa_cudnn": lambda: SdpaImpl("cudnn"),
         "sdpa_flash": lambda: SdpaImpl("flash"),
         "cudnn": CudnnImpl,
+        "fa4": Fa4Impl,
         "varlen": VarlenImpl,
         "flex": FlexImpl,
         "cudnn_fp8": CudnnFp8Impl,
@@ -611,7 +701,8 @@ def parse_baselines(spec: str | None) -> list[str]:
     """'all' (default), 'none', or a comma list of BASELINE_KEYS (a few aliases accepted)."""
     aliases = {"sdpa": ["sdpa_cudnn", "sdpa_flash"], "cudnn_bf16": ["cudnn"],
                "cudnn_ragged": ["cudnn"], "fa2": ["varlen"], "varlen_attn": ["varlen"],
-               "flex_attention": ["flex"], "fp8": ["cudnn_fp8"]}
+               "flex_attention": ["flex"], "fp8": ["cudnn_fp8"], "flash_attn_4": ["fa4"],
+               "flash-attn-4": ["fa4"]}
     if spec is None or spec.strip().lower() in ("", "all"):
         return list(BASELINE_KEYS)
     if spec.strip().lower() == "none":

@@ -273,7 +273,8 @@ def markdown(results: dict) -> str:
     lines.append(f"- device: {env.get('device', '-')} (driver {env.get('driver', '-')}, "
                  f"CUDA {env.get('torch_cuda', '-')})")
     lines.append(f"- torch {env.get('torch', '-')}, triton {env.get('triton', '-')}, cuDNN "
-                 f"{env.get('cudnn', '-')}, cudnn-frontend {env.get('cudnn_frontend', '-')}")
+                 f"{env.get('cudnn', '-')}, cudnn-frontend {env.get('cudnn_frontend', '-')}, "
+                 f"flash-attn-4 {env.get('flash_attn_4') or '-'}")
     commit = git.get("commit") or "unknown"
     lines.append(f"- flamia commit {commit}{' (dirty)' if git.get('dirty') else ''}")
     if results.get("argv") is not None:

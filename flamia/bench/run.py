@@ -289,6 +289,13 @@ def collect_env() -> dict:
         env["l2_bytes"] = l2_bytes()
     drv = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     env["driver"] = drv.splitlines()[0].strip() if drv else None
+    from .baselines import fa4_version
+    env["flash_attn_4"] = fa4_version()
+    try:  # the CuTe DSL that compiles FA4's kernels
+        from importlib.metadata import version
+        env["nvidia_cutlass_dsl"] = version("nvidia-cutlass-dsl") if env["flash_attn_4"] else None
+    except Exception:
+        env["nvidia_cutlass_dsl"] = None
     from .cudnn_graphs import versions
     v = versions()
     env["cudnn_frontend"] = v.get("cudnn_frontend")
@@ -531,7 +538,8 @@ def run(cfg: Config, impls: list, argv: list) -> tuple[dict, dict]:
                                 (git.get("short") or "nogit") + ("-dirty" if git.get("dirty") else ""))
     progress.log(f"flamia bench on {env.get('device')} (torch {env.get('torch')}, triton "
                  f"{env.get('triton')}, cuDNN {env.get('cudnn')}, cudnn-frontend "
-                 f"{env.get('cudnn_frontend')}); {len(cfg.workloads)} workload(s), "
+                 f"{env.get('cudnn_frontend')}, flash-attn-4 {env.get('flash_attn_4')}); "
+                 f"{len(cfg.workloads)} workload(s), "
                  f"{len(impls)} implementation(s)")
     results["not_run"] = []
     try:

@@ -3,6 +3,7 @@
     python benchmarks/graph_timing.py                                   # the train-check shape
     python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
     python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1
+    python benchmarks/graph_timing.py --workloads all --recipes fa4,cudnn,fp8   # FA4 first: the x column
 
 Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a
 training step queue theirs: when the host issues a call more slowly than the GPU runs it, the
@@ -32,8 +33,11 @@ from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
 
 
+BASELINES = ("cudnn", "fa4")   # specs that are bf16 baselines, not flamia recipes
+
+
 def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
-    """The call of `spec`: a flamia recipe or cudnn, optionally with @NAME=VALUE (environment
+    """The call of `spec`: a flamia recipe, cudnn or fa4, optionally with @NAME=VALUE (environment
     variables set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process;
     several: fp8@A=1@B=0).
     compiled: a torch.compile mode: the flamia call under torch.compile(fullgraph=True)."""
@@ -47,16 +51,19 @@ def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
     def attend(q, k, v):
         return flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
                                               check_finite=False)
-    if compiled and recipe != "cudnn":
+    if compiled and recipe not in BASELINES:
         # one eager call first: the kernels' caches (the metadata memoized on cu) are then built
         # outside the memory pool of reduce-overhead's CUDA graphs, whose warm-up would own them
         torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
         attend = torch.compile(attend, fullgraph=True, mode=compiled)
 
     def call():
-        if recipe == "cudnn":      # cuDNN ragged bf16, the fastest bf16 attention on packed docs
+        if recipe == "cudnn":      # cuDNN ragged bf16
             from flamia.bench.cudnn_graphs import cudnn_ragged_varlen
             out = cudnn_ragged_varlen(q, k, v, cu, L)
+        elif recipe == "fa4":      # FlashAttention-4 bf16 (sm90 CuTe DSL), packed, GQA native
+            from flamia.bench.baselines import fa4_varlen
+            out = fa4_varlen(q, k, v, cu, L)
         else:
             out = attend(q, k, v)
         return out if forward_only else torch.autograd.grad(out, (q, k, v), dout)
@@ -87,7 +94,7 @@ def time_workload(args, specs, lengths, hq, hkv, D):
           f"{args.rounds} rounds, queued back to back", flush=True)
     fns = {}
     for recipe in specs:
-        if args.compiled and not recipe.startswith("cudnn"):
+        if args.compiled and recipe.partition("@")[0] not in BASELINES:
             cstep = make_step(recipe, lengths, hq, hkv, D, args.forward_only, args.compile_mode)
             try:
                 for _ in range(3):
@@ -145,7 +152,8 @@ def main():
     ap.add_argument("--workloads", default=None,
                     help="suite workloads by name (comma-separated) or 'all', instead of --docs")
     ap.add_argument("--recipes", default="fp8,bf16,cudnn",
-                    help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend)")
+                    help="flamia recipes and/or cudnn (cuDNN ragged bf16; needs cudnn-frontend) "
+                         "and fa4 (FlashAttention-4 bf16; needs flash-attn-4 and an sm90 GPU)")
     ap.add_argument("--forward-only", action="store_true", help="the forward alone")
     ap.add_argument("--compiled", action="store_true",
                     help="also each flamia recipe under torch.compile")
@@ -157,6 +165,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     specs = args.recipes.split(",")
+    if any(s.partition("@")[0] == "fa4" for s in specs):
+        from flamia.bench.baselines import fa4_env_skip
+        why = fa4_env_skip()
+        if why:      # the other specs still run
+            print(f"fa4: skipped: {why}")
+            specs = [s for s in specs if s.partition("@")[0] != "fa4"]
     if args.workloads:
         suite = load_workloads()[0]
         shapes = [(w.name, list(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim)

@@ -296,3 +296,49 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
     assert not res["verdict"]["pass"] and res["verdict"]["skipped"] == ["fp8"]
     assert list(res["step_timing"]["attentions"]) == ["flamia:bf16"]     # fp8 left out
     assert "FAILED run fp8: RuntimeError: broken attention" in (out / "train_check.md").read_text()
+
+
+def test_run_fa4_is_an_exact_bf16_baseline(monkeypatch):
+    import sys
+
+    from flamia.train.report import EXACT_BF16
+
+    runs = parse_runs("bf16,fa4,fa4_seed1")
+    assert [r.attention for r in runs] == ["flamia:bf16", "fa4", "fa4"] and not runs[1].leaky
+    assert runs[2].seed_offset == 1 and "fa4" in EXACT_BF16
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        check_runs_can_run(runs, torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)           # not installed
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    with pytest.raises(ValueError, match="run 'fa4' cannot run here: flash-attn-4 .* not importable"):
+        check_runs_can_run(runs, torch.device("cuda"))
+
+
+@pytest.mark.usefixtures("reference_only")
+def test_run_fa4_trains_and_takes_part_in_the_step_timing(tmp_path, monkeypatch):
+    """`--runs bf16,fa4` with a CPU stand-in for FA4's varlen call: trained, registered under its
+    own name, timed interleaved with flamia bf16 and counted among the exact bf16 attentions."""
+    pytest.importorskip("transformers")
+    from flamia.bench import baselines
+    from flamia.integrations.hf import sdpa_per_document
+    from flamia.train import loop, main
+
+    used = []
+
+    def fa4_stand_in(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=None):
+        used.append(k.shape[1] < q.shape[1])                          # GQA passed through
+        return sdpa_per_document(q, k, v, cu_seqlens, causal, softmax_scale)
+
+    monkeypatch.setattr(baselines, "fa4_varlen", fa4_stand_in)
+    monkeypatch.setattr(loop, "check_runs_can_run", lambda runs, device: None)
+    out = tmp_path / "out"
+    rc = main(["--tiny", "--steps", "2", "--runs", "bf16,fa4", "--max-files", "60",
+               "--tokens-per-step", "128", "--max-doc-len", "64", "--val-batches", "1",
+               "--time-steps", "1", "--out", str(out)])
+    assert rc == 0 and used
+    res = json.loads((out / "train_check.json").read_text())
+    assert res["results"]["fa4"]["status"] == "ok"
+    assert res["results"]["fa4"]["hf_attention"] == "flamia_baseline_fa4"
+    t = res["step_timing"]
+    assert list(t["attentions"]) == ["flamia:bf16", "fa4"]
+    assert t["fastest_bf16"] in ("flamia:bf16", "fa4")

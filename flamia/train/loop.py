@@ -23,7 +23,7 @@ from .model import (ModelSize, batch_to_device, build_model, count_parameters, l
 class RunSpec:
     """One training run: which attention trains the model, and the init seed."""
     name: str
-    attention: str      # "flamia:<recipe>", "torch" (torch's exact varlen) or "cudnn" (ragged)
+    attention: str      # "flamia:<recipe>", "torch" (torch's exact varlen), "cudnn" (ragged), "fa4"
     seed_offset: int = 0
 
     @property
@@ -40,7 +40,8 @@ def parse_runs(text: str) -> list[RunSpec]:
 
     <recipe> trains with flamia's recipe; 'torch' with torch's exact bf16 varlen attention
     (FlashAttention-2 varlen on CUDA); 'cudnn' with cuDNN's bf16 ragged attention (CUDA and
-    cudnn-frontend only); a '_seed<N>' suffix offsets the init seed by N (same data).
+    cudnn-frontend only); 'fa4' with FlashAttention-4's bf16 varlen attention (flash-attn-4, an
+    sm90 GPU); a '_seed<N>' suffix offsets the init seed by N (same data).
     """
     runs = []
     for tok in (t.strip() for t in text.split(",")):
@@ -52,11 +53,11 @@ def parse_runs(text: str) -> list[RunSpec]:
             runs.append(RunSpec(tok, f"flamia:{base}", seed))
         elif base in ("torch", "torch_bf16"):
             runs.append(RunSpec(tok, "torch", seed))
-        elif base == "cudnn":
-            runs.append(RunSpec(tok, "cudnn", seed))
+        elif base in ("cudnn", "fa4"):
+            runs.append(RunSpec(tok, base, seed))
         else:
             raise ValueError(f"unknown run {tok!r}: use a recipe ({', '.join(RECIPES)}), 'torch', "
-                             "'cudnn', optionally with a _seed<N> suffix")
+                             "'cudnn', 'fa4', optionally with a _seed<N> suffix")
     if len({r.name for r in runs}) != len(runs):
         raise ValueError(f"duplicate run names in {text!r}")
     return runs
@@ -70,6 +71,8 @@ def attention_names(check_finite: bool = False) -> dict[str, str]:
     names["torch"] = hf.register_exact()
     from ..bench.cudnn_graphs import cudnn_ragged_varlen
     names["cudnn"] = hf.register_varlen("flamia_baseline_cudnn_ragged", cudnn_ragged_varlen)
+    from ..bench.baselines import fa4_varlen
+    names["fa4"] = hf.register_varlen("flamia_baseline_fa4", fa4_varlen)
     return names
 
 
@@ -82,6 +85,13 @@ def check_runs_can_run(runs: list[RunSpec], device: torch.device) -> None:
         if importlib.util.find_spec("cudnn") is None:    # the cudnn-frontend package
             raise ValueError("run 'cudnn' needs the cudnn-frontend package "
                              "(pip install nvidia-cudnn-frontend)")
+    if any(r.attention == "fa4" for r in runs):
+        if device.type != "cuda":
+            raise ValueError("run 'fa4' (FlashAttention-4 varlen attention) needs a CUDA device")
+        from ..bench.baselines import fa4_env_skip
+        why = fa4_env_skip()
+        if why:
+            raise ValueError(f"run 'fa4' cannot run here: {why}")
 
 
 # ----------------------------------------------------------------------------- config

@@ -1,13 +1,13 @@
 """Verdict, table, JSON and plot of `flamia train-check`.
 
 Verdict rules (all on the final validation loss, nats per byte-token):
-- reference: the run "bf16" (else the first non-leaky bf16 / torch / cudnn run); seed spread: the
-  largest |val_exact| difference between the reference and runs with the same attention and
+- reference: the run "bf16" (else the first non-leaky bf16 / torch / cudnn / fa4 run); seed spread:
+  the largest |val_exact| difference between the reference and runs with the same attention and
   another init seed (e.g. "bf16_seed1"); exact-bf16 spread: the same over runs with another exact
-  bf16 attention (torch varlen, cuDNN ragged) and the same seed. Those differ from the reference
-  only by floating-point summation order, and at a few hundred steps that moves the final loss
-  by as much as a new seed does (session 14: 0.4 % between two seeds, 3.4 % between two exact
-  kernels), so both estimate the run-to-run noise. Each run is compared with the reference's
+  bf16 attention (torch varlen, cuDNN ragged, FlashAttention-4) and the same seed. Those differ from
+  the reference only by floating-point summation order, and at a few hundred steps that moves the
+  final loss by as much as a new seed does (session 14: 0.4 % between two seeds, 3.4 % between two
+  exact kernels), so both estimate the run-to-run noise. Each run is compared with the reference's
   evaluation at the same step (its last one: a leaky control capped by --leaky-steps stops early).
 - quality: a run passes when val_exact - val_exact(reference) <= max(seed spread, exact-bf16
   spread, 1 % of the reference's val loss). Evaluated with exact attention, so it measures the
@@ -22,7 +22,7 @@ Verdict rules (all on the final validation loss, nats per byte-token):
   the last 10 % of steps not more than 5 % above the best such window).
 - speed (reported, not part of pass / fail): the training step of each non-leaky run's attention
   timed interleaved on one model (loop.time_steps), against the fastest exact bf16 attention
-  among them (flamia bf16, torch varlen, cuDNN ragged).
+  among them (flamia bf16, torch varlen, cuDNN ragged, FlashAttention-4).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ SPIKE_VS_REF = 0.15
 SPIKE_VS_MEDIAN = 0.5
 DIVERGE = 0.05
 QUALITY_REL = 0.01
-EXACT_BF16 = ("flamia:bf16", "torch", "cudnn")   # attentions that compute exact bf16 attention
+EXACT_BF16 = ("flamia:bf16", "torch", "cudnn", "fa4")   # attentions that compute exact bf16
 LEAK_REL = 0.005
 LEAK_REF_MULT = 3.0
 

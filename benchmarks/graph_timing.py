@@ -3,7 +3,7 @@
     python benchmarks/graph_timing.py                                   # the train-check shape
     python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
     python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1
-    python benchmarks/graph_timing.py --workloads all --recipes fa4,cudnn,fp8   # FA4 first: the x column
+    python benchmarks/graph_timing.py --workloads all --recipes fa4,cudnn,fp8  # x: against FA4
 
 Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a
 training step queue theirs: when the host issues a call more slowly than the GPU runs it, the

@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
-# Stages: tests-bwd, tests-fwd, tests-base (the cuDNN training baseline), tests-compile (torch.compile
-# and CUDA graphs), tests (all), bench, bench-fp8 (fp8 rows + fastest baselines only), graphs
+# Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd, tests-fwd,
+# tests-base (the cuDNN training baseline), tests-compile (torch.compile and CUDA graphs), tests
+# (all), bench (every recipe, every baseline), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), bounds (graph_timing over the suite and the train shape
 # with BOUND_SPECS: by default cuDNN, fp8, and fp8 with the timing diagnostics of the kernels;
 # BOUND_ARGS more graph_timing flags), bounds-fwd (the same, forward only, BOUND_SPECS_FWD),
@@ -21,6 +22,17 @@
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
+#
+# FlashAttention-4 (the fa4 baseline of bench, graphs/bounds specs, train-check run fa4): its
+# CuTe DSL library is more than one call may carry, so it comes in two parts that
+# `bash ../shared/tools/fa4_wheels.sh .fa4` builds here (.fa4/a, .fa4/b; .fa4 is git-ignored),
+# over two calls on the same machine, the second within its 30 s warm window after the first:
+#   call 1, carry [".fa4/a"]:          FLAMIA_GIT_COMMIT=<sha> bash benchmarks/device_run.sh fa4-part1
+#   call 2, carry [".fa4/b", ".whl"]:  FLAMIA_GIT_COMMIT=<sha> bash benchmarks/device_run.sh bench:540
+# Whenever .fa4/b/activate.sh is here, the script installs FA4 from both parts into /tmp/fa4site
+# (once per machine) and puts it on PYTHONPATH before any stage; env.txt says whether it did. If
+# the first part is missing (the machine went back between the calls), every stage still runs,
+# the fa4 rows are skipped with the reason, and call 1 has to be made again.
 set -u
 # the caller vouches that the tree is that commit: the snapshot .git would call it dirty
 [ -n "${FLAMIA_GIT_COMMIT:-}" ] && export FLAMIA_GIT_DIRTY=${FLAMIA_GIT_DIRTY:-0}
@@ -36,6 +48,15 @@ else
 fi
 python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
       torch.cuda.get_device_name())' 2>&1 | tee "$OUT/env.txt"
+if [ -f .fa4/b/activate.sh ]; then  # FlashAttention-4 (header): install once, then on PYTHONPATH
+  if source .fa4/b/activate.sh >>"$OUT/env.txt" 2>&1; then
+    python -c 'from importlib.metadata import version as v; print("fa4: flash-attn-4",
+      v("flash-attn-4"), "nvidia-cutlass-dsl", v("nvidia-cutlass-dsl"))' 2>&1 | tee -a "$OUT/env.txt"
+  else
+    echo "fa4: not installed (activate.sh rc=$?, see env.txt): its rows are skipped" \
+      | tee -a "$OUT/env.txt"
+  fi
+fi
 
 # Nsight Compute (stages ncu, ncu-src): on PATH or in its default install directory
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -57,6 +78,8 @@ for spec in "$@"; do
   secs=${spec#*:}
   [ "$secs" = "$spec" ] && secs=300
   case $name in
+    fa4-part1) run_stage "$name" "$secs" bash -c 'mkdir -p /var/tmp/fa4 &&
+             cp .fa4/a/part.aa /var/tmp/fa4/ && ls -l /var/tmp/fa4' ;;
     tests-bwd) run_stage "$name" "$secs" python -m pytest -q -x tests/gpu/test_backward_gpu.py ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
@@ -73,7 +96,7 @@ for spec in "$@"; do
              --recipes "$0"' "${BOUND_SPECS_FWD:-cudnn,fp8,fp8@FLAMIA_PERSISTENT_FWD=0,fp8@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
-             --recipes fp8,fp8_mixed --out "$OUT" ;;
+             --recipes fp8,fp8_mixed,bf16 --baselines all --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn \
              --no-accuracy --out "$OUT" ;;

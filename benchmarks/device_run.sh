@@ -98,7 +98,7 @@ for spec in "$@"; do
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
              --recipes fp8,fp8_mixed,bf16 --baselines all --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
-             --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn \
+             --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn,fa4 \
              --no-accuracy --out "$OUT" ;;
     bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
              --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \

@@ -1,0 +1,60 @@
+"""Compile the sm90 backward kernel for sm_90a on a CPU (no GPU): registers, spills, shared
+memory, wgmma serialization and SASS per step, per head dim / config.
+
+    python benchmarks/bwd_sm90_compile.py [--dims 64,128] [--sass]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops._interp import compile_only, resource_usage  # noqa: E402
+
+
+def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16):
+    q = torch.randn(T, Hq, D).to(dtype)
+    k = torch.randn(T, Hkv, D).to(dtype)
+    v = torch.randn(T, Hkv, D).to(dtype)
+    do = torch.randn(T, Hq, D).to(dtype)
+    o = torch.randn(T, Hq, D).to(dtype)
+    lse = torch.zeros(Hq, T)
+    cu = torch.tensor([0, 300, T], dtype=torch.int32)
+    with compile_only() as built:
+        B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, None, config=cfg)
+    return dict(built)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--sass", action="store_true", help="SASS count of the main loop")
+    ap.add_argument("--ptx", default=None, help="write the kernel PTX to this path")
+    args = ap.parse_args()
+    for D in [int(x) for x in args.dims.split(",")]:
+        cfg = B.select_config(D)
+        built = build(D, cfg)
+        kern = built["_attn_bwd_sm90_kernel"]
+        u = resource_usage(kern)
+        ptx = kern.asm["ptx"]
+        import re
+        regs = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+        print(f"D={D} {cfg.name}: regs={u['regs']} setmaxnreg={regs} stack={u['stack']} "
+              f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
+              f"wgmma={ptx.count('wgmma.mma_async')}")
+        if args.ptx:
+            with open(f"{args.ptx}.D{D}.ptx", "w") as f:
+                f.write(ptx)
+        if args.sass:
+            from flamia.ops.sass import main_loop, parse, sass_of
+            loop = main_loop(parse(sass_of(kern)))
+            print(f"  main loop: {len(loop)} SASS")
+
+
+if __name__ == "__main__":
+    main()

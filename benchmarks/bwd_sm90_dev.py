@@ -1,0 +1,261 @@
+"""Development check of the sm90 one-pass backward on the H200: correctness against float64 and
+timing against the current bf16 backward and FlashAttention-4 (when importable), one process.
+
+    python benchmarks/bwd_sm90_dev.py [--check] [--time] [--workloads a,b] [--configs ...]
+
+--check: random packed cases (0/1/2-token documents, GQA, D 64/128, causal and not); outputs
+poisoned with NaN first (the allocator hands the NaN-filled blocks back); relative Frobenius
+error of dq, dk, dv vs float64 next to the current bf16 backward's on the same inputs; P2: a
+perturbed document leaves every other document's dk / dv bitwise unchanged and dq unchanged up to
+the order of the fp32 adds.
+--time: backward median ms (CUDA events) per workload: sm90 kernel (pre + main + post), the
+current bf16 backward, FA4 (fwd+bwd minus fwd, autograd), and TFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
+from flamia.ops import backward_sm90 as B  # noqa: E402
+
+
+def ref_attention(q, k, v, do, lengths, causal, scale):
+    """float64 out, lse (Hq, T), dq, dk, dv on the GPU, one document at a time."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    outs, lses, dqs, dks, dvs = [], [], [], [], []
+    s0 = 0
+    for L in lengths:
+        sl = slice(s0, s0 + L)
+        s0 += L
+        if L == 0:
+            continue
+        qd = q[sl].double().requires_grad_()
+        kd = k[sl].double().requires_grad_()
+        vd = v[sl].double().requires_grad_()
+        kk = kd.repeat_interleave(G, 1)
+        vv = vd.repeat_interleave(G, 1)
+        s = torch.einsum("qhd,khd->hqk", qd, kk) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None])
+        o = torch.einsum("hqk,khd->qhd", p, vv)
+        dq_, dk_, dv_ = torch.autograd.grad(o, (qd, kd, vd), do[sl].double())
+        outs.append(o.detach()); lses.append(lse.detach()); dqs.append(dq_); dks.append(dk_)
+        dvs.append(dv_)
+    cat = lambda xs, dim=0: torch.cat(xs, dim)  # noqa: E731
+    return cat(outs), cat(lses, 1), cat(dqs), cat(dks), cat(dvs)
+
+
+def rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison():
+    """Fill free cached blocks with NaN so that torch.empty hands out NaN memory."""
+    blocks = []
+    try:
+        free = torch.cuda.mem_get_info()[0]
+        n = min(free // 4, 8 << 30) // 4
+        blocks.append(torch.full((n,), float("nan"), device="cuda"))
+    except RuntimeError:
+        pass
+    del blocks
+
+
+def old_backward(do, o, lse, q, k, v, cu, maxlen, causal, scale):
+    from flamia.ops.backward import attention_backward
+    from flamia.ops.layout import QuantizedQKV
+    qkv = QuantizedQKV("bf16", q, k, v, None, None, None, None, rotated=False)
+    return attention_backward(do, o, lse, qkv, cu, maxlen, causal, scale)
+
+
+def check(seed: int, configs):
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for D in (64, 128):
+        cases += [
+            (D, 4, 4, [1, 0, 2, 131, 257, 64], True),
+            (D, 8, 2, [700, 17, 1, 0, 330], True),
+            (D, 6, 3, [513], False),
+            (D, 4, 1, [128, 256, 3, 200], True),
+            (D, 2, 2, [2049], True),
+        ]
+    rows = []
+    for (D, Hq, Hkv, lengths, causal) in cases:
+        T = sum(lengths)
+        scale = D ** -0.5
+        q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
+                       for h in (Hq, Hkv, Hkv, Hq))
+        o64, lse64, dq64, dk64, dv64 = ref_attention(q, k, v, do, lengths, causal, scale)
+        o = o64.to(torch.bfloat16)
+        lse = lse64.float().contiguous()
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        old = old_backward(do, o, lse, q, k, v, cu, max(lengths), causal, scale)
+        for cfg in configs(D):
+            poison()
+            new = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale, config=cfg)
+            torch.cuda.synchronize()
+            errs = [rel(x, r) for x, r in zip(new, (dq64, dk64, dv64))]
+            olds = [rel(x, r) for x, r in zip(old, (dq64, dk64, dv64))]
+            finite = all(torch.isfinite(x).all().item() for x in new)
+            ok = finite and all(e <= 2 * eo + 1e-3 for e, eo in zip(errs, olds))
+            # P2: perturb the longest document; every other document bitwise (dk, dv)
+            p2 = "-"
+            if len([L for L in lengths if L]) > 1:
+                j = max(range(len(lengths)), key=lambda i: lengths[i])
+                a, b = sum(lengths[:j]), sum(lengths[:j + 1])
+                q2, k2, v2, do2 = (x.clone() for x in (q, k, v, do))
+                for x in (q2, k2, v2, do2):
+                    x[a:b] = torch.randn_like(x[a:b], dtype=torch.float32).to(x.dtype) * 3
+                o2 = o.clone(); lse2 = lse.clone()
+                new2 = B.attention_backward_sm90(do2, o2, lse2, q2, k2, v2, cu, causal, scale,
+                                                 config=cfg)
+                keep = torch.ones(T, dtype=torch.bool, device="cuda"); keep[a:b] = False
+                bit = all(torch.equal(x[keep], y[keep]) for x, y in zip(new[1:], new2[1:]))
+                dq_close = torch.allclose(new[0][keep].float(), new2[0][keep].float(), rtol=1e-2,
+                                          atol=1e-3)
+                p2 = "ok" if bit and dq_close else f"FAIL(bit={bit},dq={dq_close})"
+                ok = ok and bit and dq_close
+            rows.append((f"D{D} {Hq}/{Hkv} {'c' if causal else 'nc'} {lengths}", cfg.name,
+                         errs, olds, finite, p2, ok))
+            print(f"{'PASS' if ok else 'FAIL'} D={D} H={Hq}/{Hkv} causal={causal} L={lengths} "
+                  f"{cfg.name}: dq/dk/dv {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} "
+                  f"(old {olds[0]:.2e}/{olds[1]:.2e}/{olds[2]:.2e}) finite={finite} P2={p2}",
+                  flush=True)
+    return all(r[-1] for r in rows)
+
+
+def cuda_ms(fn, warmup=3, reps=20, target_s=1.0):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    n = int(max(5, min(reps, target_s / max(one, 1e-6))))
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def fa4_fn():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001
+        print(f"FA4 not importable: {type(e).__name__}: {e}"[:300])
+        return None
+
+
+def time_workloads(names, configs, causal=True):
+    wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
+                                     "workloads.json")))["workloads"]
+    fa4 = fa4_fn()
+    table = []
+    for w in wl:
+        if names and w["name"] not in names:
+            continue
+        lengths, Hq, Hkv, D = w["doc_lengths"], w["heads_q"], w["heads_kv"], w["head_dim"]
+        T = sum(lengths)
+        scale = D ** -0.5
+        flops_f = sum(4 * Hq * D * L * L / 2 for L in lengths)
+        flops_b = 2.5 * flops_f
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, h, D, device="cuda", generator=g).to(torch.bfloat16)
+                       for h in (Hq, Hkv, Hkv, Hq))
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        maxlen = max(lengths)
+        import flamia
+        o, lse = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, maxlen, maxlen, recipe="bf16",
+                                                return_lse=True, check_finite=False)
+        row = {"workload": w["name"]}
+        for cfg in configs(D):
+            ms = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
+                                                           config=cfg))
+            row[f"sm90 {cfg.name}"] = ms
+        row["old bf16"] = cuda_ms(lambda: old_backward(do, o, lse, q, k, v, cu, maxlen, causal,
+                                                       scale))
+        if fa4 is not None:
+            qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def f_fwd():
+                r = fa4(qa, ka, va, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=maxlen,
+                        max_seqlen_k=maxlen, causal=causal)
+                return r[0] if isinstance(r, tuple) else r
+
+            def f_fb():
+                out = f_fwd()
+                out.backward(do)
+                qa.grad = ka.grad = va.grad = None
+            try:
+                tf = cuda_ms(f_fwd)
+                tfb = cuda_ms(f_fb)
+                row["fa4 bwd"] = tfb - tf
+                row["fa4 fwd"] = tf
+            except Exception as e:  # noqa: BLE001
+                print(f"FA4 failed on {w['name']}: {type(e).__name__}: {e}"[:300])
+        row["_tflop_b"] = flops_b / 1e12
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    keys = [k for k in table[0] if not k.startswith("_")] if table else []
+    print("\n| " + " | ".join(keys) + " |")
+    print("|" + " --- |" * len(keys))
+    for r in table:
+        cells = [r["workload"]]
+        for k in keys[1:]:
+            if k in r:
+                ms = r[k]
+                tf = r["_tflop_b"] / (ms / 1e3) if "fwd" not in k else float("nan")
+                cells.append(f"{ms:.3f} ({tf:.0f})")
+            else:
+                cells.append("-")
+        print("| " + " | ".join(cells) + " |")
+    return table
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--workloads", default="")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--bm64", action="store_true", help="also time BM=64 at D=64")
+    args = ap.parse_args()
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+
+    def configs(D):
+        out = [B.select_config(D)]
+        if args.bm64 and D == 64:
+            out.append(B.Sm90BwdConfig(block_m=64))
+        return out
+    ok = True
+    if args.check:
+        ok = check(args.seed, configs)
+        print("CHECK", "PASS" if ok else "FAIL", flush=True)
+    if args.time:
+        time_workloads([x for x in args.workloads.split(",") if x], configs)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors, the fp32 TMA
+reduce-add, and the mbarrier ring bookkeeping.
+
+Importable without Gluon (HAVE_GLUON is False then and nothing here may be used).
+"""
+from __future__ import annotations
+
+try:   # Gluon ships with triton >= 3.5
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+except Exception:   # pragma: no cover - older triton
+    HAVE_GLUON = False
+
+_SHARED_LAYOUTS: dict = {}
+
+
+def shared_layout(block_shape, dtype):
+    """The NVMMA shared layout (swizzle chosen by Gluon) of a TMA box / wgmma operand tile,
+    memoized: get_default_for is pure Python and the launchers ask at every call."""
+    key = (tuple(block_shape), dtype)
+    lay = _SHARED_LAYOUTS.get(key)
+    if lay is None:
+        lay = _SHARED_LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    return lay
+
+
+def gl_dtype(torch_dtype):
+    import torch
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+            torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}[torch_dtype]
+
+
+def descriptor_2d(x, rows: int, cols: int, row_stride: int, box):
+    """Host TMA descriptor over x seen as a (rows, cols) row-major matrix, box `box`; reads past
+    the bounds return zeros, writes past them are dropped."""
+    return TensorDescriptor(x, [rows, cols], [row_stride, 1], list(box),
+                            shared_layout(box, gl_dtype(x.dtype)))
+
+
+if HAVE_GLUON:
+
+    @builtin
+    def tma_reduce_add(desc, coord, src, _semantic=None):
+        """Asynchronous TMA reduce-add of the shared tile `src` into the global box of `desc` at
+        `coord` (cp.reduce.async.bulk.tensor ... add; fp32 adds in the L2, unordered between
+        CTAs). Call fence_async_shared() after writing src; completion is tracked like a TMA
+        store (tma.store_wait)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord,
+                                                  src.handle)
+
+    @gluon.constexpr_function
+    def wgmma_layout(warps_m, warps_n, n, k):
+        """Accumulator layout of a wgmma tile: warps_m x warps_n warps (warpgroups stacked along M
+        when warps_m > 4, side by side along N when warps_n > 1), instruction m16 x n x k."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
+                                         instr_shape=[16, n, k])
+
+    @gluon.jit
+    def ring_phase(i, STAGES: gl.constexpr):
+        """(stage, phase) of the i-th use of a STAGES-deep ring."""
+        return i % STAGES, (i // STAGES) & 1

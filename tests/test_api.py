@@ -121,6 +121,7 @@ def test_nonfinite_inputs_raise_by_default(name, value):
         flamia_attn_func(xd["q"], xd["k"], xd["v"])
 
 
+@pytest.mark.nonfinite
 def test_nonfinite_check_can_be_turned_off(monkeypatch):
     q, k, v, cu = packed()
     q[25, 1, 7] = float("nan")

@@ -72,6 +72,7 @@ def test_dense_and_module_compile_bitwise_eager():
     assert torch.equal(cm(q, k, v), module(q, k, v))
 
 
+@pytest.mark.nonfinite
 def test_value_checks_still_raise_under_compile():
     """The checks that read values run inside the forward op: NaN and a bad cu_seqlens still
     give flamia's errors under compile; check_finite=False still skips the NaN check."""

@@ -96,6 +96,7 @@ def test_quantize_bf16_is_a_view():
     assert qkv.sq is None and qkv.vcap is None and qkv.vt8 is None and not qkv.rotated
 
 
+@pytest.mark.nonfinite
 def test_quantize_nonfinite_and_extreme_tokens():
     q, k, v, cu = make_qkv((20, 12), 2, 1, 64)
     q[2, 0, 5] = float("nan")

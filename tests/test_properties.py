@@ -268,6 +268,7 @@ def test_nan_policy_reference(recipe, which, value, reference_only):
         assert not bad_rows[:, 2:].any()
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_mixed", "bf16"])
 def test_nan_isolation_api(recipe):
     """As dispatched (kernels where available): a NaN in q stays inside its document."""

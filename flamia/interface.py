@@ -17,7 +17,8 @@ import torch
 from . import custom_ops, ops
 from .reference import ReferenceAttention
 from .recipes import RECIPES, Recipe
-from .validate import check_finite_enabled, check_values, validate_dense, validate_varlen
+from .validate import (check_finite_enabled, check_flags, check_recipe, check_softmax_scale,
+                       check_values, validate_dense, validate_varlen)
 
 __all__ = ["flamia_attn_func", "flamia_attn_varlen_func", "FlamiaAttention", "backend"]
 
@@ -219,6 +220,11 @@ class FlamiaAttention(torch.nn.Module):
     def __init__(self, recipe: "str | Recipe" = "fp8", causal: bool = True, softmax_scale=None,
                  deterministic: bool = False, check_finite: bool = True):
         super().__init__()
+        # the same checks as every call's, here so a bad argument fails at construction
+        check_recipe(recipe)
+        check_flags(causal, False, deterministic, check_finite)
+        if softmax_scale is not None:
+            check_softmax_scale(softmax_scale, 64)     # (the head dim matters only for None)
         self.recipe, self.causal, self.softmax_scale = recipe, causal, softmax_scale
         self.deterministic, self.check_finite = deterministic, check_finite
 

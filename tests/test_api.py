@@ -305,3 +305,25 @@ def test_lse_output_needs_no_gradient():
         grads.append([t.grad for t in x])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+# FlamiaAttention checks its arguments when built, not at the first forward
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(recipe="nope"), ValueError, "recipe must be one of"),
+    (dict(recipe=3), TypeError, "recipe"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(deterministic=None), TypeError, "deterministic must be a bool"),
+    (dict(check_finite=0), TypeError, "check_finite must be a bool"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
+])
+def test_flamia_attention_validates_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flamia.FlamiaAttention(**kwargs)
+
+
+def test_flamia_attention_accepts_good_arguments():
+    m = flamia.FlamiaAttention(recipe=flamia.get_recipe("fp8_mixed"), causal=False,
+                               softmax_scale=0.1)
+    assert "fp8_mixed" in repr(m)

@@ -12,6 +12,7 @@ import torch
 
 from . import audit as _audit
 from .inputs import FAMILIES, make_qkv, rel_err
+from .cli import ArgumentParser, device_type, handles_usage_errors, resolve_device
 from .interface import backend, flamia_attn_func, flamia_attn_varlen_func
 from .recipes import RECIPES
 from .reference import attention_exact
@@ -119,12 +120,15 @@ def speed_table(batch=1, seqlen=8192, heads_q=32, heads_kv=8, head_dim=128) -> s
             + "\n".join(rows))
 
 
+@handles_usage_errors("flamia demo")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="flamia demo", description=__doc__)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser = ArgumentParser(prog="flamia demo", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", type=device_type, default="auto",
+                        help="auto, cpu, cuda or cuda:N (default auto: cuda when available)")
     parser.add_argument("--no-speed", action="store_true", help="skip the CUDA timing")
     args = parser.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     cfg = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
     lengths = cfg["lengths"]
     print(f"flamia demo on {device}: causal attention over packed documents {list(lengths)} "

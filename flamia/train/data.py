@@ -34,6 +34,11 @@ IGNORE = -100            # target of a position with no next token in its docume
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+class DataError(ValueError):
+    """The selected corpus cannot supply the batches asked for (too few tokens or files): a
+    consequence of the settings, which `flamia train-check` reports as a usage error."""
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 def encode(data: "bytes | str") -> np.ndarray:
@@ -226,7 +231,7 @@ def train_batches(corpus: Corpus, tokens_per_step: int, max_doc_len: int, seed: 
     """Endless training batches: chunks reshuffled each epoch with (seed, epoch)."""
     starts, lengths, doc = chunk_documents(corpus, max_doc_len)
     if lengths.sum() < tokens_per_step:
-        raise ValueError(f"training corpus has {int(lengths.sum())} tokens, fewer than one step "
+        raise DataError(f"training corpus has {int(lengths.sum())} tokens, fewer than one step "
                          f"({tokens_per_step})")
     epoch = 0
     while True:

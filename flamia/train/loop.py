@@ -204,7 +204,7 @@ def prepare_data(cfg: TrainConfig) -> Data:
     steps = [next(it) for _ in range(cfg.steps)]
     vals = D.val_batches(val, cfg.tokens_per_step, cfg.max_doc_len, cfg.val_batches)
     if not vals:
-        raise ValueError("empty validation split")
+        raise D.DataError("empty validation split: no validation file among the selected sources")
     return Data(train, val, steps, vals)
 
 

@@ -1,5 +1,5 @@
 """The `flamia` command line: every user error is one line naming the flag, exit status 2, no
-traceback (issue 30)."""
+traceback (issue 30); the demo's header names every recipe's path and what it skips."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
+import flamia
 from flamia import cli, demo
+from flamia.recipes import RECIPES
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -120,3 +122,40 @@ def test_help_exits_0(capsys):
         cli.main(["audit", "--help"])
     assert e.value.code == 0
     assert "--lengths" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- demo header
+
+def test_recipe_path_names_every_recipe_and_why():
+    paths = {name: demo.recipe_path("cpu", 64, name) for name in RECIPES}
+    assert "emulated Blackwell" in paths["mxfp8"] and "emulated Blackwell" in paths["nvfp4_mixed"]
+    assert "leaky control" in paths["fp8_tensorwise"]
+    for name in ("fp8", "fp8_mixed", "bf16"):
+        assert paths[name].startswith(("kernels", "reference")), paths[name]
+
+
+def test_recipe_path_reference_on_cpu(reference_only):
+    assert demo.recipe_path("cpu", 64, "fp8").endswith("FLAMIA_KERNELS=0")
+
+
+def test_demo_header_lists_recipes_and_skips(monkeypatch, capsys):
+    """The header (with the accuracy and audit sections stubbed out: the header is the test)."""
+    monkeypatch.setattr(demo, "accuracy_table", lambda *a, **k: {})
+
+    class Report:
+        def __init__(self, leaky):
+            self.passed = not leaky
+
+        def __str__(self):
+            return "audit stub"
+
+    monkeypatch.setattr(demo._audit, "audit", lambda fn, **k: Report("tensorwise" in fn.__name__))
+    assert demo.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    header = out.split("\n1. Accuracy")[0]
+    for name in RECIPES:
+        assert f"\n  {name} " in header, name
+    assert "skipped: 3. speed (no CUDA GPU" in header
+    assert "3. Speed: skipped (no CUDA GPU" in out
+    assert demo.main(["--device", "cpu", "--no-speed"]) == 0
+    assert "skipped: 3. speed (--no-speed)" in capsys.readouterr().out

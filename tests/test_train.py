@@ -224,6 +224,36 @@ def test_verdict_nan_and_spike():
     assert not v["pass"] and "skipped (time limit): bf16_seed1" in report.table(results, v)
 
 
+def test_speed_only_from_the_interleaved_timing():
+    """A first run's own median includes one-time work (issue 30: fp8 '18.5x' faster than bf16
+    where the interleaved timing said 0.96x): the table's speeds come from that timing only."""
+    results = {"settings": {"warmup": 5, "steps": 50}, "runs": ["bf16", "fp8", "leak"],
+               "results": {
+                   "bf16": _fake("bf16", "flamia:bf16", 2.0, 2.0, recipe="bf16"),
+                   "fp8": _fake("fp8", "flamia:fp8", 2.0, 2.0, recipe="fp8"),
+                   "leak": _fake("leak", "flamia:fp8_tensorwise", 2.0, 2.0, leaky=True,
+                                 recipe="fp8_tensorwise"),
+               }}
+    results["results"]["bf16"]["tokens_per_s"] = 138.0          # paid the warm-up
+    results["results"]["fp8"]["tokens_per_s"] = 2549.0
+    results["step_timing"] = {"rounds": 5, "batches": 8, "fastest_bf16": "flamia:bf16",
+                              "attentions": {
+                                  "flamia:bf16": {"run": "bf16", "median_s": 0.20, "tokens_per_s": 2560.0},
+                                  "flamia:fp8": {"run": "fp8", "median_s": 0.25, "tokens_per_s": 2048.0}}}
+    v = report.verdict(results)
+    r = v["runs"]
+    assert r["fp8"]["speedup_vs_ref"] == pytest.approx(0.8) and r["bf16"]["speedup_vs_ref"] == 1.0
+    assert r["leak"]["speedup_vs_ref"] is None and r["fp8"]["tokens_per_s"] == 2549.0
+    text = report.table(results, v)
+    assert "18.5" not in text and "0.800x" in text
+    assert "| 2,048 | 0.800x |" in text and "1,000 † | n/a |" in text
+    results["step_timing"] = None                                  # --time-rounds 0
+    v = report.verdict(results)
+    assert all(p["speedup_vs_ref"] is None for p in v["runs"].values())
+    text = report.table(results, v)
+    assert "138 † | n/a |" in text and "no speed comparison" in text
+
+
 # ------------------------------------------------------------------ tiny end to end
 
 @pytest.mark.usefixtures("reference_only")

@@ -126,7 +126,12 @@ def verdict(results: dict) -> dict:
         return b, max(spread, QUALITY_REL * b), max(LEAK_REL * b, LEAK_REF_MULT * g)
 
     _, tol, leak_tol = tolerances(ref_final)
-    ref_tps = ref.get("tokens_per_s") if ref else None
+    # Speed from the interleaved step timing only: a run's own median includes one-time work
+    # that falls in its steps (compilation, per-shape setup; issue 30's CPU --tiny run showed
+    # fp8 18.5x faster than bf16 where the interleaved timing said 0.96x), so the medians of two
+    # runs are not comparable. Runs it did not time (leaky controls) get no speed ratio.
+    timed = (results.get("step_timing") or {}).get("attentions") or {}
+    ref_timed = timed.get(ref["attention"]) if ref else None
     per_run = {}
     for n in order:
         r = runs[n]
@@ -153,8 +158,11 @@ def verdict(results: dict) -> dict:
             "delta_vs_ref_rel": delta / b if (b and math.isfinite(b)) else None,
             "tolerance": tol_n, "leak_tolerance": leak_tol_n,
             "quality_ok": quality_ok, "leak_exploited": leak, "stability": stab,
-            "tokens_per_s": r.get("tokens_per_s"),
-            "speedup_vs_ref": (r["tokens_per_s"] / ref_tps) if (ref_tps and r.get("tokens_per_s")) else None,
+            "tokens_per_s": r.get("tokens_per_s"),     # the run's own median (see above)
+            "timed_tokens_per_s": timed[r["attention"]]["tokens_per_s"] if r["attention"] in timed
+            else None,
+            "speedup_vs_ref": (ref_timed["median_s"] / timed[r["attention"]]["median_s"])
+            if (ref_timed and r["attention"] in timed) else None,
             "pass": passed,
         }
     candidates = [n for n in order
@@ -202,8 +210,8 @@ def table(results: dict, v: dict) -> str:
             f"| {n} | {r['attention']} | {p['role']} | {p['at_step'] if p['at_step'] is not None else 'n/a'} | {_fmt(p['final_train_loss'])} | "
             f"{_fmt(p['val_own'])} | {_fmt(p['val_exact'])} | {_fmt(p['gap_own_minus_exact'], '+.4f')} | "
             f"{delta} | {'ok' if p['quality_ok'] else 'WORSE'} | {'YES' if p['leak_exploited'] else 'no'} | "
-            f"{p['stability']['summary']} | {_fmt(p['tokens_per_s'], ',.0f')} | "
-            f"{_fmt(p['speedup_vs_ref'], '.3f')}x | {verdict_s} |")
+            f"{p['stability']['summary']} | {_tok_s(p)} | "
+            f"{_fmt(p['speedup_vs_ref'], '.3f')}{'x' if p['speedup_vs_ref'] else ''} | {verdict_s} |")
     lines.append("")
     errors = results.get("errors") or {}
     for n, msg in errors.items():
@@ -215,12 +223,25 @@ def table(results: dict, v: dict) -> str:
     if timed_out:
         lines.append(f"stopped by the time limit: {', '.join(timed_out)}")
     lines.append(f"overall (non-leaky runs): {'PASS' if v['pass'] else 'FAIL'}")
+    own = "† the run's own median step, which includes one-time work (compilation, per-shape " \
+          "setup) that fell in its steps: not comparable between runs"
     if results.get("step_timing"):
-        lines.append("(tok/s above: each run's own median, from runs minutes apart; on a shared "
-                     "host they differ by several % for identical work. The speed comparison is "
-                     "the interleaved timing below.)")
+        untimed = any(p["timed_tokens_per_s"] is None and p["tokens_per_s"]
+                      for p in v["runs"].values())
+        lines.append("(tok/s and speed vs ref above: the interleaved step timing below, one model, "
+                     "after a warm-up pass" + (f"; {own}" if untimed else "") + ")")
+    else:
+        lines.append(f"(no interleaved step timing (--time-rounds 0 or the time limit), so no speed "
+                     f"comparison; {own})")
     lines += timing_table(results.get("step_timing"))
     return "\n".join(lines)
+
+
+def _tok_s(p: dict) -> str:
+    """The table's tok/s: the interleaved timing's, else the run's own median marked †."""
+    if p["timed_tokens_per_s"] is not None:
+        return _fmt(p["timed_tokens_per_s"], ",.0f")
+    return _fmt(p["tokens_per_s"], ",.0f") + (" †" if p["tokens_per_s"] else "")
 
 
 def speed(timing: dict | None) -> dict | None:

@@ -159,3 +159,19 @@ def test_demo_header_lists_recipes_and_skips(monkeypatch, capsys):
     assert "3. Speed: skipped (no CUDA GPU" in out
     assert demo.main(["--device", "cpu", "--no-speed"]) == 0
     assert "skipped: 3. speed (--no-speed)" in capsys.readouterr().out
+
+
+def test_train_check_default_out_is_ignored_by_git():
+    from pathlib import Path
+
+    from flamia.train import DEFAULT_OUT, build_parser
+    assert build_parser().parse_args([]).out == DEFAULT_OUT == "out/train_check"
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    try:
+        p = subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT}/train_check.json"],
+                           cwd=root, capture_output=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no git binary")
+    assert p.returncode == 0, "the default --out of train-check is not ignored by git"

@@ -350,7 +350,7 @@ def write(results: dict, out_dir: "str | Path", log=print) -> dict:
     made = plot(results, png)
     log(text)
     log(f"wrote {out / 'train_check.json'}, {out / 'train_check.md'}"
-        + (f", {png}" if made else " (no PNG: matplotlib missing)"))
+        + (f", {png}" if made else " (no PNG: matplotlib missing; pip install -e \".[train]\")"))
     return v
 
 

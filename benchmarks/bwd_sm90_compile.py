@@ -17,7 +17,8 @@ from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops._interp import compile_only, resource_usage  # noqa: E402
 
 
-def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16):
+def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16,
+          deterministic=False):
     q = torch.randn(T, Hq, D).to(dtype)
     k = torch.randn(T, Hkv, D).to(dtype)
     v = torch.randn(T, Hkv, D).to(dtype)
@@ -26,7 +27,8 @@ def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat
     lse = torch.zeros(Hq, T)
     cu = torch.tensor([0, 300, T], dtype=torch.int32)
     with compile_only() as built:
-        B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, None, config=cfg)
+        B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, None,
+                                  deterministic=deterministic, config=cfg)
     return dict(built)
 
 

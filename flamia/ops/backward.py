@@ -924,13 +924,25 @@ def attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen
     """(dq (T, Hq, D), dk, dv (T, Hkv, D)) in grad_dtype (default dout's dtype), dq and dk rotated
     back to the input space. dout, out (T, Hq, D); lse (Hq, T) fp32 from the forward.
 
-    By default every launch is deterministic (no atomics). With deterministic=False and
-    config.dq_atomic=True, dQ is accumulated with fp32 atomics in the dK/dV kernel instead
-    (experimental; not bitwise reproducible). cu_seqlens[-1] must be T (no padding tokens).
+    The bf16 recipe on an sm_90 GPU runs the one-pass Hopper kernel (uses_sm90_backward): its dQ
+    adds are unordered unless deterministic=True. The split kernels here are deterministic
+    either way (with deterministic=False and config.dq_atomic=True, dQ is accumulated with fp32
+    atomics in the dK/dV kernel instead). cu_seqlens[-1] must be T (no padding tokens).
     """
+    if uses_sm90_backward(qkv, dout.device) and config is None:
+        from .backward_sm90 import attention_backward_sm90
+        return attention_backward_sm90(dout, out, lse, qkv.q8, qkv.k8, qkv.v8, cu_seqlens, causal,
+                                       softmax_scale, grad_dtype, deterministic)
     st = make_state(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale, config,
                     grad_dtype, deterministic)
     return run_state(st)
+
+
+def uses_sm90_backward(qkv: QuantizedQKV, device) -> bool:
+    """Does the bf16 recipe's backward run the one-pass Hopper kernel (flamia.ops.backward_sm90)
+    here? On an sm_90 GPU at head dims 64 and 128."""
+    return (qkv.recipe == "bf16" and qkv.q8.shape[-1] in (64, 128) and device.type == "cuda"
+            and is_sm90(device))
 
 
 # ----------------------------------------------------------------------------------------------

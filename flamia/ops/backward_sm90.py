@@ -61,19 +61,22 @@ class Sm90BwdConfig:
     stages: int = 2         # Q / dO ring depth
     loader_regs: int = 24
     dq_regs: int = 24
+    # dQ issued before dK and stored to shared memory while dK runs (else all three retire
+    # before the store)
+    dq_overlap: bool = True
 
     @property
     def name(self) -> str:
-        return f"m{self.block_m}n{self.block_n}s{self.stages}"
+        return f"m{self.block_m}n{self.block_n}s{self.stages}" + ("-q" if self.dq_overlap else "")
 
 
 def select_config(head_dim: int) -> Sm90BwdConfig:
-    """Tiles per head dim: 64 x 128 at D=128 (the accumulators of dK and dV take 128 registers
-    per thread), 128 x 128 at D=64."""
+    """Tiles: 64 query rows x 128 keys at both head dims (at D=64, 128 x 128 spills and measured
+    slower)."""
     if head_dim == 128:
         return Sm90BwdConfig(block_m=64)
     if head_dim == 64:
-        return Sm90BwdConfig(block_m=128)
+        return Sm90BwdConfig(block_m=64)
     raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
 
 
@@ -201,6 +204,18 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _visible(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+        """(BN, BM) mask of an S^T tile (keys k0.., queries q0.., document-local): both inside
+        the document and, causal, key <= query."""
+        keys = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout)), 1)
+        qs = gl.expand_dims(q0 + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout)), 0)
+        ok = (keys < L) & (qs < L)
+        if CAUSAL:
+            ok = ok & (keys <= qs)
+        return ok
+
+    @gluon.jit
     def _column_vector(ring, s, layout: gl.constexpr):
         """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a vector in `layout`."""
         BM: gl.constexpr = ring.type.shape[2]
@@ -237,8 +252,24 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(dl_desc, [h, pq + q0], db, dl_smem.index(s))
 
     @gluon.jit
-    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, HKV, GROUP,
-                       BN: gl.constexpr, CAUSAL: gl.constexpr):
+    def _bulk_writes_done():
+        """Wait until this thread's bulk async operations have completed their writes (not only
+        their shared-memory reads, as tma.store_wait does)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, HKV, GROUP,
+                       QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr):
+        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one
+        (query head, query block) happen in key-block order 0, 1, ...: the CTA of key block b
+        waits until SEM[head, block] == b and increments it once its add has landed. Every key
+        block before b sees that query block too, and sits earlier in the work list (heavier,
+        or the same cost and earlier in the document), so it was launched before: the wait
+        cannot deadlock."""
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS, HKV)
@@ -249,15 +280,24 @@ if HAVE_GLUON:
                 q0 = (m_lo + i % n_m) * BM
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
+                if DETERMINISTIC:
+                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
+                    turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                    while turn != blk:
+                        turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                 tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
-                tma.store_wait(0)
+                if DETERMINISTIC:
+                    _bulk_writes_done()
+                    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+                else:
+                    tma.store_wait(0)
                 mbarrier.arrive(dq_free.index(b), count=1)
 
     @gluon.jit
     def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                      kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS, HKV,
                      GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     DQ_OVERLAP: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -270,14 +310,12 @@ if HAVE_GLUON:
         else:
             dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 16)
         a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 2)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS, HKV)
         if doc >= 0:
             k0 = blk * BN
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
-            keys = gl.expand_dims(k0 + gl.arange(0, BN, layout=row_l), 1)
             mbarrier.wait(kv_ready, 0)
             if k0 + BN > L:
                 _zero_rows_from(k_smem, L - k0, num_warps)
@@ -311,10 +349,7 @@ if HAVE_GLUON:
                 else:
                     masked = edge_q | (k0 + BN > L)
                 if masked:
-                    qs = gl.expand_dims(q0 + gl.arange(0, BM, layout=col_l), 0)
-                    ok = (keys < L) & (qs < L)
-                    if CAUSAL:
-                        ok = ok & (keys <= qs)
+                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     pt = gl.where(ok, gl.exp2(st * qk_scale_log2 - lse2), 0.0)
                     dst = gl.where(ok, pt * (dpt - delta), 0.0)
                 else:
@@ -327,17 +362,27 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 dsa = gl.convert_layout(dsb, a_layout)
-                dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
-                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                                   gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-                mbarrier.arrive(q_free.index(s), count=1)
+                if DQ_OVERLAP:      # dQ first, stored to shared memory while dK runs
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                                       gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                                       is_async=True)
+                    dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+                else:
+                    dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                                       gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                                       is_async=True)
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                    mbarrier.arrive(q_free.index(s), count=1)
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
+                if DQ_OVERLAP:
+                    dk = warpgroup_mma_wait(0, deps=[dk])
+                    mbarrier.arrive(q_free.index(s), count=1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -348,10 +393,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
-                              ITEMS, N_ITEMS, HKV, GROUP, stride_kt, qk_scale_log2, sm_scale,
+                              SEM, ITEMS, N_ITEMS, HKV, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
+                              sm_scale,
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                              DQ_OVERLAP: gl.constexpr, DETERMINISTIC: gl.constexpr,
                               num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
@@ -382,12 +429,12 @@ if HAVE_GLUON:
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
                             N_ITEMS, HKV, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
-                            CAUSAL, num_warps)),
+                            CAUSAL, DQ_OVERLAP, num_warps)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
                            k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
                            ITEMS, N_ITEMS, HKV, GROUP, CAUSAL)),
-            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, HKV, GROUP,
-                              BN, CAUSAL)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, HKV,
+                              GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
         for i in gl.static_range(STAGES):
@@ -408,13 +455,15 @@ LAST_KERNEL = None      # the last compiled backward kernel launched (compile re
 
 
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
-                            grad_dtype=None, config: Sm90BwdConfig | None = None):
+                            grad_dtype=None, deterministic=False,
+                            config: Sm90BwdConfig | None = None):
     """(dq, dk, dv) of causal (or full) attention over packed documents.
 
     q, dout, out (T, Hq, D); k, v (T, Hkv, D), bf16 or fp16, unit stride in D; lse (Hq, T) fp32,
     natural log of the softmax-scaled scores (the forward's); cu_seqlens int32 (n_docs + 1,)
-    with cu_seqlens[-1] == T. The dQ adds are unordered fp32 adds (not bitwise reproducible
-    between runs); dK and dV are.
+    with cu_seqlens[-1] == T. By default the dQ adds of different key blocks land in any order
+    (fp32 sums not bitwise reproducible between runs; dK and dV are); deterministic=True orders
+    them (bitwise reproducible, at the cost of waits).
     """
     global LAST_KERNEL
     T, Hq, D = q.shape
@@ -446,10 +495,12 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     lse_desc = descriptor_2d(lse2, Hq, QR, QR, [1, BM])
     dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
+    sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
+           else kb.items)      # (never read when not deterministic)
     LAST_KERNEL = _attn_bwd_sm90_kernel[(kb.n_items * Hkv,)](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, kb.items,
-        kb.n_items, Hkv, Hq // Hkv, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
+        kb.n_items, Hkv, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs,
-        DQ_REGS=cfg.dq_regs, num_warps=8)
+        DQ_REGS=cfg.dq_regs, DQ_OVERLAP=cfg.dq_overlap, DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)
     return dq, dk, dv

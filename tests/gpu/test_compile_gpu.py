@@ -32,8 +32,9 @@ def _inputs(layout: str, D: int, seed: int = 0):
 def _attend(layout, recipe, cu):
     L = max(LENGTHS)
     if layout == "dense":
-        return lambda q, k, v: flamia.flamia_attn_func(q, k, v, recipe=recipe)
-    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe)
+        return lambda q, k, v: flamia.flamia_attn_func(q, k, v, recipe=recipe, deterministic=True)
+    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe=recipe,
+                                                          deterministic=True)
 
 
 @pytest.mark.parametrize("D", [64, 128])

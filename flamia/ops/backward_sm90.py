@@ -61,16 +61,10 @@ class Sm90BwdConfig:
     stages: int = 2         # Q / dO ring depth
     loader_regs: int = 24
     dq_regs: int = 24
-    # dQ issued before dK and stored to shared memory while dK runs (else all three retire
-    # before the store)
-    dq_overlap: bool = True
-    # P^T = exp2(...) computed while the dP^T wgmma runs (else after it retires)
-    exp_overlap: bool = False
 
     @property
     def name(self) -> str:
-        flags = ("-q" if self.dq_overlap else "") + ("-x" if self.exp_overlap else "")
-        return f"m{self.block_m}n{self.block_n}s{self.stages}{flags}"
+        return f"m{self.block_m}n{self.block_n}s{self.stages}"
 
 
 def select_config(head_dim: int) -> Sm90BwdConfig:
@@ -300,7 +294,6 @@ if HAVE_GLUON:
     def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                      kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS, HKV,
                      GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
-                     DQ_OVERLAP: gl.constexpr, EXP_OVERLAP: gl.constexpr,
                      num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -350,59 +343,35 @@ if HAVE_GLUON:
                     masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                if EXP_OVERLAP:     # P^T while the dP^T wgmma runs
-                    if masked:
-                        ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                        pt = gl.where(ok, gl.exp2(st * qk_scale_log2 - lse2), 0.0)
-                    else:
-                        pt = gl.exp2(st * qk_scale_log2 - lse2)
-                    pa = gl.convert_layout(pt.to(dtype), a_layout)
-                    dpt = warpgroup_mma_wait(0, deps=[dpt])
-                    delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
-                    dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
-                    if masked:
-                        ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                        dst = gl.where(ok, pt * (dpt - delta), 0.0)
-                    else:
-                        dst = pt * (dpt - delta)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
+                if masked:
+                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                    pt = gl.where(ok, gl.exp2(st * qk_scale_log2 - lse2), 0.0)
+                    dst = gl.where(ok, pt * (dpt - delta), 0.0)
                 else:
-                    dpt = warpgroup_mma_wait(0, deps=[dpt])
-                    delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
-                    if masked:
-                        ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                        pt = gl.where(ok, gl.exp2(st * qk_scale_log2 - lse2), 0.0)
-                        dst = gl.where(ok, pt * (dpt - delta), 0.0)
-                    else:
-                        pt = gl.exp2(st * qk_scale_log2 - lse2)
-                        dst = pt * (dpt - delta)
-                    pa = gl.convert_layout(pt.to(dtype), a_layout)
-                    dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
+                    pt = gl.exp2(st * qk_scale_log2 - lse2)
+                    dst = pt * (dpt - delta)
+                pa = gl.convert_layout(pt.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 dsb = dst.to(dtype)
                 ds_smem.store(dsb)
                 fence_async_shared()
                 gl.thread_barrier()
                 dsa = gl.convert_layout(dsb, a_layout)
-                if DQ_OVERLAP:      # dQ first, stored to shared memory while dK runs
-                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                                       gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
-                                       is_async=True)
-                    dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
-                    dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-                else:
-                    dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
-                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
-                                       gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
-                                       is_async=True)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-                    mbarrier.arrive(q_free.index(s), count=1)
+                # dQ first: it goes to shared memory while dK runs
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                                   gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
-                if DQ_OVERLAP:
-                    dk = warpgroup_mma_wait(0, deps=[dk])
-                    mbarrier.arrive(q_free.index(s), count=1)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_free.index(s), count=1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -418,7 +387,6 @@ if HAVE_GLUON:
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                              DQ_OVERLAP: gl.constexpr, EXP_OVERLAP: gl.constexpr,
                               DETERMINISTIC: gl.constexpr,
                               num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
@@ -450,7 +418,7 @@ if HAVE_GLUON:
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
                             N_ITEMS, HKV, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
-                            CAUSAL, DQ_OVERLAP, EXP_OVERLAP, num_warps)),
+                            CAUSAL, num_warps)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
                            k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
                            ITEMS, N_ITEMS, HKV, GROUP, CAUSAL)),
@@ -522,7 +490,6 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
         kb.n_items, Hkv, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs,
-        DQ_REGS=cfg.dq_regs, DQ_OVERLAP=cfg.dq_overlap,
-        EXP_OVERLAP=cfg.exp_overlap, DETERMINISTIC=bool(deterministic), num_warps=8)
+        DQ_REGS=cfg.dq_regs, DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)
     return dq, dk, dv

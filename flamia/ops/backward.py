@@ -940,9 +940,10 @@ def attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen
 
 def uses_sm90_backward(qkv: QuantizedQKV, device) -> bool:
     """Does the bf16 recipe's backward run the one-pass Hopper kernel (flamia.ops.backward_sm90)
-    here? On an sm_90 GPU at head dims 64 and 128."""
-    return (qkv.recipe == "bf16" and qkv.q8.shape[-1] in (64, 128) and device.type == "cuda"
-            and is_sm90(device))
+    here? On an sm_90 GPU at head dims 64 and 128, for bf16 inputs (fp16 inputs keep the split
+    kernels until the one-pass kernel is tested with them on the GPU)."""
+    return (qkv.recipe == "bf16" and qkv.q8.dtype == torch.bfloat16
+            and qkv.q8.shape[-1] in (64, 128) and device.type == "cuda" and is_sm90(device))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default="", help="D:BM:DQ_OVERLAP:EXP_OVERLAP,... (default: the "
+    ap.add_argument("--configs", default="", help="D:BM,... (default: the "
                     "selected config per head dim)")
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
@@ -269,8 +269,7 @@ def main():
     def configs(D):
         if not specs:
             return [B.select_config(D)]
-        return [B.Sm90BwdConfig(block_m=int(bm), dq_overlap=q == "1", exp_overlap=x == "1")
-                for (d, bm, q, x) in specs if int(d) == D]
+        return [B.Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
     ok = True
     if args.check:
         ok = check(args.seed, configs, compare_old=not args.no_old)

@@ -4,6 +4,7 @@ numerics are checked on the H200 by tests/gpu/test_backward_sm90_gpu.py (Gluon d
 the Triton interpreter)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -77,7 +78,7 @@ print("REPORT" + json.dumps(out))
 
 def test_sm90_backward_compiles_clean():
     jobs = [(128, True, False), (64, True, True), (64, False, False)]
-    for u in compile_report(_SCRIPT, __import__("json").dumps(jobs)):
+    for u in compile_report(_SCRIPT, json.dumps(jobs)):
         tag = f"D={u['D']} causal={u['causal']} deterministic={u['det']}"
         assert u["spill_stores"] == 0, f"{tag}: {u['spill_stores']} B spilled"
         assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7514/C7515)"

@@ -54,27 +54,27 @@ if HAVE_GLUON:
 LOG2E = 1.4426950408889634
 
 
+STAGES = 2              # Q / dO ring depth
+LOADER_REGS = 24        # setmaxnreg of the loader and dQ warps (the MMA warpgroups get 240)
+DQ_REGS = 24
+
+
 @dataclass(frozen=True)
 class Sm90BwdConfig:
     block_m: int            # query rows per step
     block_n: int = 128      # keys per CTA (64 per MMA warpgroup)
-    stages: int = 2         # Q / dO ring depth
-    loader_regs: int = 24
-    dq_regs: int = 24
 
     @property
     def name(self) -> str:
-        return f"m{self.block_m}n{self.block_n}s{self.stages}"
+        return f"m{self.block_m}n{self.block_n}"
 
 
 def select_config(head_dim: int) -> Sm90BwdConfig:
     """Tiles: 64 query rows x 128 keys at both head dims (at D=64, 128 x 128 spills and measured
     slower)."""
-    if head_dim == 128:
-        return Sm90BwdConfig(block_m=64)
-    if head_dim == 64:
-        return Sm90BwdConfig(block_m=64)
-    raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
+    return Sm90BwdConfig(block_m=64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +440,6 @@ if HAVE_GLUON:
 # ---------------------------------------------------------------------------------------------
 
 PRE_BT = 64
-LAST_KERNEL = None      # the last compiled backward kernel launched (compile reports)
 
 
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
@@ -454,7 +453,6 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     (fp32 sums not bitwise reproducible between runs; dK and dV are); deterministic=True orders
     them (bitwise reproducible, at the cost of waits).
     """
-    global LAST_KERNEL
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     cfg = config or select_config(D)
@@ -486,10 +484,10 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
     sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
            else kb.items)      # (never read when not deterministic)
-    LAST_KERNEL = _attn_bwd_sm90_kernel[(kb.n_items * Hkv,)](
+    _attn_bwd_sm90_kernel[(kb.n_items * Hkv,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
         kb.n_items, Hkv, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs,
-        DQ_REGS=cfg.dq_regs, DETERMINISTIC=bool(deterministic), num_warps=8)
+        STAGES=STAGES, CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
+        DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)
     return dq, dk, dv

@@ -56,6 +56,7 @@ try:   # Gluon ships with triton >= 3.5; keep this module importable without it
 except Exception:   # pragma: no cover - older triton
     HAVE_GLUON = False
 
+from .gluon_common import shared_layout
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 from .layout import QuantizedQKV
 from .schedule import Schedule, persistent_grid, work_list
@@ -1143,17 +1144,9 @@ if HAVE_GLUON:
             mbarrier.invalidate(rel.index(i))
 
 
-_LAYOUTS: dict = {}
-
-
 def _layout(block_shape, dtype=None):
-    # memoized: get_default_for is pure Python run 5 times per call otherwise
-    key = (tuple(block_shape), dtype)
-    lay = _LAYOUTS.get(key)
-    if lay is None:
-        lay = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block_shape),
-                                                                    dtype or gl.float8e4nv)
-    return lay
+    """The shared layout of a box of fp8 (default) or `dtype` elements (memoized)."""
+    return shared_layout(block_shape, dtype or gl.float8e4nv)
 
 
 def _scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:

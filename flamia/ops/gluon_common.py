@@ -1,5 +1,5 @@
-"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors, the fp32 TMA
-reduce-add, and the mbarrier ring bookkeeping.
+"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors and the fp32 TMA
+reduce-add.
 
 Importable without Gluon (HAVE_GLUON is False then and nothing here may be used).
 """
@@ -59,8 +59,3 @@ if HAVE_GLUON:
         when warps_m > 4, side by side along N when warps_n > 1), instruction m16 x n x k."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
                                          instr_shape=[16, n, k])
-
-    @gluon.jit
-    def ring_phase(i, STAGES: gl.constexpr):
-        """(stage, phase) of the i-th use of a STAGES-deep ring."""
-        return i % STAGES, (i // STAGES) & 1

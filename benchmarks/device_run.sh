@@ -19,7 +19,8 @@
 # benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs
 # of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile
 # of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
-# the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4).
+# the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4),
+# ncu-bwd (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -161,6 +162,24 @@ for spec in "$@"; do
       rm -f "$OUT/ncusrc.ncu-rep"
       python benchmarks/ncu_source.py "$OUT/ncu-source.csv" --top 40 | tee "$OUT/ncu-source.txt"
       gzip -f "$OUT/ncu-source.csv" ;;
+    ncu-bwd) # the bf16 backward, flamia sm90 next to FA4: counters and per-SASS warp samples
+      for wl in $(echo "${NCU_WORKLOADS:-d64_doc8k_x4,doc8k_x4}" | tr , ' '); do
+        run_stage "$name-$wl" "$secs" "$NCU" --clock-control none --profile-from-start off \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section SourceCounters --section InstructionStats --section LaunchStats \
+          --section Occupancy --import-source no -f -o "$OUT/ncubwd-$wl" \
+          python benchmarks/ncu_bwd_sm90.py --only "$wl"
+        "$NCU" --import "$OUT/ncubwd-$wl.ncu-rep" --page details >"$OUT/ncu-bwd-$wl-details.txt" 2>&1
+        "$NCU" --import "$OUT/ncubwd-$wl.ncu-rep" --page source --csv --print-source sass \
+          >"$OUT/ncu-bwd-$wl-source.csv" 2>&1
+        rm -f "$OUT/ncubwd-$wl.ncu-rep"
+        grep -E "^  [_a-zA-Z]|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Achieved Occ" \
+          "$OUT/ncu-bwd-$wl-details.txt" | head -60
+        python benchmarks/ncu_source.py "$OUT/ncu-bwd-$wl-source.csv" --top 30 \
+          >"$OUT/ncu-bwd-$wl-source.txt" 2>&1
+        head -c 6000 "$OUT/ncu-bwd-$wl-source.txt"
+        gzip -f "$OUT/ncu-bwd-$wl-source.csv"
+      done ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 done

@@ -200,6 +200,9 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False):
         o, lse = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, maxlen, maxlen, recipe="bf16",
                                                 return_lse=True, check_finite=False)
         row = {"workload": w["name"]}
+        for name, mod in AB_BASE.items():
+            row[name] = cuda_ms(lambda: mod.attention_backward_sm90(do, o, lse, q, k, v, cu,
+                                                                    causal, scale))
         for cfg in configs(D):
             ms = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
                                                            config=cfg))
@@ -250,8 +253,25 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False):
     return table
 
 
+AB_BASE = {}     # --ab FILE,...: other versions of backward_sm90.py, timed next to this one
+
+
+def load_ab_base(path, name="ab_base"):
+    """The module in `path` (a copy of flamia/ops/backward_sm90.py, e.g. `git show
+    HEAD~1:flamia/ops/backward_sm90.py > x.py`) imported inside flamia.ops, so its relative
+    imports resolve."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"flamia.ops.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ab", default="", help="time these copies of backward_sm90.py (comma "
+                    "separated) next to it, each named by its file")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="")
@@ -270,6 +290,9 @@ def main():
         if not specs:
             return [B.select_config(D)]
         return [B.Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
+    for path in filter(None, args.ab.split(",")):
+        name = os.path.splitext(os.path.basename(path))[0]
+        AB_BASE[name] = load_ab_base(path, name)
     ok = True
     if args.check:
         ok = check(args.seed, configs, compare_old=not args.no_old)

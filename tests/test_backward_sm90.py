@@ -5,6 +5,7 @@ the Triton interpreter)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -21,23 +22,32 @@ def test_key_blocks(causal, BM):
     BN = 128
     rng = random.Random(BM + causal)
     for _ in range(20):
-        lengths = [rng.choice([0, 1, 2, rng.randint(3, 700)]) for _ in range(rng.randint(1, 7))]
+        lengths = [rng.choice([0, 1, 2, rng.randint(3, 700), rng.randint(700, 3000)])
+                   for _ in range(rng.randint(1, 7))]
+        H = rng.choice([1, 2, 3, 8])
         T = sum(lengths)
         cu = cu_seqlens_from_lengths(lengths)
-        kb = key_blocks(cu, T, BM, BN, causal)
-        doc, blk, start, L, pq = kb.items.tolist()
+        kb = key_blocks(cu, T, BM, BN, causal, H)
+        doc, blk, start, L, pq, kvh = kb.items.tolist()
         valid = [i for i, d in enumerate(doc) if d >= 0]
-        # every key block of every document exactly once
-        want = sorted((d, b) for d, n in enumerate(lengths) for b in range(-(-n // BN)))
-        assert sorted((doc[i], blk[i]) for i in valid) == want
+        # every key block of every document, for every KV head, exactly once; padding last
+        want = sorted((d, b, h) for d, n in enumerate(lengths) for b in range(-(-n // BN))
+                      for h in range(H))
+        assert sorted((doc[i], blk[i], kvh[i]) for i in valid) == want
         assert len(doc) == kb.n_items >= len(want)
-        # heaviest first; within a document, lower key blocks earlier (deterministic mode waits
-        # on them)
+        assert valid == list(range(len(valid)))
+        # order: cost class (floor log2 of the query blocks seen) descending, then KV head,
+        # then document (heaviest first, ties in packed order), then cost descending, then
+        # key block
         nq = [-(-n // BM) for n in lengths]
+        drank = {d: r for r, d in enumerate(sorted(range(len(lengths)), key=lambda d: -nq[d]))}
         cost = [nq[doc[i]] - (blk[i] * BN // BM if causal else 0) for i in valid]
-        assert cost == sorted(cost, reverse=True)
-        pos = {(doc[i], blk[i]): r for r, i in enumerate(valid)}
-        assert all(pos[(d, b)] > pos[(d, b - 1)] for (d, b) in pos if b > 0)
+        keys = [(-math.floor(math.log2(c)), kvh[i], drank[doc[i]], -c, blk[i])
+                for c, i in zip(cost, valid)]
+        assert keys == sorted(keys)
+        # within one (document, KV head) lower key blocks earlier (deterministic mode waits)
+        pos = {(doc[i], blk[i], kvh[i]): r for r, i in enumerate(valid)}
+        assert all(pos[(d, b, h)] > pos[(d, b - 1, h)] for (d, b, h) in pos if b > 0)
         # padded query rows: documents start at multiples of BM, in order, without overlap
         starts = [sum(nq[:d]) * BM for d in range(len(lengths))]
         for i in valid:
@@ -54,7 +64,7 @@ def test_key_blocks(causal, BM):
 _SCRIPT = r"""
 import json, re, sys, torch
 from flamia.ops import backward_sm90 as B
-from flamia.ops._interp import compile_only, resource_usage
+from benchmarks.tools.compile import compile_only, resource_usage
 out = []
 for D, causal, det in json.loads(sys.argv[1]):
     T, Hq, Hkv = 1024, 8, 2

@@ -78,27 +78,40 @@ def select_config(head_dim: int) -> Sm90BwdConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Work list: key blocks, heaviest first, and the padded query-row layout
+# Work list: key blocks by document, heaviest first, and the padded query-row layout
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
 class KeyBlocks:
-    items: torch.Tensor     # (5, n_items) int32 rows: document (-1: no work), key block, first
-                            # token, length, padded first query row of the document
-    n_items: int            # host bound on the number of real items
+    items: torch.Tensor     # (6, n_items) int32 rows, one column per CTA in launch order:
+                            # document (-1: no work), key block, first token, length, padded
+                            # first query row of the document, KV head
+    n_items: int            # host bound on the number of real items (key blocks x KV heads)
     q_rows: int             # rows of the padded query layout (host bound, a multiple of BM)
     prow: torch.Tensor      # (T,) int32: padded row of every token
 
 
-def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool) -> KeyBlocks:
-    """Built on the device with no host sync; item count and padded rows bounded on the host
-    (sum_d ceil(L_d / BN) <= T // BN + n_docs; sum_d ceil(L_d / BM) BM <= T + n_docs (BM - 1))."""
+def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
+               n_kv_heads: int = 1) -> KeyBlocks:
+    """The CTAs' work, one (key block, KV head) each, in launch order:
+
+    - heaviest first by cost class (floor(log2(query blocks seen))): the long items of every
+      KV head start early, so none of them ends the launch alone;
+    - within a class, KV head, then document (heaviest first), then key block (heaviest first,
+      ties in packed order): the CTAs resident at one time share one KV head and a few
+      documents, so the Q, dO and dQ rows they all walk stay in L2;
+    - padding items (doc -1) last.
+    Within one (document, KV head), a lower key block never comes later (deterministic mode's
+    dQ adds wait on them). Built on the device with no host sync; item count and padded rows
+    bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs; sum_d ceil(L_d / BM) BM <=
+    T + n_docs (BM - 1))."""
     dev = cu_seqlens.device
     n_docs = cu_seqlens.numel() - 1
     n = max(T // BN + n_docs, 1)
+    N = n * n_kv_heads
     q_rows = max(-(-(T + n_docs * (BM - 1)) // BM) * BM, BM)
     if n_docs <= 0 or T == 0:
-        return KeyBlocks(torch.full((5, n), -1, dtype=torch.int32, device=dev), n, q_rows,
+        return KeyBlocks(torch.full((6, N), -1, dtype=torch.int32, device=dev), N, q_rows,
                          torch.zeros((T,), dtype=torch.int32, device=dev))
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
@@ -112,15 +125,27 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool)
     d = doc.clamp(max=n_docs - 1)
     blk = idx - (ends[d] - nk[d])
     cost = nq[d] - (blk * BN) // BM if causal else nq[d]
-    cost = torch.where(valid, cost, torch.full_like(cost, -1))
-    key = cost * (1 << 20) - idx.clamp(max=(1 << 20) - 1)     # ties: packed order
-    order = torch.argsort(key, descending=True)
-    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order],
-                         cu[:-1][d][order], lengths[d][order], pq[d][order]])
+    cost = torch.where(valid, cost, torch.full_like(cost, 0))
+    cls = torch.where(valid, torch.floor(torch.log2(cost.clamp(min=1).double())).long(),
+                      torch.full_like(cost, -1))
+    doc_order = torch.argsort(nq, descending=True, stable=True)
+    rank = torch.empty_like(doc_order)
+    rank[doc_order] = torch.arange(n_docs, device=dev, dtype=torch.int64)
+    drank = rank[d]
+    # one column per (item, KV head); stable sorts, least significant key first
+    pair = torch.arange(N, device=dev, dtype=torch.int64)
+    it, kvh = pair % n, pair // n
+    order = torch.argsort(it, stable=True)
+    for key, desc in ((cost, True), (drank, False), (None, False), (cls, True)):
+        k = kvh[order] if key is None else key[it[order]]
+        order = order[torch.argsort(k, descending=desc, stable=True)]
+    it, kvh = it[order], kvh[order]
+    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[it], blk[it],
+                         cu[:-1][d][it], lengths[d][it], pq[d][it], kvh])
     tok = torch.arange(T, device=dev, dtype=torch.int64)
     tdoc = torch.searchsorted(cu[1:], tok, right=True).clamp(max=n_docs - 1)
     prow = tok - cu[:-1][tdoc] + pq[tdoc]
-    return KeyBlocks(items.to(torch.int32).contiguous(), n, q_rows, prow.to(torch.int32))
+    return KeyBlocks(items.to(torch.int32).contiguous(), N, q_rows, prow.to(torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,17 +191,16 @@ def _bwd_postprocess(DQA, PROW, DQ, T, scale, stride_t, D: tl.constexpr, BT: tl.
 if HAVE_GLUON:
 
     @gluon.jit
-    def _item(ITEMS, N_ITEMS, HKV):
-        """(doc, key block, first token, length, padded first query row, KV head) of this CTA;
-        doc < 0: no work. KV head fastest: neighbouring CTAs share the document's tiles."""
-        pid = gl.program_id(0)
-        kvh = pid % HKV
-        item = pid // HKV
+    def _item(ITEMS, N_ITEMS):
+        """(doc, key block, first token, length, padded first query row, KV head) of this CTA
+        (column program_id of the work list); doc < 0: no work."""
+        item = gl.program_id(0)
         doc = gl.load(ITEMS + item)
         blk = gl.load(ITEMS + N_ITEMS + item)
         start = gl.load(ITEMS + 2 * N_ITEMS + item)
         L = gl.load(ITEMS + 3 * N_ITEMS + item)
         pq = gl.load(ITEMS + 4 * N_ITEMS + item)
+        kvh = gl.load(ITEMS + 5 * N_ITEMS + item)
         return doc, blk, start, L, pq, kvh
 
     @gluon.jit
@@ -184,6 +208,13 @@ if HAVE_GLUON:
         """(first query block, number of query blocks) that see keys [k0, k0 + BN)."""
         m_lo = k0 // BM if CAUSAL else k0 * 0
         return m_lo, (L + BM - 1) // BM - m_lo
+
+    @gluon.jit
+    def _next_step(h, q0, m_lo, n_m, BM: gl.constexpr):
+        """(query head, first query row) of the step after (h, q0): the next query block, or the
+        first block of the next head of the GQA group (counters, not a division per step)."""
+        wrap = (q0 + BM == (m_lo + n_m) * BM).to(gl.int32)
+        return h + wrap, q0 + BM - wrap * (n_m * BM)
 
     @gluon.jit
     def _zero_rows_from(tile, first, num_warps: gl.constexpr):
@@ -222,21 +253,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem, k_smem,
                     v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free, ITEMS,
-                    N_ITEMS, HKV, GROUP, CAUSAL: gl.constexpr):
+                    N_ITEMS, GROUP, CAUSAL: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         BN: gl.constexpr = k_smem.type.shape[0]
-        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS, HKV)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
             mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready, k_smem)
             tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem)
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                h = kvh * GROUP + i // n_m
-                q0 = (m_lo + i % n_m) * BM
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
                 qb = q_ready.index(s)
@@ -247,6 +278,7 @@ if HAVE_GLUON:
                 mbarrier.expect(db, do_desc.block_type.nbytes + dl_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
                 tma.async_copy_global_to_shared(dl_desc, [h, pq + q0], db, dl_smem.index(s))
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
     def _bulk_writes_done():
@@ -258,7 +290,7 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, HKV, GROUP,
+    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                        QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr):
         """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one
@@ -269,12 +301,12 @@ if HAVE_GLUON:
         cannot deadlock."""
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
-        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS, HKV)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                h = kvh * GROUP + i // n_m
-                q0 = (m_lo + i % n_m) * BM
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
                 if DETERMINISTIC:
@@ -289,10 +321,11 @@ if HAVE_GLUON:
                 else:
                     tma.store_wait(0)
                 mbarrier.arrive(dq_free.index(b), count=1)
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
     def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
-                     kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS, HKV,
+                     kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
                      GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
                      num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -309,7 +342,7 @@ if HAVE_GLUON:
         a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 2)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS, HKV)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
@@ -382,7 +415,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
-                              SEM, ITEMS, N_ITEMS, HKV, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
+                              SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
                               sm_scale,
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -417,12 +450,12 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
-                            N_ITEMS, HKV, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
+                            N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
                             CAUSAL, num_warps)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
                            k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
-                           ITEMS, N_ITEMS, HKV, GROUP, CAUSAL)),
-            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, HKV,
+                           ITEMS, N_ITEMS, GROUP, CAUSAL)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS,
                               GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
@@ -466,8 +499,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
     if T == 0:
         return dq, dk, dv
-    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal)),
-                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal))
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv))
     QR = kb.q_rows
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
@@ -484,9 +517,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
     sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
            else kb.items)      # (never read when not deterministic)
-    _attn_bwd_sm90_kernel[(kb.n_items * Hkv,)](
+    _attn_bwd_sm90_kernel[(kb.n_items,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
-        kb.n_items, Hkv, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
+        kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=STAGES, CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from flamia.ops import backward_sm90 as B  # noqa: E402
-from flamia.ops._interp import compile_only, resource_usage  # noqa: E402
+from benchmarks.tools.compile import compile_only, resource_usage  # noqa: E402
 
 
 def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16,
@@ -53,7 +53,7 @@ def main():
             with open(f"{args.ptx}.D{D}.ptx", "w") as f:
                 f.write(ptx)
         if args.sass:
-            from flamia.ops.sass import main_loop, parse, sass_of
+            from benchmarks.tools.sass import main_loop, parse, sass_of
             loop = main_loop(parse(sass_of(kern)))
             print(f"  main loop: {len(loop)} SASS")
 

@@ -40,7 +40,8 @@ import triton  # noqa: E402
 from flamia import reference as R  # noqa: E402
 from flamia.bench.workloads import fwd_flops  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
-from flamia.ops.forward import FwdConfig, attention_forward, default_config  # noqa: E402
+from flamia.ops.config import FwdConfig, triton_forward_config as default_config  # noqa: E402
+from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 from flamia.ops.schedule import build_schedule  # noqa: E402
 
@@ -65,8 +66,6 @@ def cfg_name(c: FwdConfig | None) -> str:
     s = f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}"
     if not c.use_tma:
         s += "-ptr"
-    if not c.v_kmajor:
-        s += "-vN"
     if c.maxnreg:
         s += f"-r{c.maxnreg}"
     if c.fold_lr:
@@ -80,8 +79,7 @@ def cfg_name(c: FwdConfig | None) -> str:
 # every loop (three make ptxas serialize the wgmmas: C7515, shown as "SERIALIZED" below, unless
 # the masked loops run unpipelined: masked_stages=1, the default since session 9; one serialized
 # config is kept to measure what that costs), 64x128 / 4 warps and 128-row / 8-warp shapes,
-# 64x64 capped at 168 registers (three CTAs per SM), N-major V (Triton transposes it in shared
-# memory) and plain pointer loads instead of TMA.
+# 64x64 capped at 168 registers (three CTAs per SM) and plain pointer loads instead of TMA.
 def parse_configs(spec: str) -> list[FwdConfig]:
     """'64x256w4s3,64x128w4s3r168,64x128w4s3m1' -> FP8 FwdConfigs (fold_lr on, as the FP8
     default; mN: masked_stages=N)."""
@@ -110,7 +108,7 @@ def sweep_configs(D: int, recipe: str, quick: bool, extra: list[FwdConfig] | Non
     if D >= 128:
         cs = [F(64, 128, 4, 2), F(128, 64, 8, 2), F(64, 64, 4, 2, maxnreg=168), C(64, 128, 4, 2),
               F(128, 128, 8, 2), F(64, 64, 4, 2), F(64, 128, 4, 3),
-              F(64, 128, 4, 2, v_kmajor=False), F(64, 128, 4, 2, use_tma=False)]
+              F(64, 128, 4, 2, use_tma=False)]
     else:
         # D=64: half the MMA work per score of D=128 for the same softmax work; the FP8
         # 64 x 128 tile ran slower than our bf16 128 x 64 / 8-warp kernel (session 6, item 2)
@@ -138,14 +136,14 @@ def bench(fn, smoke: bool) -> float:
 
 # ------------------------------------------------------------------------------------- correctness
 
-def kernel_usage(smoke):
-    """Registers / spills / wgmma serialization of the forward kernel just launched."""
+def kernel_usage(smoke, *args, **kwargs):
+    """Registers / spills / wgmma serialization of the forward kernel that
+    attention_forward(*args, **kwargs) launches (built again for sm_90a, not run)."""
     if smoke:
         return None
     try:
-        from flamia.ops import forward as F
-        from flamia.ops._interp import resource_usage
-        return resource_usage(F.LAST_KERNEL)
+        from benchmarks.tools.compile import build, resource_usage
+        return resource_usage(build(attention_forward, *args, **kwargs)["_attn_fwd_kernel"])
     except Exception as e:   # noqa: BLE001
         return {"error": short(e)}
 
@@ -178,12 +176,13 @@ def check_slice(dev, D, recipe, configs, smoke):
     exact_lse = R.lse_exact(q, k, cu, True)
     err_ref = (emul - exact).abs()
     finite = torch.isfinite(ref_lse)
-    qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True)
+    qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True, vt_mma_order=True)
     good = []
     for cfg in configs:
         rec = {"D": D, "recipe": recipe, "config": cfg_name(cfg)}
+        c = cfg or default_config(D, recipe != "bf16", torch.device(dev))
         try:
-            out, lse = attention_forward(qkv, cu, max(lengths), True, None, q.dtype, config=cfg,
+            out, lse = attention_forward(qkv, cu, max(lengths), True, None, q.dtype, config=c,
                                          poison=True)
             unwritten = int(out.isnan().sum() + lse.isnan().sum())
             o_ok, max_err, frac = fa_rule(out, emul, exact)
@@ -196,7 +195,8 @@ def check_slice(dev, D, recipe, configs, smoke):
             rec.update(passed=passed, rel_err=r, rel_err_ref=r_ref, max_err=max_err,
                        max_err_ref=err_ref.max().item(), frac_elem_fail=frac, lse_err=lse_err,
                        unwritten=unwritten)
-            usage = kernel_usage(smoke or recipe == "bf16" or NO_USAGE)
+            usage = kernel_usage(smoke or recipe == "bf16" or NO_USAGE, qkv, cu, max(lengths),
+                                 True, None, q.dtype, config=c)
             rec["usage"] = usage
             log(f"check D={D} {recipe:5s} {cfg_name(cfg):18s} {'PASS' if passed else 'FAIL'} "
                 f"rel {r:.3e} (ref {r_ref:.3e}) max {max_err:.3e} "
@@ -270,9 +270,10 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             log(f"{name} {label} ERROR {short(e)}")
             return None
 
-    qkv = quantize_qkv(q, k, v, cu, "fp8", True)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True)   # (the Triton kernel's)
     safe("quantize", lambda: rec("quantize", "fp8", "-", bench(
-        lambda: quantize_qkv(q, k, v, cu, "fp8", True), smoke), bytes=q.numel() * 3 + k.numel() * 7))
+        lambda: quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True), smoke),
+        bytes=q.numel() * 3 + k.numel() * 7))
     best = {}
     for recipe in [r for r in ("fp8", "bf16") if (D, r) in configs_by_key]:
         qkv_r = qkv if recipe == "fp8" else quantize_qkv(q, k, v, cu, "bf16", True)
@@ -284,9 +285,9 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             c = cfg or default_config(D, recipe != "bf16", q.device)
             sch = build_schedule(cu, T, c.block_m, c.block_n, True)
             fns[cfg_name(cfg)] = (cfg, functools.partial(
-                attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=cfg,
+                attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=c,
                 schedule=sch))
-        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order (quantize_qkv's old layout)
+        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order (the Gluon kernel's)
             c = default_config(D, True, q.device)
             qkv_tok = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
             fns["default-vt-token-order"] = (None, functools.partial(
@@ -311,16 +312,17 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             RESULTS["best"].setdefault(f"D{D}-{recipe}", {})[name] = cfg_name(cfg_best)
         # The user's call: schedule built inside, quantization included.
         if recipe == "fp8":
-            safe("quant+fwd", lambda: rec("quant+forward", recipe, cfg_name(cfg_best), bench(
-                lambda: attention_forward(quantize_qkv(q, k, v, cu, "fp8", True), cu, max(lengths),
-                                          True, None, q.dtype, config=cfg_best), smoke)))
             c = cfg_best or default_config(D, True, q.device)
+            safe("quant+fwd", lambda: rec("quant+forward", recipe, cfg_name(cfg_best), bench(
+                lambda: attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True),
+                                          cu, max(lengths), True, None, q.dtype, config=c), smoke)))
             safe("schedule", lambda: rec("schedule", "-", f"{c.block_m}x{c.block_n}", bench(
                 lambda: build_schedule(cu, T, c.block_m, c.block_n, True), smoke)))
         else:
+            c = cfg_best or default_config(D, False, q.device)
             safe("bf16 fwd+sched", lambda: rec("forward+sched", recipe, cfg_name(cfg_best), bench(
                 lambda: attention_forward(qkv_r, cu, max(lengths), True, None, q.dtype,
-                                          config=cfg_best), smoke)))
+                                          config=c), smoke)))
     if not smoke and len(set(lengths)) == 1:
         def run_sdpa():
             fn, how = sdpa_cudnn(q, k, v, lengths)

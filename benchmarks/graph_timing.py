@@ -2,7 +2,7 @@
 
     python benchmarks/graph_timing.py                                   # the train-check shape
     python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
-    python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1
+    python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8_mixed
     python benchmarks/graph_timing.py --workloads all --recipes fa4,cudnn,fp8  # x: against FA4
 
 Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a
@@ -30,7 +30,19 @@ import torch  # noqa: E402
 import flamia  # noqa: E402
 from flamia.bench.workloads import load_workloads, parse_docs, parse_heads, select  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
-from fwdbwd_ab import queued_ms  # noqa: E402  (calls queued back to back, CUDA events)
+
+
+def queued_ms(fn, reps):
+    """Milliseconds per call of `reps` calls queued back to back between two CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
 
 
 BASELINES = ("cudnn", "fa4")   # specs that are bf16 baselines, not flamia recipes
@@ -38,8 +50,7 @@ BASELINES = ("cudnn", "fa4")   # specs that are bf16 baselines, not flamia recip
 
 def make_step(spec, lengths, hq, hkv, D, forward_only=False, compiled=None):
     """The call of `spec`: a flamia recipe, cudnn or fa4, optionally with @NAME=VALUE (environment
-    variables set around every call, e.g. fp8@FLAMIA_PERSISTENT_FWD=all: an A/B in one process;
-    several: fp8@A=1@B=0).
+    variables set around every call, e.g. fp8@FLAMIA_CHECK_FINITE=0; several: fp8@A=1@B=0).
     compiled: a torch.compile mode: the flamia call under torch.compile(fullgraph=True)."""
     recipe, _, env = spec.partition("@")
     T = sum(lengths)

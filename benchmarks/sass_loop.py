@@ -1,15 +1,16 @@
-"""SASS of the Gluon backward kernels' main loop, counted by opcode, on a CPU-only machine.
+"""SASS of a kernel's main loop, counted by opcode, on a CPU-only machine.
 
     python benchmarks/sass_loop.py                          # dK/dV fp8, D=128, causal, default
     python benchmarks/sass_loop.py --kernel dq --D 64
     python benchmarks/sass_loop.py --kernel fwd             # the Triton forward (FwdConfig --set)
-    python benchmarks/sass_loop.py --set fold_sdo=True      # a GluonDkdvConfig field changed
+    python benchmarks/sass_loop.py --kernel fwd_gluon       # the persistent Gluon forward
+    python benchmarks/sass_loop.py --set stages=3           # a config field changed
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
     python benchmarks/sass_loop.py --common                 # histogram of the common path
     python benchmarks/sass_loop.py --lines                  # the common path per source line
 
-Compiles for sm_90a with the bundled ptxas (flamia.ops._interp: nothing runs), disassembles
-with the bundled cuobjdump, and takes the main loop (flamia.ops.sass.main_loop: the innermost
+Compiles for sm_90a with the bundled ptxas (benchmarks/tools/compile.py: nothing runs),
+disassembles with the bundled cuobjdump, and takes the main loop (tools.sass.main_loop: the innermost
 loop that issues wgmmas, the query-block loop of dK/dV, the kv loop of dQ and the forward's
 unmasked-tile loop). Prints the total, the loop's length and its "common path" (minus what a
 forward branch inside it can skip: what every tile issues, the count benchmarks/NOTES.md
@@ -27,12 +28,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.pop("TRITON_INTERPRET", None)     # compile for sm_90a, not the interpreter
 
-from flamia.ops import backward_gluon as G  # noqa: E402
-from flamia.ops import backward_gluon_mixed as M  # noqa: E402
-from flamia.ops._interp import resource_usage  # noqa: E402
-from flamia.ops.sass import (  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.tools import compile as tools  # noqa: E402
+from benchmarks.tools.sass import (  # noqa: E402
     by_source_line, common_path, local_memory_ops, main_loop, parse, sass_of,
 )
+from flamia.ops import backward_gluon as G  # noqa: E402
+from flamia.ops import backward_gluon_mixed as M  # noqa: E402
+
 
 def with_sets(cfg, sets: list[str]):
     """cfg with the --set field=value overrides (values as Python literals, cast to the field's
@@ -46,38 +50,45 @@ def with_sets(cfg, sets: list[str]):
 
 def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     """The Triton forward (_attn_fwd_kernel) as attention_forward launches it on the H200."""
-    import torch
-    from flamia.inputs import make_qkv
-    from flamia.ops._interp import compile_only
-    from flamia.ops.forward import attention_forward, default_config
-    from flamia.ops.quantize import quantize_qkv
-    q, k, v, cu = make_qkv((1024, 1024), 8, 2, D)
-    cfg = default_config(D, recipe != "bf16", torch.device("cuda"))
-    cfg = with_sets(cfg, sets)
-    with compile_only() as built:
-        qkv = quantize_qkv(q, k, v, cu, recipe, causal)     # outputs unwritten: compile only
-        attention_forward(qkv, cu, 1024, causal, None, torch.bfloat16, config=cfg)
-    return dict(built)["_attn_fwd_kernel"], cfg
+    from flamia.ops.config import triton_forward_config
+    from flamia.ops.forward import attention_forward
+    cfg = with_sets(triton_forward_config(D, recipe != "bf16", torch.device("cuda")), sets)
+    qkv = tools.fake_qkv(2048, 8, 2, D, recipe, vt_mma_order=True)
+    built = tools.build(attention_forward, qkv, tools.cu_seqlens([1024, 1024]), 1024, causal,
+                        None, torch.bfloat16, config=cfg)
+    return built["_attn_fwd_kernel"], cfg
+
+
+def build_forward_gluon(D: int, causal: bool, sets: list[str]):
+    """The persistent Gluon forward as attention_forward launches it on the H200 (D=128)."""
+    from flamia.ops.config import PersistentFwdConfig
+    from flamia.ops.forward_gluon import attention_forward_gluon
+    cfg = with_sets(PersistentFwdConfig(), sets)
+    built = tools.build(attention_forward_gluon, tools.fake_qkv(2048, 8, 2, D),
+                        tools.cu_seqlens([1024, 1024]), 1024, causal, None, torch.bfloat16,
+                        config=cfg)
+    return built["_attn_fwd_gluon_persistent_kernel"], cfg
 
 
 def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
     if kernel == "fwd":
         return build_forward(recipe, D, causal, sets)
-    mod = M if recipe == "fp8_mixed" else G
+    if kernel == "fwd_gluon":
+        return build_forward_gluon(D, causal, sets)
     if recipe == "fp8_mixed":
         cfg = M.default_mixed_dq_config(D) if kernel == "dq" else M.default_mixed_dkdv_config(D)
-        comp = M.compile_dq_sm90 if kernel == "dq" else M.compile_dkdv_sm90
+        launch = M.launch_dq_gluon_mixed if kernel == "dq" else M.launch_dkdv_gluon_mixed
     else:
         cfg = G.default_dq_config(D) if kernel == "dq" else G.default_gluon_config(D)
-        comp = G.compile_dq_sm90 if kernel == "dq" else G.compile_sm90
+        launch = G.launch_dq_gluon if kernel == "dq" else G.launch_dkdv_gluon
     cfg = with_sets(cfg, sets)
-    st = mod.fake_state(D, causal=causal)
-    return comp(st, cfg), cfg
+    built = tools.build(launch, tools.fake_state(D, causal=causal, recipe=recipe), cfg)
+    return next(v for n, v in built.items() if n.startswith(("_dkdv", "_dq"))), cfg
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", choices=("dkdv", "dq", "fwd"), default="dkdv")
+    ap.add_argument("--kernel", choices=("dkdv", "dq", "fwd", "fwd_gluon"), default="dkdv")
     ap.add_argument("--recipe", choices=("fp8", "fp8_mixed", "bf16"), default="fp8",
                     help="bf16: --kernel fwd only")
     ap.add_argument("--D", type=int, default=128)
@@ -94,7 +105,7 @@ def main():
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(sass)
-    usage = resource_usage(kern)
+    usage = tools.resource_usage(kern)
     instrs = parse(sass)
     loop = main_loop(instrs)
     common = common_path(loop)

@@ -79,10 +79,8 @@ def kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe: str, causal, softmax
     """(out, lse, qkv): quantize once and run the forward kernel; qkv is what the backward
     needs of the quantization (P3: nothing is quantized twice)."""
     quantize_qkv, attention_forward, _ = _kernel_entry_points()[0]
-    from .ops.forward import persistent_forward
-    # V^T in the key order of the forward kernel that will read it (attention_forward)
-    persistent = persistent_forward(q.shape[-1], recipe, q.device)
-    qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=not persistent)
+    # (V^T in the key order of the forward kernel this device runs: ops.config.vt_mma_order)
+    qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal)
     out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
     # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
     # so what waits for the backward is Hkv * D bytes per token smaller.

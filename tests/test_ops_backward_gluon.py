@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from _sm90 import compile_report
+from benchmarks.tools.compile import fake_state
 
 # Spill budget (bytes of spill stores per thread). Measured when written: D=128 180 (causal) /
 # 336 (not causal), D=64 0; the Triton fp8 dK/dV kernel spills ~384 B at D=128.
@@ -26,19 +27,26 @@ LADDER = {
 
 _SCRIPT = r"""
 import json, sys
+from benchmarks.tools.compile import build, fake_state, report as resource_report
 from flamia.ops import backward_gluon as G
+def _kernel(launch, st, cfg=None):
+    built = build(launch, st, cfg)
+    k = next(v for n, v in built.items() if n.startswith(("_dkdv", "_dq")))
+    r = resource_report(k)
+    r["setmaxnreg"] = max(r["partition_regs"]) if r["partition_regs"] else None
+    return k, r
 LADDER = %r
 out = []
 for D in (128, 64):
     for causal in (True, False):
-        st = G.fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True,
-                          lengths=[300, 0, 1, 723])
-        r = G.resource_report(G.compile_sm90(st))
+        st = fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True,
+                        lengths=[300, 0, 1, 723])
+        r = _kernel(G.launch_dkdv_gluon, st)[1]
         out.append(dict(D=D, causal=causal, config="default", **r))
 for name, kw in LADDER.items():
-    st = G.fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
+    st = fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
     cfg = G.GluonDkdvConfig(**{**G.plain_gluon_config(128).__dict__, **kw})
-    r = G.resource_report(G.compile_sm90(st, cfg))
+    r = _kernel(G.launch_dkdv_gluon, st, cfg)[1]
     out.append(dict(D=128, causal=True, config=name, **r))
 print("REPORT" + json.dumps(out))
 """ % (LADDER,)
@@ -78,7 +86,7 @@ def test_compiles_for_sm90a(report, D, causal):
 
 def test_rejects_other_recipes():
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1)
     st.recipe = 1
     with pytest.raises(ValueError):
         G.launch_dkdv_gluon(st)
@@ -99,7 +107,7 @@ def test_padded_vectors_layout():
     import torch
     from flamia.ops import backward_gluon as G
     lengths = [300, 0, 1, 777, 1024, 45]
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=lengths)
+    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=lengths)
     g = torch.Generator().manual_seed(0)
     for x in (st.lse, st.delta, st.sq, st.sdo):
         x.copy_(torch.randn(x.shape, generator=g))
@@ -133,19 +141,26 @@ DQ_LADDER = {
 
 _DQ_SCRIPT = r"""
 import json
+from benchmarks.tools.compile import build, fake_state, report as resource_report
 from flamia.ops import backward_gluon as G
+def _kernel(launch, st, cfg=None):
+    built = build(launch, st, cfg)
+    k = next(v for n, v in built.items() if n.startswith(("_dkdv", "_dq")))
+    r = resource_report(k)
+    r["setmaxnreg"] = max(r["partition_regs"]) if r["partition_regs"] else None
+    return k, r
 LADDER = %r
 out = []
 for D in (128, 64):
     for causal in (True, False):
-        st = G.fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True,
-                          lengths=[300, 0, 1, 723])
-        r = G.resource_report(G.compile_dq_sm90(st))
+        st = fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True,
+                        lengths=[300, 0, 1, 723])
+        r = _kernel(G.launch_dq_gluon, st)[1]
         out.append(dict(D=D, causal=causal, config="default", **r))
 for name, kw in LADDER.items():
-    st = G.fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
+    st = fake_state(128, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
     cfg = G.GluonDqConfig(**{**G.plain_dq_config(128).__dict__, **kw})
-    r = G.resource_report(G.compile_dq_sm90(st, cfg))
+    r = _kernel(G.launch_dq_gluon, st, cfg)[1]
     out.append(dict(D=128, causal=True, config=name, **r))
 print("REPORT" + json.dumps(out))
 """ % (DQ_LADDER,)
@@ -189,7 +204,7 @@ def test_dq_ladder_configs_compile(dq_report, name):
 
 def test_dq_rejects_other_recipes_and_configs():
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1)
     with pytest.raises(ValueError):
         G.launch_dq_gluon(st, G.GluonDqConfig(bm=128, num_warps=4))   # BM != 16 * warps
     st.recipe = 1
@@ -203,7 +218,7 @@ def test_padded_kv_vectors_layout():
     import torch
     from flamia.ops import backward_gluon as G
     lengths = [300, 0, 1, 777, 1024, 45]
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=lengths)
+    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=lengths)
     g = torch.Generator().manual_seed(0)
     for x in (st.sk, st.sv):
         x.copy_(torch.randn(x.shape, generator=g))
@@ -247,16 +262,24 @@ VARIANTS = {
 
 _VAR_SCRIPT = r"""
 import json
+from benchmarks.tools.compile import build, fake_state, report as resource_report
 from flamia.ops import backward_gluon as G
+def _kernel(launch, st, cfg=None):
+    built = build(launch, st, cfg)
+    k = next(v for n, v in built.items() if n.startswith(("_dkdv", "_dq")))
+    r = resource_report(k)
+    r["setmaxnreg"] = max(r["partition_regs"]) if r["partition_regs"] else None
+    return k, r
 VARIANTS = %r
 out = {}
 for name, (kern, D, kw, _) in VARIANTS.items():
-    st = G.fake_state(D, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
+    st = fake_state(D, T=1024, Hq=8, Hkv=2, causal=True, rotate=True, lengths=[300, 0, 1, 723])
     if kern == "dq":
-        k = G.compile_dq_sm90(st, G.GluonDqConfig(**{**G.plain_dq_config(D).__dict__, **kw}))
+        k, r = _kernel(G.launch_dq_gluon, st,
+                       G.GluonDqConfig(**{**G.plain_dq_config(D).__dict__, **kw}))
     else:
-        k = G.compile_sm90(st, G.GluonDkdvConfig(**{**G.plain_gluon_config(D).__dict__, **kw}))
-    r = G.resource_report(k)
+        k, r = _kernel(G.launch_dkdv_gluon, st,
+                       G.GluonDkdvConfig(**{**G.plain_gluon_config(D).__dict__, **kw}))
     r["ws_partition"] = "setmaxnreg" in k.asm["ptx"]
     r["maxnreg_directive"] = ".maxnreg" in k.asm["ptx"]
     out[name] = r
@@ -298,7 +321,7 @@ def test_variants_compile_for_sm90a(variant_report, name):
 
 def test_variant_routing_and_validation():
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1)
     # dK/dV: no overlap schedule and no launch register cap; ws (constexpr WS) for two
     # consumer warpgroups only
     kw = G._args(st, G.plain_gluon_config(64))[2]
@@ -310,7 +333,7 @@ def test_variant_routing_and_validation():
     kw = G._args(st, G.default_gluon_config(64))[2]
     assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"]) == \
         (True, 128, 8, True, False)
-    st128 = G.fake_state(128, T=64, Hq=2, Hkv=1)
+    st128 = fake_state(128, T=64, Hq=2, Hkv=1)
     kw = G._args(st128, G.default_gluon_config(128))[2]
     assert (kw["WS"], kw["BN"], kw["num_warps"], kw["FOLD"], kw["SHARED_MASK"],
             kw["THR_MASK"], kw["LATE_DV"]) == (False, 64, 4, True, False, True, True)
@@ -383,7 +406,7 @@ def test_fold_sdo_vectors():
     want = torch.exp2(x - lse[:, :45] * G.LOG2E) * sdo[:, :45]
     got = torch.exp2(x - f[:, :45])
     torch.testing.assert_close(got, want, rtol=2e-5, atol=0)
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1)
     assert G._args(st, G.GluonDkdvConfig(fold_sdo=True))[2]["FOLD"] is True
     assert G._args(st, G.GluonDkdvConfig())[2]["FOLD"] is False
     with pytest.raises(ValueError, match="fold_sdo"):
@@ -402,7 +425,7 @@ def test_pack_vectors_layout():
     for h in range(3):
         for r in range(4):
             assert torch.equal(packed[4 * h + r], vecs[r][h])
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1)
     with pytest.raises(ValueError, match="pack_vecs"):
         G._args(st, G.GluonDkdvConfig(pack_vecs=True, vec_tma=False))
 

@@ -32,13 +32,16 @@ DQ_LADDER = {
 _SCRIPT = r"""
 import json
 import re
+from benchmarks.tools.compile import build, fake_state, report
 from flamia.ops import backward_gluon_mixed as M
 DKDV_LADDER, DQ_LADDER = %r, %r
 out = []
 def rep(kernel, D, causal, name, cfg):
-    st = M.fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True, lengths=[300, 0, 1, 723])
-    k = (M.compile_dkdv_sm90 if kernel == "dkdv" else M.compile_dq_sm90)(st, cfg)
-    r = M.resource_report(k)
+    st = fake_state(D, T=1024, Hq=8, Hkv=2, causal=causal, rotate=True, lengths=[300, 0, 1, 723],
+                    recipe="fp8_mixed")
+    launch = M.launch_dkdv_gluon_mixed if kernel == "dkdv" else M.launch_dq_gluon_mixed
+    k = next(v for n, v in build(launch, st, cfg).items() if "mixed" in n)
+    r = report(k)
     ptx = k.asm["ptx"]
     # bf16 wgmma with A from registers: "..., scale-d, imm-scale-a, imm-scale-b, imm-tnsp-b;"
     r["bf16_reg_a_tnsp_b"] = sorted(set(re.findall(
@@ -120,7 +123,7 @@ def test_dq_ladder_compiles(report, name):
 
 
 def test_module_imports_and_rejects_other_recipes():
-    from flamia.ops import backward_gluon as G
+    from benchmarks.tools.compile import fake_state
     from flamia.ops import backward_gluon_mixed as M
     assert M.default_mixed_dkdv_config(128).bm == 64 and not M.default_mixed_dq_config(128).carry
     # D=128: query indices only inside the masked branches (measured 14 % faster, bitwise equal)
@@ -128,15 +131,15 @@ def test_module_imports_and_rejects_other_recipes():
     assert not M.default_mixed_dkdv_config(64).lazy_cols
     # q8's bf16 copy converted unmasked, rows past the document end zeroed on tail tiles only
     assert M.default_mixed_dkdv_config(128).tail_zero and M.default_mixed_dkdv_config(64).tail_zero
-    st = G.fake_state(128, T=64, Hq=2, Hkv=1, recipe="fp8_mixed")
+    st = fake_state(128, T=64, Hq=2, Hkv=1, recipe="fp8_mixed")
     kw = M._dkdv_args(st, M.default_mixed_dkdv_config(128))[2]
     assert kw["TAIL_ZERO"] and kw["LAZY"]
-    st = G.fake_state(64, T=64, Hq=2, Hkv=1)          # recipe fp8
+    st = fake_state(64, T=64, Hq=2, Hkv=1)          # recipe fp8
     with pytest.raises((ValueError, RuntimeError)):
         M.launch_dkdv_gluon_mixed(st)
     with pytest.raises((ValueError, RuntimeError)):
         M.launch_dq_gluon_mixed(st)
-    st = M.fake_state(64, T=64, Hq=2, Hkv=1)
+    st = fake_state(64, T=64, Hq=2, Hkv=1, recipe="fp8_mixed")
     with pytest.raises((ValueError, RuntimeError)):
         M.launch_dq_gluon_mixed(st, M.MixedDqConfig(bm=128, num_warps=4))   # BM != 16 * warps
 
@@ -145,8 +148,9 @@ def test_mixed_operands_are_exact():
     """bf16 V / K copies hold the e4m3 values exactly; bf16 dO is passed through; fp32 dO is
     rounded like backward._bf16_op."""
     import torch
+    from benchmarks.tools.compile import fake_state
     from flamia.ops import backward_gluon_mixed as M
-    st = M.fake_state(64, T=96, Hq=4, Hkv=2, lengths=[40, 56])
+    st = fake_state(64, T=96, Hq=4, Hkv=2, lengths=[40, 56], recipe="fp8_mixed")
     g = torch.Generator().manual_seed(0)
     for x in (st.v8, st.k8):
         x.copy_((torch.randn(x.shape, generator=g) * 40).to(x.dtype))

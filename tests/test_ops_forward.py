@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from flamia import reference  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
-from flamia.ops.forward import FwdConfig, attention_forward  # noqa: E402
+from flamia.ops.config import FwdConfig  # noqa: E402
+from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 from flamia.ops.schedule import build_schedule  # noqa: E402
@@ -207,9 +208,9 @@ def test_forward_vt8_mma_order_is_the_token_order_result(cfg):
     assert (o1.float() - o0.float()).abs().max() <= 2 ** -7 * o0.float().abs().max()
 
 
-def test_forward_fp16_inputs_and_natural_v():
+def test_forward_fp16_inputs():
     q, k, v, cu = make_qkv(LENGTHS, 2, 1, 64, "outliers", seed=3, dtype=torch.float16)
-    _check_forward(q, k, v, cu, "fp8", True, CFG_TMA.with_(v_kmajor=False), "outliers")
+    _check_forward(q, k, v, cu, "fp8", True, CFG_TMA, "outliers")
     _check_forward(q, k, v, cu, "bf16", True, CFG_PTR, "outliers")
 
 
@@ -276,23 +277,24 @@ def test_audit_catches_a_leaky_vcap():
 
 _COMPILE_SCRIPT = textwrap.dedent("""
     import torch
-    from flamia.ops._interp import compile_only, resource_usage
-    from flamia.ops.sass import local_memory_ops, main_loop, parse, sass_of
-    from flamia.ops.forward import attention_forward, default_config
+    from benchmarks.tools.compile import compile_only, resource_usage
+    from benchmarks.tools.sass import local_memory_ops, main_loop, parse, sass_of
+    from flamia.ops.config import triton_forward_config
+    from flamia.ops.forward import attention_forward
     from flamia.ops.quantize import quantize_qkv
     from flamia.inputs import make_qkv
     for D in (64, 128):
         q, k, v, cu = make_qkv((200, 56), 4, 2, D)
         for recipe in ("fp8", "bf16"):
             with compile_only() as built:   # outputs unwritten: compile only
-                x = quantize_qkv(q, k, v, cu, recipe, True)
-                cfg = default_config(D, recipe == "fp8", torch.device("cuda"))
+                x = quantize_qkv(q, k, v, cu, recipe, True, vt_mma_order=True)
+                cfg = triton_forward_config(D, recipe == "fp8", torch.device("cuda"))
                 attention_forward(x, cu, 200, True, None, torch.bfloat16, config=cfg)
             for name, kern in built:
                 u = resource_usage(kern)
                 print(D, recipe, name, u)
                 # the D=64 FP8 forward's register cap, measured faster on the H200
-                # (default_config), spills, but not in the unmasked-tile loop (main_loop: there
+                # (triton_forward_config), spills, but not in the unmasked-tile loop (main_loop: there
                 # every tile would pay; the masked diagonal / document-end tiles are one or two
                 # per block)
                 capped = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
@@ -349,32 +351,26 @@ def _fake_capability(monkeypatch, cap):
 
 
 def test_persistent_forward_rule(monkeypatch):
-    """Which batches the persistent Gluon forward takes: fp8 recipes at D=128, any document
+    """Which calls the persistent Gluon forward takes: fp8 recipes at D=128, any document
     lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the Triton kernel
-    / reference run), unless FLAMIA_PERSISTENT_FWD=0."""
-    from flamia.ops import forward as F
+    / reference run); quantize_qkv's V^T order follows the kernel (token order for it)."""
+    from flamia.ops import config as C
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _fake_capability(monkeypatch, (9, 0))
-    ok = F.persistent_forward(128, "fp8", cuda)
-    try:
-        from flamia.ops import forward_gluon as G
-        assert ok == G.HAVE_GLUON
-    except ImportError:
-        assert not ok
-    assert F.persistent_forward(128, get_recipe("fp8_mixed"), cuda) == ok
+    ok = C.uses_persistent_forward(128, "fp8", cuda)
+    assert ok == C.HAVE_GLUON
+    assert C.uses_persistent_forward(128, get_recipe("fp8_mixed"), cuda) == ok
+    assert isinstance(C.forward_config(128, "fp8", cuda), C.PersistentFwdConfig) == ok
+    assert C.vt_mma_order(128, "fp8", cuda) == (not ok)
     for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):
-        assert not F.persistent_forward(*args, cuda), args
-    assert not F.persistent_forward(128, "fp8", torch.device("cpu"))
+        assert not C.uses_persistent_forward(*args, cuda), args
+        assert isinstance(C.forward_config(*args, cuda), C.FwdConfig)
+        assert C.vt_mma_order(*args, cuda)
+    assert not C.uses_persistent_forward(128, "fp8", torch.device("cpu"))
     _fake_capability(monkeypatch, (10, 0))
-    assert not F.persistent_forward(128, "fp8", cuda)
+    assert not C.uses_persistent_forward(128, "fp8", cuda)
     _fake_capability(monkeypatch, (9, 0))
-    monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "0")
-    assert not F.persistent_forward(128, "fp8", cuda)
-    monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "all")     # D=64 too (A/Bs)
-    assert F.persistent_forward(64, "fp8", cuda) == ok
-    assert not F.persistent_forward(64, "bf16", cuda) and not F.persistent_forward(256, "fp8", cuda)
-    monkeypatch.setenv("FLAMIA_PERSISTENT_FWD", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not F.persistent_forward(128, "fp8", cuda)
+    assert not C.uses_persistent_forward(128, "fp8", cuda)

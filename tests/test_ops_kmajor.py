@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.tools.compile import fake_state
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
 from flamia.ops.kmajor import (kmajor_copies, kmajor_copy, kmajor_layout, mma_key_order_host,
@@ -141,7 +142,7 @@ def test_padded_rows_bitwise_equal_torch_gathers(lengths):
     """kmajor.padded_rows (one Triton launch) == backward_gluon.padded_vectors /
     padded_kv_vectors (torch index_select + masked_fill), bitwise, pads included (lse +inf)."""
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
     g = torch.Generator().manual_seed(0)
     for x in (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv):
         x.copy_(torch.randn(x.shape, generator=g))
@@ -164,7 +165,7 @@ def test_packed_query_vectors_one_launch_equal_torch(lengths, fold):
     folded with fold_sdo) by one Triton launch == the torch ops (padded_vectors, fold_sdo,
     pack_vectors), bitwise: pads (+inf), zero sdo (-> +inf), NaN sdo, -inf lse included."""
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
     g = torch.Generator().manual_seed(1)
     for x in (st.lse, st.delta, st.sq):
         x.copy_(torch.randn(x.shape, generator=g) * 30)
@@ -196,7 +197,7 @@ def test_copies_and_rows_in_one_launch_equal_the_separate_launches(lengths):
     and the dQ kernel's key vectors."""
     from flamia.ops import backward_gluon as G
     from flamia.ops.kmajor import kmajor_copies_and_rows, padded_rows_two
-    st = G.fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
+    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
     g = torch.Generator().manual_seed(2)
     for x in (st.lse, st.delta, st.sq, st.sk, st.sv):
         x.copy_(torch.randn(x.shape, generator=g) * 30)
@@ -225,7 +226,7 @@ def test_dkdv_launcher_takes_the_vectors_preprocess_gathered():
     (state.query_vecs, tagged with the fold_sdo they were folded for): the dK/dV launcher uses
     them for a config with that fold_sdo and gathers its own otherwise."""
     from flamia.ops import backward_gluon as G
-    st = G.fake_state(64, T=40, Hq=4, Hkv=2, lengths=[33, 7])
+    st = fake_state(64, T=40, Hq=4, Hkv=2, lengths=[33, 7])
     for x in (st.lse, st.delta, st.sq, st.sk, st.sv):
         x.copy_(torch.randn(x.shape))
     st.sdo.copy_(torch.exp2(torch.randint(-8, 8, st.sdo.shape).float()))

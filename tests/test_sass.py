@@ -1,7 +1,7 @@
-"""flamia.ops.sass on a hand-written SASS listing (no compiler needed): the main loop is the
+"""benchmarks/tools/sass.py on a hand-written SASS listing (no compiler needed): the main loop is the
 shortest backward-branch span holding a GMMA, never a span through the kernel's EXIT (ptxas puts
 an mbarrier wait's retry path after EXIT and branches back into the loop from there)."""
-from flamia.ops.sass import common_path, local_memory_ops, main_loop, parse
+from benchmarks.tools.sass import common_path, local_memory_ops, main_loop, parse
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

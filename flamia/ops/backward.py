@@ -48,7 +48,7 @@ Tiles are aligned to document starts (cu_seqlens): no tile ever reads another do
 tokens (P2 by construction); rows past a document's end load lse = +inf so their P is exactly 0.
 
 Under the Triton interpreter (CPU tests) two things differ from the GPU and are handled here:
-float casts go through flamia.ops._interp (torch rounding, as the hardware does), and bf16
+float casts go through flamia.ops.interpreter (torch rounding, as the hardware does), and bf16
 tl.dot (the interpreter multiplies bf16 as raw uint16) runs on bf16-valued fp32 operands.
 
 Memory beyond what the forward saved: do8 + doT8 (2 bytes per element of dO), qT8 + kT8 (fp8
@@ -76,8 +76,8 @@ except ImportError:   # pragma: no cover - older triton
     TensorDescriptor = None
 
 if interpreting():
-    from . import _interp
-    _interp.install()
+    from . import interpreter
+    interpreter.install()
 
 RECIPE_IDS = {"fp8": 0, "fp8_mixed": 1, "bf16": 2}
 LOG2E = 1.4426950408889634

@@ -88,8 +88,8 @@ except ImportError:   # pragma: no cover
 
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
 
-if HAVE_GLUON:   # the persistent forward's work-list reader, shared by the persistent dQ
-    from .forward_gluon import _pers_meta
+if HAVE_GLUON:   # the persistent kernels' work-list reader
+    from .schedule import work_item
 
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
@@ -1251,8 +1251,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_item(ITEMS, N_ITEMS, HQ, GROUP, W, w, pcu):
-        """forward_gluon._pers_meta of work index w plus the document's padded start."""
-        doc, head, hk, start, L, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w)
+        """schedule.work_item of work index w plus the document's padded start."""
+        doc, head, hk, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w)
         pstart = gl.load(pcu + doc, mask=doc >= 0, other=0)
         return doc, head, hk, start, L, blk, pstart
 
@@ -1317,14 +1317,14 @@ if HAVE_GLUON:
         G = gl.num_programs(0)
         g = 0
         it = 0
-        doc, h, hk, start, L_doc, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W,
+        doc, h, hk, start, L_doc, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W,
                                                    gl.program_id(0))
         m_idx, m_ok, lse2, rowf, dl_i, f = _dq_item_rows(lse, sq, delta, sdo, h, T, start, blk,
                                                          L_doc, sm_scale, qk_scale2, BM, ROW)
         for w in range(gl.program_id(0), W, G):
             c_doc, c_h, c_hk, c_start, c_L, c_blk = doc, h, hk, start, L_doc, blk
             c_m_idx, c_m_ok, c_lse2, c_rowf, c_dl, c_f = m_idx, m_ok, lse2, rowf, dl_i, f
-            doc, h, hk, start, L_doc, blk = _pers_meta(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
+            doc, h, hk, start, L_doc, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
             if c_doc >= 0:
                 mask_from, shift, total = _dq_bounds(c_blk * BM, c_L, BM, BN, CAUSAL)
                 acc0 = gl.zeros([BM, CH], gl.float32, L)
@@ -1845,73 +1845,3 @@ def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs)
     _dq_kernel(cfg)[grid](*args, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------
-# Compile without a GPU (sm_90a), for the CPU smoke test and the resource report
-# ----------------------------------------------------------------------------------------------
-
-def compile_sm90(st, config: GluonDkdvConfig | None = None):
-    """Compile the kernel for `st` (CPU tensors are fine: nothing runs) for sm_90a; returns the
-    triton CompiledKernel (asm['ptx'], metadata.shared). Needs TRITON_INTERPRET unset."""
-    cfg = config or default_gluon_config(st.D)
-    _, args, kwargs = _args(st, cfg, vecs="torch")   # (the gather itself runs nowhere here)
-    return _compile_sm90(_dkdv_fp8_kernel, args, kwargs)
-
-
-def compile_dq_sm90(st, config: GluonDqConfig | None = None):
-    """compile_sm90 for the dQ kernel."""
-    cfg = config or default_dq_config(st.D)
-    _, args, kwargs = _dq_args(st, cfg, vecs="torch")
-    return _compile_sm90(_dq_kernel(cfg), args, kwargs)
-
-
-def _compile_sm90(fn, args, kwargs):
-    from ._interp import compile_for
-    return compile_for(fn, args, kwargs)
-
-
-def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
-               rotate: bool = True, lengths=None, grad_dtype=None, recipe: str = "fp8"):
-    """A CPU BwdState of `recipe` with the real shapes / dtypes (zeros) for compile-only use."""
-    from . import backward as B
-    from .layout import QuantizedQKV
-    f8 = torch.float8_e4m3fn
-    z = lambda *s: torch.zeros(*s, dtype=f8)           # noqa: E731
-    qkv = QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
-                       torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T), rotated=rotate)
-    lengths = lengths or [T]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-    dout = torch.zeros(T, Hq, D, dtype=torch.bfloat16)
-    st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu, max(lengths), causal,
-                      grad_dtype=grad_dtype)
-    st.interp = False
-    return st
-
-
-PTX_COUNTS = {
-    "wgmma": r"wgmma\.mma_async",
-    "wait": r"wgmma\.wait_group",
-    "bar": r"\bbar\.sync|barrier\.sync",
-    "ex2": r"ex2\.approx",
-    "cvt_e4m3": r"cvt\.rn\.satfinite\.e4m3x2",
-    "tma": r"cp\.async\.bulk\.tensor",
-    "tma_1d": r"cp\.async\.bulk\.tensor\.1d",     # none: 1-D boxes were the first run's crash
-    "shfl": r"shfl\.sync",
-    "ld_local": r"ld\.local",
-}
-
-
-def resource_report(kern) -> dict:
-    """regs / spills / C7515 (ptxas -v on the PTX), shared bytes, PTX instruction counts."""
-    import re
-
-    from ._interp import resource_usage
-    u = resource_usage(kern)
-    ptx = kern.asm["ptx"]
-    u.update({k: len(re.findall(p, ptx)) for k, p in PTX_COUNTS.items()})
-    # warp-specialized kernels: ptxas' count is the launch cap (maxnreg); the partitions
-    # setmaxnreg up / down from it (the consumer's budget is the largest .inc)
-    inc = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
-    u["setmaxnreg"] = max(inc) if inc else None
-    return u

@@ -622,38 +622,3 @@ def launch_dq_gluon_mixed(st, config: MixedDqConfig | None = None, vecs=None, op
         return
     grid, args, kwargs = _dq_args(st, cfg, vecs, ops)
     _dq_mixed_kernel[grid](*args, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------
-# Compile without a GPU (sm_90a)
-# ----------------------------------------------------------------------------------------------
-
-def compile_dkdv_sm90(st, config: MixedDkdvConfig | None = None):
-    cfg = config or default_mixed_dkdv_config(st.D)
-    _, args, kwargs = _dkdv_args(st, cfg)
-    return G._compile_sm90(_dkdv_mixed_kernel, args, kwargs)
-
-
-def compile_dq_sm90(st, config: MixedDqConfig | None = None):
-    cfg = config or default_mixed_dq_config(st.D)
-    _, args, kwargs = _dq_args(st, cfg)
-    return G._compile_sm90(_dq_mixed_kernel, args, kwargs)
-
-
-def fake_state(D: int, **kw):
-    """backward_gluon.fake_state for the fp8_mixed recipe (compile-only BwdState)."""
-    return G.fake_state(D, recipe="fp8_mixed", **kw)
-
-
-PTX_COUNTS = dict(G.PTX_COUNTS, wgmma_bf16=r"wgmma\.mma_async\S*\.bf16\.bf16",
-                  wgmma_e4m3=r"wgmma\.mma_async\S*\.e4m3\.e4m3")
-
-
-def resource_report(kern) -> dict:
-    """G.resource_report plus wgmma counts by operand type."""
-    import re
-    u = G.resource_report(kern)
-    ptx = kern.asm["ptx"]
-    for k in ("wgmma_bf16", "wgmma_e4m3"):
-        u[k] = len(re.findall(PTX_COUNTS[k], ptx))
-    return u

@@ -23,15 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import config, interpreting
 from .kmajor import _check_copy, _copy_columns
 from .layout import QuantizedQKV
 from ..quant import hadamard
 from ..recipes import Recipe, get_recipe
 
 if interpreting():
-    from . import _interp
-    _interp.install()
+    from . import interpreter
+    interpreter.install()
 
 E4M3_MAX = 448.0
 T_ALIGN = 16          # vt8's token stride is a multiple of 16 bytes (TMA descriptor rule)
@@ -113,12 +113,6 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _vcap_kernel(SV, VCAP, CU, T, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
-    """vcap[h, i] = max(sv[h, j] for j in the document of i, j <= i if causal)."""
-    _vcap_doc(SV, VCAP, CU, T, tl.program_id(0), tl.program_id(1), CAUSAL, BLOCK)
-
-
-@triton.jit
 def _vt_vcap_kernel(V8, VT8, SV, VCAP, CU, T, Tp, stride_t, HKV, N_COL_BLOCKS, N_DOCS,
                     D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
                     CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -176,17 +170,18 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
-                 vt_mma_order: bool = True,
+def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | None = None,
                  block_t: int | None = None, sub: int | None = None, num_warps: int = 4,
                  poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 / fp8_mixed: rotated, per-(token, head) e4m3 values and fp32 power-of-two scales, vt8
-    (write_vt; in wgmma order within 16-token groups unless vt_mma_order=False: flamia.ops.kmajor)
-    and vcap. bf16: the inputs themselves (bf16; fp16 inputs are rounded to bf16 as
-    the reference does), no scales. block_t / sub / num_warps: tuning knobs (tokens per block,
-    blocks per program). poison=True fills outputs with NaN first (tests: every element written).
+    and vcap. vt8's columns are in wgmma key order within 16-token groups (flamia.ops.kmajor)
+    or in token order (vt_mma_order=False); None: the order of the forward kernel this device
+    runs (config.vt_mma_order). bf16: the inputs themselves (bf16; fp16 inputs are rounded to
+    bf16 as the reference does), no scales. block_t / sub / num_warps: launch tiling (tokens per
+    block, blocks per program; the values do not depend on them). poison=True fills outputs
+    with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
     T, Hq, D = q.shape
@@ -202,6 +197,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
         raise ValueError(f"head dim {D} not supported by the quantize kernel")
     q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
     dev = q.device
+    if vt_mma_order is None:
+        vt_mma_order = config.vt_mma_order(D, rec.name, dev)
     fill = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
         (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
     f8 = torch.float8_e4m3fn
@@ -209,12 +206,10 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
     sq, sk, sv = fill((Hq, T), torch.float32), fill((Hkv, T), torch.float32), fill((Hkv, T), torch.float32)
     vcap = fill((Hkv, T), torch.float32)
     t_pad = triton.cdiv(max(T, 1), T_ALIGN) * T_ALIGN
-    vt8 = None
-    if write_vt:
-        vt8 = fill((Hkv, D, t_pad), f8)    # kmajor_copy writes every column (zeros past T)
+    vt8 = fill((Hkv, D, t_pad), f8)    # the copy writes every column (zeros past T)
     if T == 0:
         return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8,
-                            vt8_mma_order=vt8 is not None and vt_mma_order)
+                            vt8_mma_order=vt_mma_order)
     rotate = bool(rec.rotate_qk)
     had = _hadamard_signs(D, q.dtype, dev) if rotate else q   # placeholder pointer when unused
     if block_t is None:
@@ -228,21 +223,18 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, write_vt: bool = True,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         T, Hq, Hkv, 1.0 / math.sqrt(D),
         D=D, BLOCK_T=block_t, SUB=sub, ROTATE=rotate, num_warps=num_warps)
-    if vt8 is not None:
-        # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
-        # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor),
-        # with vcap in the same launch
-        _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal, vt_mma_order)
-    else:
-        compute_vcap(sv, cu_seqlens, causal, out=vcap)
+    # The K-major V copy, from the bytes just stored (an in-kernel transposed store of freshly
+    # converted fp8 values is miscompiled by Triton 3.6 on sm_90; see flamia.ops.kmajor), with
+    # vcap in the same launch
+    _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal, vt_mma_order)
     return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rotate, vt8=vt8,
-                        vt8_mma_order=vt8 is not None and vt_mma_order)
+                        vt8_mma_order=vt_mma_order)
 
 
 def _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal: bool, mma_order: bool,
                  block_c: int = 64) -> None:
-    """kmajor_copy(v8, vt8, mma_order=mma_order) and compute_vcap(sv, ..., out=vcap) in one
-    launch: the same bytes and values as the two (tests/test_ops_forward.py)."""
+    """vt8 = kmajor_copy(v8, mma_order=mma_order) and vcap = the causal (or whole-document)
+    prefix max of sv inside each document, in one launch."""
     _check_copy(v8, vt8, mma_order)
     T, Hkv, D = v8.shape
     Tp = vt8.shape[2]
@@ -260,16 +252,3 @@ def _vcap_block() -> int:
     """Tokens per step of vcap's scan (_vcap_doc)."""
     return 64 if interpreting() else 1024
 
-
-def compute_vcap(sv: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal (or whole-document) prefix max of sv (Hkv, T) inside each document."""
-    Hkv, T = sv.shape
-    n_docs = cu_seqlens.numel() - 1
-    if out is None:
-        out = torch.empty_like(sv)
-    if T == 0 or n_docs <= 0:
-        return out
-    _vcap_kernel[(n_docs, Hkv)](sv, out, cu_seqlens, T, CAUSAL=bool(causal),
-                                BLOCK=_vcap_block(), num_warps=4)
-    return out

@@ -13,12 +13,16 @@ tail of the list holds doc = -1 items that exit at once. `max_seqlen` is not nee
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import sm_count
+from .gluon_common import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
 
 _MEMO_ATTR = "_flamia_memo"
 
@@ -31,10 +35,8 @@ def per_cu_seqlens(cu_seqlens: torch.Tensor, key, build):
 
     The memo lives and dies with the tensor, and is dropped when the tensor's version counter
     moves (any in-place change through autograd-visible ops). Bytes changed behind PyTorch's
-    back (`.data`, numpy views, CUDA kernels of other libraries) are not seen: such callers set
-    FLAMIA_MEMO=0. Results must be treated as read-only."""
-    if os.environ.get("FLAMIA_MEMO", "1") == "0":
-        return build()
+    back (`.data`, numpy views, CUDA kernels of other libraries) are not seen: a caller that
+    changes cu_seqlens that way passes a new tensor. Results must be treated as read-only."""
     version = cu_seqlens._version
     memo = getattr(cu_seqlens, _MEMO_ATTR, None)
     if memo is None or memo[0] != version:
@@ -114,3 +116,21 @@ def persistent_grid(n_work: int, ctas_per_sm: int, device: torch.device) -> tupl
     at least one). On a CPU (compile-only builds) the H200's 132 SMs."""
     n_sm = sm_count(device) if device.type == "cuda" else 132
     return (max(1, min(n_work, ctas_per_sm * n_sm)),)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w):
+        """(doc, head, kv head, first token, length, query block) of work index w = item * HQ +
+        head of a persistent kernel, straight from the work list (no dependent cu_seqlens load);
+        doc < 0 for a padding item or w >= W. The loads are independent: issued one item ahead,
+        they arrive while the current item computes."""
+        ok = w < W
+        head = w % HQ
+        item = w // HQ
+        doc = gl.load(ITEMS + item, mask=ok, other=-1)
+        blk = gl.load(ITEMS + N_ITEMS + item, mask=ok, other=0)
+        start = gl.load(ITEMS + 2 * N_ITEMS + item, mask=ok, other=0)
+        L = gl.load(ITEMS + 3 * N_ITEMS + item, mask=ok, other=0)
+        return doc, head, head // GROUP, start, L, blk

@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
-from flamia.ops.forward import FwdConfig, attention_forward, default_config  # noqa: E402
+from flamia.ops.config import FwdConfig, triton_forward_config  # noqa: E402
+from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
@@ -43,7 +44,6 @@ CONFIGS = {     # the same shapes as benchmarks/fwd_dev.py sweeps (shares triton
     "default": None,
     "128x128": FwdConfig(128, 128, 8, 2),
     "64x64r168": FwdConfig(64, 64, 4, 2, maxnreg=168),
-    "v_nmajor": FwdConfig(64, 128, 4, 2, v_kmajor=False),
     "ptr": FwdConfig(64, 128, 4, 2, use_tma=False),
 }
 
@@ -107,7 +107,7 @@ def _check(out, lse, emul, emul_lse, exact):
 @pytest.mark.parametrize("family", ["mild", "outliers"])
 def test_quantize_matches_reference(D, family):
     q, k, v, cu = make_qkv(WORKLOADS["longtail8k"], HQ, HKV, D, family, device=DEV, seed=D)
-    qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True, vt_mma_order=True)
     H = R.hadamard(D, torch.float32, DEV)
     for name, x8, s, x, rot in (("q", qkv.q8, qkv.sq, q, True), ("k", qkv.k8, qkv.sk, k, True),
                                 ("v", qkv.v8, qkv.sv, v, False)):
@@ -154,7 +154,7 @@ def test_forward_matches_reference(workload, D, recipe):
     emul, emul_lse, exact = _references(q, k, v, cu, recipe)
     qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True)
     for name, cfg in CONFIGS.items():
-        if recipe == "bf16" and name in ("v_nmajor", "64x64r168"):
+        if recipe == "bf16" and name == "64x64r168":
             continue
         out, lse = attention_forward(qkv, cu, max(WORKLOADS[workload]), True, None, q.dtype,
                                      config=cfg, poison=True)
@@ -186,7 +186,7 @@ def test_prefix_invariance_and_document_isolation(recipe):
 
 
 def test_default_config_is_what_runs():
-    cfg = default_config(128, True, torch.device(DEV))
+    cfg = triton_forward_config(128, True, torch.device(DEV))
     assert cfg.block_m % 16 == 0 and cfg.block_n % 16 == 0
 
 
@@ -199,31 +199,30 @@ PERSISTENT_DOCS = (512, 700, 1, 0, 4100, 17, 300, 129, 1000, 64, 2500)
 @pytest.mark.parametrize("causal", [True, False])
 def test_default_forward_is_persistent_and_correct(family, causal):
     """At D=128 the fp8 forward runs the persistent Gluon kernel by default, on token-ordered
-    vt8: checked against the reference emulation and float64 like the Triton kernel, and against
-    the Triton kernel on the same operands; D=64 keeps the Triton kernel."""
-    from flamia.ops import forward as F
+    vt8 (quantize_qkv's default there): bitwise the explicit launch of that kernel, checked
+    against the reference emulation and float64 like the Triton kernel, and against the Triton
+    kernel on key-ordered operands; D=64 keeps the Triton kernel."""
+    from flamia.ops import config as C
     from flamia.ops import forward_gluon as G
-    if not F.persistent_forward(128, "fp8", torch.device(DEV)):
+    dev = torch.device(DEV)
+    if not C.uses_persistent_forward(128, "fp8", dev):
         pytest.skip("no Gluon / not sm_90")
+    assert not C.uses_persistent_forward(64, "fp8", dev)
     q, k, v, cu = make_qkv(PERSISTENT_DOCS, HQ, HKV, 128, family, device=DEV, seed=7)
     emul, emul_lse, exact = _references(q, k, v, cu, "fp8", causal)
-    qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
-    G.LAST_KERNEL = None
-    out, lse = attention_forward(qkv, cu, max(PERSISTENT_DOCS), causal, None, q.dtype,
-                                 poison=True)
-    assert G.LAST_KERNEL is not None and "persistent" in G.LAST_KERNEL.name
+    L = max(PERSISTENT_DOCS)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
+    assert not qkv.vt8_mma_order
+    out, lse = attention_forward(qkv, cu, L, causal, None, q.dtype, poison=True)
     _check(out, lse, emul, emul_lse, exact)
-    # the Triton kernel on the same quantized operands (a config forces it)
-    ref_o, ref_l = attention_forward(qkv, cu, max(PERSISTENT_DOCS), causal, None, q.dtype,
-                                     config=default_config(128, True, torch.device(DEV)),
-                                     poison=True)
+    g_o, g_l = G.attention_forward_gluon(qkv, cu, L, causal, None, q.dtype,
+                                         config=C.PersistentFwdConfig(), poison=True)
+    assert torch.equal(out, g_o) and torch.equal(lse, g_l)
+    # the Triton kernel on the same quantized values, V^T in its key order
+    qkv_k = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=True)
+    ref_o, ref_l = attention_forward(qkv_k, cu, L, causal, None, q.dtype,
+                                     config=triton_forward_config(128, True, dev), poison=True)
     assert rel_err(out, ref_o) <= 5e-3 and (lse - ref_l).abs().max().item() <= 1e-3
-    # and bitwise the session-10 tile loop's results: the same operations in the same order
-    G.LAST_KERNEL = None
-    old_o, old_l = G.attention_forward_gluon(qkv, cu, max(PERSISTENT_DOCS), causal, None,
-                                             q.dtype, config=G.PERSISTENT_FWD[1], poison=True)
-    assert torch.equal(out, old_o) and torch.equal(lse, old_l)
-    assert not F.persistent_forward(64, "fp8", torch.device(DEV))
 
 
 def test_persistent_forward_prefix_invariance_and_isolation():

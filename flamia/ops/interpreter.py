@@ -1,4 +1,4 @@
-"""Test-only: make the Triton interpreter's float casts behave like the GPU's.
+"""Make the Triton interpreter's float casts behave like the GPU's (the CPU path of the kernels).
 
 Under TRITON_INTERPRET=1 the interpreter converts floats with its own bit manipulation, which
 differs from the hardware on 1-6 % of values: fp32 -> fp8 loses the mantissa carry, rounds ties
@@ -11,7 +11,8 @@ the same line on the GPU and here.
 
 Also fixes tl.dot on bf16 operands (the interpreter multiplies their raw uint16 storage).
 
-Called by flamia.ops.quantize / forward at import time, only when interpreting. Idempotent.
+Called by flamia.ops.quantize / forward / backward at import time, only when interpreting
+(TRITON_INTERPRET=1). Idempotent.
 """
 from __future__ import annotations
 
@@ -108,102 +109,3 @@ def install() -> None:
     builder_cls.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     builder_cls.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
     _INSTALLED = True
-
-
-# ---------------------------------------------------------------------------------------------
-# Compile-only mode: build the real sm_90a binaries on a machine without a GPU.
-# ---------------------------------------------------------------------------------------------
-
-def compile_for(fn, args, kwargs, arch: int = 90, warp_size: int = 32):
-    """Compile the Triton or Gluon JIT function `fn` for `arch` (default sm_90a) as the launch
-    `fn[grid](*args, **kwargs)` would, without a GPU: the launcher's own binder and argument
-    packing pick the same specialization and options, so the binary is the launched one."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    if fn.is_gluon():
-        from triton.experimental.gluon._runtime import GluonASTSource as source_cls
-    else:
-        source_cls = ASTSource
-    target = GPUTarget("cuda", arch, warp_size)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
-                                                          specialization, options)
-    return triton.compile(source_cls(fn, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
-
-
-class compile_only:
-    """Context manager: kernel launches (Triton or Gluon) compile for `arch` (default sm_90a)
-    instead of running.
-
-        with compile_only() as built:
-            attention_forward(qkv_on_cpu, ...)      # launchers run as usual on CPU tensors
-        for name, kernel in built: print(name, resource_usage(kernel), kernel.metadata.shared)
-
-    Lets CI catch GPU-only compile errors (layouts, shared memory, TMA descriptors) and lets a
-    developer read the TTGIR/PTX/SASS. Needs TRITON_INTERPRET unset (real JITFunctions) and the
-    ptxas that ships with triton. Outputs of the launchers are left unwritten.
-    """
-
-    def __init__(self, arch: int = 90, warp_size: int = 32):
-        self.arch, self.warp_size = arch, warp_size
-        self.built: list = []
-
-    def __enter__(self):
-        from triton.runtime.jit import JITFunction
-
-        built = self.built
-        self._orig = JITFunction.run
-
-        def run(fn, *args, grid, warmup, **kwargs):
-            kernel = compile_for(fn, args, kwargs, self.arch, self.warp_size)
-            kernel._init_handles = lambda: None     # no driver to load the binary into
-            built.append((fn.__name__, kernel))
-            return kernel
-
-        JITFunction.run = run
-        return built
-
-    def __exit__(self, *exc):
-        from triton.runtime.jit import JITFunction
-        JITFunction.run = self._orig
-        return False
-
-
-def triton_tool(name: str) -> str:
-    """Path of a CUDA tool (ptxas, cuobjdump) bundled with triton: no CUDA toolkit needed."""
-    import os
-
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def resource_usage(kernel) -> dict:
-    """Registers / stack / spills / shared memory of a compiled kernel, and whether ptxas had to
-    serialize its wgmma instructions (warning C7515: a large, silent slowdown on Hopper), from
-    re-running the bundled ptxas on the kernel's PTX."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    arch = f"sm_{kernel.metadata.target.arch}" + ("a" if kernel.metadata.target.arch == 90 else "")
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        text = subprocess.run([triton_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx,
-                               "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
-    usage = {"regs": None, "stack": None, "spill_stores": None}
-    for key, pat in (("regs", r"Used (\d+) registers"), ("stack", r"(\d+) bytes stack frame"),
-                     ("spill_stores", r"(\d+) bytes spill stores")):
-        m = re.search(pat, text)
-        usage[key] = int(m.group(1)) if m else None
-    usage["wgmma_serialized"] = "C7515" in text or "wgmma.mma_async instructions are serialized" in text
-    usage["shared"] = kernel.metadata.shared
-    return usage

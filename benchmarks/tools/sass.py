@@ -9,7 +9,7 @@ import re
 import subprocess
 import tempfile
 
-from ._interp import triton_tool
+from .compile import triton_tool
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 

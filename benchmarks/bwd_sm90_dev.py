@@ -178,9 +178,14 @@ def fa4_fn():
         return None
 
 
-def time_workloads(names, configs, causal=True, old=True, args_det=False):
+def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=()):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
+    for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
+        name, hq, hkv, d, ls = spec.split(":")
+        wl.append({"name": name, "heads_q": int(hq), "heads_kv": int(hkv), "head_dim": int(d),
+                   "doc_lengths": [int(x) for x in ls.split("+")]})
+        names = names and names + [name]
     fa4 = fa4_fn()
     table = []
     for w in wl:
@@ -279,6 +284,8 @@ def main():
     ap.add_argument("--configs", default="", help="D:BM,... (default: the "
                     "selected config per head dim)")
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
+    ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
+                    "comma separated")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()
@@ -299,7 +306,7 @@ def main():
         print("CHECK", "PASS" if ok else "FAIL", flush=True)
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, old=not args.no_old,
-                       args_det=args.det)
+                       args_det=args.det, shapes=[x for x in args.shapes.split(",") if x])
     sys.exit(0 if ok else 1)
 
 

@@ -14,6 +14,14 @@ Scaling granularities
 - "tensor": one scale per tensor (Transformer Engine's current scaling). A function of every
             token, the future and the other documents included: it LEAKS. Kept only as the
             control that the audit must catch (`fp8_tensorwise`).
+- "kvblock128": one power-of-two scale per (block of 128 tokens, head) for K and V, blocks
+            restarting at every document start (the last block of a document may be short), with
+            per-token copies of K and V on the diagonal pairs (same block, key j <= query i); Q per
+            token, dO per 64-token block; in the backward P^T and dS get a per-CTA bound computed
+            by a preprocess pass (reference.py, "Token-block scaling"). Forward bitwise leak-free
+            and document-local (P1, P2); the backward scales are shared by many tokens
+            (`Recipe.shared_backward_scale`), so the audit judges its gradient prefix by the
+            relaxed rule.
 - "none":   no scales (bf16 operands).
 """
 from __future__ import annotations
@@ -21,6 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 FORMATS = ("bf16", "e4m3", "e5m2", "mxfp8", "nvfp4")
+
+# Scalings whose backward quantizes with scales shared by several tokens: with dO zero after t,
+# gradients at <= t may depend on later inputs through such a scale at rounding level (the
+# relaxed backward rule of P1; the audit measures that change against the recipe's own error).
+SHARED_BACKWARD_SCALINGS = ("kvblock128",)
 
 
 @dataclass(frozen=True)
@@ -32,11 +45,17 @@ class Recipe:
     do: str            # format of dO in dV = P^T dO (and dP when dp is low precision)
     dp: str            # "fp8": dP from the quantized dO and V; "bf16": from bf16 dO and V
     ds: str            # format of dS in dQ = dS K and dK = dS^T Q
-    scaling: str       # "token" | "block" | "tensor" | "none"
+    scaling: str       # "token" | "block" | "kvblock128" | "tensor" | "none"
     rotate_qk: bool    # Hadamard-rotate q and k before quantizing (token-local, cuts outliers)
     leaky: bool = False
-    emulated: bool = False   # reference numerics only (Blackwell formats)
+    emulated: bool = False   # reference numerics only (Blackwell formats, specs ahead of kernels)
     description: str = ""
+
+    @property
+    def shared_backward_scale(self) -> bool:
+        """Does the backward quantize with scales shared by several tokens (see
+        SHARED_BACKWARD_SCALINGS)? Then P1's backward prefix is judged by the relaxed rule."""
+        return self.scaling in SHARED_BACKWARD_SCALINGS
 
     def with_(self, **changes) -> "Recipe":
         return replace(self, **changes)
@@ -73,7 +92,21 @@ FP8_TENSORWISE = Recipe(
     scaling="tensor", rotate_qk=False, leaky=True,
     description="LEAKY control: per-tensor current scaling (Transformer Engine's scheme)")
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (BF16, FP8, FP8_MIXED, MXFP8, NVFP4_MIXED, FP8_TENSORWISE)}
+FP8_BLOCK = Recipe(
+    "fp8_block", qk="e4m3", v="e4m3", p="e4m3", do="e4m3", dp="fp8", ds="e4m3",
+    scaling="kvblock128", rotate_qk=True, emulated=True,
+    description="the reference spec of issue 27 (scales v2) that the fp8 kernels adopt next: "
+                "K/V scales per 128-token block with per-token copies on diagonal pairs, dO per "
+                "64-token block, P^T and dS scaled by a per-CTA bound; q, k Hadamard-rotated")
+
+FP8_BLOCK_MIXED = Recipe(
+    "fp8_block_mixed", qk="e4m3", v="e4m3", p="e4m3", do="e4m3", dp="bf16", ds="bf16",
+    scaling="kvblock128", rotate_qk=True, emulated=True,
+    description="fp8_block's forward and dV (the spec fp8_mixed's kernels adopt next); dP = dO V^T "
+                "and the dS GEMMs in bf16")
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (BF16, FP8, FP8_MIXED, MXFP8, NVFP4_MIXED, FP8_TENSORWISE,
+                                                  FP8_BLOCK, FP8_BLOCK_MIXED)}
 
 # Recipes that flamia offers as safe (the audit must report zero change for each).
 SAFE_RECIPES = tuple(name for name, r in RECIPES.items() if not r.leaky)

@@ -134,7 +134,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-AUDIT_HELP = "a few seconds on a CPU with the defaults: 2.3 s for all six recipes on 2 cores"
+AUDIT_HELP = "a few seconds on a CPU with the defaults: 2.4 s for all eight recipes on 2 cores"
 
 
 @handles_usage_errors("flamia audit")

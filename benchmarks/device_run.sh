@@ -20,7 +20,8 @@
 # of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile
 # of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
 # the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4),
-# ncu-bwd (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS).
+# ncu-bwd (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS),
+# scales32k (benchmarks/scales_v2_check32k.py: the fp8_block spec at 32k tokens).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -162,6 +163,7 @@ for spec in "$@"; do
       rm -f "$OUT/ncusrc.ncu-rep"
       python benchmarks/ncu_source.py "$OUT/ncu-source.csv" --top 40 | tee "$OUT/ncu-source.txt"
       gzip -f "$OUT/ncu-source.csv" ;;
+    scales32k) run_stage "$name" "$secs" python benchmarks/scales_v2_check32k.py ;;
     ncu-bwd) # the bf16 backward, flamia sm90 next to FA4: counters and per-SASS warp samples
       for wl in $(echo "${NCU_WORKLOADS:-d64_doc8k_x4,doc8k_x4}" | tr , ' '); do
         run_stage "$name-$wl" "$secs" "$NCU" --clock-control none --profile-from-start off \

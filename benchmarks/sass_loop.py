@@ -34,8 +34,7 @@ from benchmarks.tools import compile as tools  # noqa: E402
 from benchmarks.tools.sass import (  # noqa: E402
     by_source_line, common_path, local_memory_ops, main_loop, parse, sass_of,
 )
-from flamia.ops import backward_gluon as G  # noqa: E402
-from flamia.ops import backward_gluon_mixed as M  # noqa: E402
+from flamia.ops import backward as B  # noqa: E402
 
 
 def with_sets(cfg, sets: list[str]):
@@ -75,15 +74,16 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
         return build_forward(recipe, D, causal, sets)
     if kernel == "fwd_gluon":
         return build_forward_gluon(D, causal, sets)
-    if recipe == "fp8_mixed":
-        cfg = M.default_mixed_dq_config(D) if kernel == "dq" else M.default_mixed_dkdv_config(D)
-        launch = M.launch_dq_gluon_mixed if kernel == "dq" else M.launch_dkdv_gluon_mixed
-    else:
-        cfg = G.default_dq_config(D) if kernel == "dq" else G.default_gluon_config(D)
-        launch = G.launch_dq_gluon if kernel == "dq" else G.launch_dkdv_gluon
-    cfg = with_sets(cfg, sets)
-    built = tools.build(launch, tools.fake_state(D, causal=causal, recipe=recipe), cfg)
-    return next(v for n, v in built.items() if n.startswith(("_dkdv", "_dq"))), cfg
+    st = tools.fake_state(D, causal=causal, recipe=recipe)    # (the sm_90 GPU's configs)
+    field = "dq" if kernel == "dq" else "dkdv"
+    cfg = with_sets(getattr(st.cfg, field), sets)
+    st.cfg = dataclasses.replace(st.cfg, **{field: cfg})
+
+    def run(st):
+        B.launch_preprocess(st)
+        (B.launch_dq if kernel == "dq" else B.launch_dkdv)(st)
+    built = tools.build(run, st)
+    return next(v for n, v in built.items() if n.startswith("_" + kernel)), cfg
 
 
 def main():

@@ -11,10 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.tools.operands import quantized_qkv_from_reference
 from flamia import reference as R
 from flamia.inputs import cu_seqlens_from_lengths, make_qkv, rel_err
 from flamia.ops import backward as B
 from flamia.ops import interpreting
+from flamia.ops.config import BwdConfig
+from flamia.ops.layout import QuantizedQKV
 
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (before triton is imported);
 # on the GPU machine tests/gpu/test_backward_gpu.py covers the kernels.
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the 
 RECIPES = ("fp8", "fp8_mixed", "bf16")
 LENGTHS = (37, 0, 1, 70)          # packed: a 37-token doc, an empty one, a length-1, a 70-token doc
 HQ, HKV = 4, 2
-CFG = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32)
+CFG = BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32)
 
 
 @pytest.fixture(autouse=True)
@@ -36,12 +39,11 @@ def _forward(q, k, v, cu, recipe, causal=True):
     return out.to(q.dtype), lse.float(), saved
 
 
-def _kernel(dout, out, lse, saved, cu, recipe, causal=True, grad_dtype=torch.float32, cfg=CFG,
-            deterministic=True):
-    qkv = B.quantized_qkv_from_reference(saved, recipe, cu, causal)
+def _kernel(dout, out, lse, saved, cu, recipe, causal=True, grad_dtype=torch.float32, cfg=CFG):
+    qkv = quantized_qkv_from_reference(saved, recipe, cu, causal)
     max_len = int((cu[1:] - cu[:-1]).max())
-    grads = B.attention_backward(dout, out, lse, qkv, cu, max_len, causal,
-                                 deterministic=deterministic, config=cfg, grad_dtype=grad_dtype)
+    grads = B.attention_backward(dout, out, lse, qkv, cu, max_len, causal, config=cfg,
+                                 grad_dtype=grad_dtype)
     for g in grads:   # poisoned buffers: every element must have been written
         assert torch.isfinite(g).all(), "unwritten (NaN-poisoned) or non-finite gradient"
     return grads
@@ -71,13 +73,12 @@ def _check_fa_rule(name, g, g_ref, g64, atol_frac=2e-3):
     return rk, rr
 
 
-def _case(recipe, D, family="mild", causal=True, lengths=LENGTHS, seed=0, cfg=CFG,
-          deterministic=True):
+def _case(recipe, D, family="mild", causal=True, lengths=LENGTHS, seed=0, cfg=CFG):
     q, k, v, cu = make_qkv(lengths, HQ, HKV, D, family, seed=seed)
     out, lse, saved = _forward(q, k, v, cu, recipe, causal)
     dout = _dout(out.shape, seed + 1)
     ref = R.backward(dout, out, lse, saved, cu, recipe, causal)
-    kern = _kernel(dout, out, lse, saved, cu, recipe, causal, cfg=cfg, deterministic=deterministic)
+    kern = _kernel(dout, out, lse, saved, cu, recipe, causal, cfg=cfg)
     g64 = _grads64(q, k, v, cu, dout, causal)
     for name, g, r, e in zip(("dq", "dk", "dv"), kern, ref, g64):
         _check_fa_rule(f"{recipe} D={D} {family} {name}", g, r, e)
@@ -95,17 +96,10 @@ def test_accuracy_outliers_fp8():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_accuracy_dq_atomic(recipe):
-    """deterministic=False with dq_atomic: dQ from fp32 atomics in the dK/dV kernel."""
-    cfg = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, dq_atomic=True)
-    _case(recipe, 64, cfg=cfg, deterministic=False, seed=9)
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
 def test_split_dkdv_launches(recipe):
     """config.split_dkdv: dK and dV from two launches (each recomputes S^T) give the same
     gradients as the fused launch, bitwise (same tiles, same values, same order)."""
-    split = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, split_dkdv=True,
+    split = BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, split_dkdv=True,
                         kv_bm_dv=16)
     fused, _ = _case(recipe, 64, seed=17)
     q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, 64, seed=17)
@@ -115,7 +109,7 @@ def test_split_dkdv_launches(recipe):
                           _kernel(dout, out, lse, saved, cu, recipe, cfg=split)):
         assert torch.equal(a, b), f"{recipe} {name}: split and fused dK/dV launches differ"
     # a different query step for the dV launch: same function (FlashAttention rule)
-    _case(recipe, 64, seed=19, cfg=B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32,
+    _case(recipe, 64, seed=19, cfg=BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32,
                                                 split_dkdv=True, kv_bm_dv=32))
 
 
@@ -162,7 +156,7 @@ def test_preprocess_scale_is_exact_at_powers_of_two():
     dout[..., 0] = amax
     z = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
     one = torch.ones(H, T)
-    qkv = B.QuantizedQKV("fp8_mixed", z, z, z, one, one, one, one, False)
+    qkv = QuantizedQKV("fp8_mixed", z, z, z, one, one, one, one, False)
     cu = cu_seqlens_from_lengths([T])
     st = B.make_state(dout, torch.randn(T, H, D), torch.zeros(H, T), qkv, cu, T, True, None, CFG)
     B.launch_preprocess(st)
@@ -170,28 +164,6 @@ def test_preprocess_scale_is_exact_at_powers_of_two():
     vals = st.do8.float()
     assert vals.abs().max() <= 448
     torch.testing.assert_close(vals * st.sdo.T[..., None], dout, rtol=2 ** -4, atol=0)
-
-
-def test_kmajor_copies_in_the_order_a_kernel_reads():
-    """launch_preprocess writes qT8 / doT8 in token order where the Triton dK/dV kernel runs
-    (here: the interpreter); qT_doT_in_order gives either one in wgmma key order as a copy made
-    once and kept on the state: column c = the token-order column mma_order16(c)."""
-    from flamia.ops.kmajor import mma_order16_host
-    D = 64
-    q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, seed=9)
-    out, lse, saved = _forward(q, k, v, cu, "fp8")
-    qkv = B.quantized_qkv_from_reference(saved, "fp8", cu)
-    st = B.make_state(_dout(out.shape, 4), out, lse, qkv, cu, 70, True, None, CFG)
-    B.launch_preprocess(st)
-    assert (st.qT8_key_order, st.doT8_key_order) == (False, False)
-    assert B.qT_doT_in_order(st, False, False) == (st.qT8, st.doT8)
-    perm = mma_order16_host(torch.arange(st.Tp))
-    qk, do_tok = B.qT_doT_in_order(st, True, False)
-    assert do_tok is st.doT8
-    assert torch.equal(qk.view(torch.uint8), st.qT8.view(torch.uint8)[:, :, perm])
-    assert B.qT_doT_in_order(st, True, True)[0] is qk           # kept on the state
-    dok = B.qT_doT_in_order(st, False, True)[1]
-    assert torch.equal(dok.view(torch.uint8), st.doT8.view(torch.uint8)[:, :, perm])
 
 
 def test_preprocess_quantizes_do_like_reference():
@@ -202,7 +174,7 @@ def test_preprocess_quantizes_do_like_reference():
         out, lse, saved = _forward(q, k, v, cu, recipe)
         dout = _dout(out.shape, 8) * 3.0
         dout[5] = 0.0                              # an all-zero token: scale 0, values 0
-        qkv = B.quantized_qkv_from_reference(saved, recipe, cu)
+        qkv = quantized_qkv_from_reference(saved, recipe, cu)
         st = B.make_state(dout, out, lse, qkv, cu, 70, True, None, CFG)
         B.launch_preprocess(st)
         ref = R.quantize_operand(dout.float(), "e4m3", "token")
@@ -238,28 +210,15 @@ def _padded_columns(cu):
 
 
 @pytest.mark.parametrize("recipe", ("fp8", "fp8_mixed"))
-def test_tma_unaligned_documents_bitwise_pointer_path(recipe, monkeypatch):
-    """Packed documents with unaligned starts (37, 0, 1, 70, 19) take the TMA path (the padded
-    K-major layout; the interpreter asserts 16-byte aligned descriptor coordinates) and give
-    bitwise the gradients of the pointer path (use_tma=False), incl. partial end tiles."""
-    if B.TensorDescriptor is None:
-        pytest.skip("no TensorDescriptor in this triton")
-    D = 64
-    lengths = (37, 0, 1, 70, 19)
-    q, k, v, cu = make_qkv(lengths, HQ, HKV, D, seed=41)
-    out, lse, saved = _forward(q, k, v, cu, recipe)
-    dout = _dout(out.shape, 42)
+def test_tma_unaligned_documents(recipe, monkeypatch):
+    """Packed documents with unaligned starts (37, 0, 1, 70, 19) read the K-major copies by TMA
+    (the padded layout; the interpreter asserts 16-byte aligned descriptor coordinates), incl.
+    partial end tiles, and match the reference by the FlashAttention rule."""
     descs = []
     orig = B._kmajor_desc
     monkeypatch.setattr(B, "_kmajor_desc", lambda x, bt: descs.append(bt) or orig(x, bt))
-    tma = _kernel(dout, out, lse, saved, cu, recipe)
+    _case(recipe, 64, lengths=(37, 0, 1, 70, 19), seed=41)
     assert descs, "TMA path not taken"
-    n_tma = len(descs)
-    ptr_cfg = B.BwdConfig(kv_bn=32, kv_bm=16, q_bm=32, q_bn=16, pre_bt=32, use_tma=False)
-    ptr = _kernel(dout, out, lse, saved, cu, recipe, cfg=ptr_cfg)
-    assert len(descs) == n_tma, "pointer path built a descriptor"
-    for name, a, b in zip(("dq", "dk", "dv"), tma, ptr):
-        assert torch.equal(a, b), f"{recipe} {name}: TMA and pointer paths differ"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -323,55 +282,80 @@ def test_degenerate_documents():
             torch.testing.assert_close(g, r, rtol=0.07, atol=1e-6)
     cu0 = cu_seqlens_from_lengths([0, 0])
     z = torch.zeros(0, HQ, D, dtype=torch.bfloat16)
-    qkv = B.QuantizedQKV("bf16", z, z[:, :HKV], z[:, :HKV], None, None, None, None, False)
+    qkv = QuantizedQKV("bf16", z, z[:, :HKV], z[:, :HKV], None, None, None, None, False)
     dq, dk, dv = B.attention_backward(z, z, torch.zeros(HQ, 0), qkv, cu0, 0)
     assert dq.shape == (0, HQ, D) and dk.shape == (0, HKV, D) and dv.shape == (0, HKV, D)
 
 
-def test_gluon_routing(monkeypatch):
-    """Which backward kernels a state runs on an sm_90 GPU (the routing only: CUDA faked)."""
+def _fake_capability(monkeypatch, cap):
+    """Every CUDA device reports capability `cap` (to torch and to flamia.ops' memo of it), and
+    the process is not the interpreter's."""
+    from flamia import ops
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+    monkeypatch.setattr(ops, "_capability", lambda index: cap)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_backward_selection(monkeypatch):
+    """Which backward a call runs (config.backward_config, CUDA faked): bf16 with bf16 inputs
+    at D=64/128 the one-pass sm90 kernel; the fp8 recipes the split backward with the Gluon
+    dK/dV and dQ kernels (their configs per head dim); everything else the Triton kernels."""
+    from flamia.ops import config as C
+    from flamia.ops.backward_sm90 import Sm90BwdConfig
+    cuda = torch.device("cuda")
+    _fake_capability(monkeypatch, (9, 0))
+    if not C.HAVE_GLUON:
+        pytest.skip("triton.experimental.gluon not available")
+    assert isinstance(C.backward_config(128, "bf16", cuda, 4096), Sm90BwdConfig)
+    assert isinstance(C.backward_config(64, "bf16", cuda, 4096), Sm90BwdConfig)
+    for args in ((128, "bf16", cuda, 4096, torch.float16), (96, "bf16", cuda, 4096)):
+        cfg = C.backward_config(*args)
+        assert isinstance(cfg, BwdConfig) and cfg.dkdv is None and cfg.dq is None, args
+    for D in (64, 128):
+        cfg = C.backward_config(D, "fp8", cuda, 8192)
+        assert (cfg.dkdv, cfg.dq) == (C.gluon_dkdv_config(D), C.gluon_dq_config(D))
+        cfg = C.backward_config(D, "fp8_mixed", cuda, 8192)
+        assert (cfg.dkdv, cfg.dq) == (C.mixed_dkdv_config(D), C.mixed_dq_config(D))
+        assert not cfg.split_dkdv or D == 128    # (the Triton tiles stay; unused on sm_90)
+    assert C.gluon_dkdv_config(64).ws and C.gluon_dkdv_config(64).key_order_dk
+    assert C.gluon_dkdv_config(128).late_dv and C.gluon_dkdv_config(128).threshold_mask
+    assert C.mixed_dkdv_config(128).lazy_cols and not C.mixed_dkdv_config(64).lazy_cols
+    for args in ((96, "fp8"), (128, "mxfp8")):
+        assert not C.uses_gluon_backward(*args, cuda), args
+    assert C.backward_config(128, "fp8", torch.device("cpu")).dkdv is None
+    _fake_capability(monkeypatch, (10, 0))                 # not Hopper
+    cfg = C.backward_config(128, "fp8", cuda)
+    assert cfg.dkdv is None and cfg.dq is None
+    assert isinstance(C.backward_config(128, "bf16", cuda), BwdConfig)
+    sel = C.select(128, "fp8", cuda, 4096)
+    assert sel.backward == cfg and isinstance(sel.forward, C.FwdConfig) and sel.vt_mma_order
+
+
+def test_split_backward_routing(monkeypatch):
+    """launch_dkdv / launch_dq run the kernel the state's config names (the Gluon launchers
+    faked: routing only)."""
     from types import SimpleNamespace
 
-    from flamia.ops import backward_gluon, backward_gluon_mixed
-    if not backward_gluon.HAVE_GLUON:
-        pytest.skip("triton.experimental.gluon not available")
+    from flamia.ops import backward_gluon
+    from flamia.ops import config as C
     calls = []
-    for mod, name in ((backward_gluon, "launch_dkdv_gluon"), (backward_gluon, "launch_dq_gluon"),
-                      (backward_gluon_mixed, "launch_dkdv_gluon_mixed"),
-                      (backward_gluon_mixed, "launch_dq_gluon_mixed")):
-        monkeypatch.setattr(mod, name, lambda st, name=name, **kw: calls.append((name, kw)))
-    cap = {"value": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
-    from flamia import ops
-    monkeypatch.setattr(ops, "_capability", lambda index: cap["value"])   # (its memo)
+    for name in ("launch_dkdv_gluon", "launch_dq_gluon", "launch_dkdv_gluon_mixed",
+                 "launch_dq_gluon_mixed"):
+        monkeypatch.setattr(backward_gluon, name, lambda st, name=name: calls.append(name))
 
-    def state(recipe, **kw):
-        fields = dict(recipe=B.RECIPE_IDS[recipe], dq_atomic=False, interp=False, D=128,
-                      dk=SimpleNamespace(is_cuda=True, device="cuda:0"), cfg=B.BwdConfig(),
-                      mixed_ops=mixed_ops)
-        fields.update(kw)
-        return SimpleNamespace(**fields)
-
-    mixed_ops = ("dob", "vb", "kb")          # as if already built: no conversion on the fake
-
-    def route(st):
+    def route(cfg):
         calls.clear()
+        st = SimpleNamespace(cfg=cfg)
         for fn in (B.launch_dkdv, B.launch_dq):
             try:
                 fn(st)
-            except Exception:       # a Triton launch on the fake state: not a Gluon route
-                calls.append(("triton", {}))
-        return [name for name, _ in calls]
+            except AttributeError:      # a Triton launch on the fake state
+                calls.append("triton")
+        return calls
 
-    assert route(state("fp8")) == ["launch_dkdv_gluon", "launch_dq_gluon"]
-    assert route(state("fp8_mixed")) == ["launch_dkdv_gluon_mixed", "launch_dq_gluon_mixed"]
-    assert [kw["ops"] for _, kw in calls] == [mixed_ops, mixed_ops]   # bf16 operands built once
-    assert route(state("bf16")) == ["triton", "triton"]
-    assert route(state("fp8", D=96)) == ["triton", "triton"]
-    assert route(state("fp8", cfg=B.BwdConfig(gluon_dkdv=False))) == ["triton",
+    assert route(C.split_backward_config(128, "fp8", gluon=True)) == ["launch_dkdv_gluon",
                                                                       "launch_dq_gluon"]
-    monkeypatch.setenv("FLAMIA_GLUON", "0")
-    assert route(state("fp8_mixed")) == ["triton", "triton"]
-    monkeypatch.delenv("FLAMIA_GLUON")
-    cap["value"] = (10, 0)                   # not Hopper
-    assert route(state("fp8")) == ["triton", "triton"]
+    assert route(C.split_backward_config(64, "fp8_mixed", gluon=True)) == [
+        "launch_dkdv_gluon_mixed", "launch_dq_gluon_mixed"]
+    assert route(C.split_backward_config(128, "fp8")) == ["triton", "triton"]
+    assert route(C.split_backward_config(128, "bf16", gluon=True)) == ["triton", "triton"]

@@ -181,16 +181,18 @@ def cu_seqlens(lengths) -> torch.Tensor:
 
 def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
                rotate: bool = True, lengths=None, grad_dtype=None, recipe: str = "fp8",
-               dtype=torch.bfloat16):
+               dtype=torch.bfloat16, gluon: bool = True):
     """A backward state (flamia.ops.backward.make_state) of zeros on the CPU with the real
-    shapes and dtypes, for compile-only launches of the split backward's kernels."""
+    shapes and dtypes (dtype: of dO, O and the gradients), for compile-only launches of the split backward's kernels: its config is
+    an sm_90 GPU's (gluon: the Gluon dK/dV and dQ kernels of the fp8 recipes; False: the Triton
+    kernels), its kernels the GPU's build (not the interpreter's)."""
     from flamia.ops import backward as B
+    from flamia.ops.config import split_backward_config
     lengths = lengths or [T]
-    qkv = fake_qkv(T, Hq, Hkv, D, recipe, rotated=rotate)
-    if recipe == "bf16":
-        qkv.q8, qkv.k8, qkv.v8 = (x.to(dtype) for x in (qkv.q8, qkv.k8, qkv.v8))
+    qkv = fake_qkv(T, Hq, Hkv, D, recipe, rotated=rotate)    # (bf16: bf16, as quantize_qkv's)
     dout = torch.zeros(T, Hq, D, dtype=dtype)
+    cfg = split_backward_config(D, recipe, max(lengths), gluon=gluon and recipe != "bf16")
     st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu_seqlens(lengths), max(lengths),
-                      causal, grad_dtype=grad_dtype)
+                      causal, config=cfg, grad_dtype=grad_dtype)
     st.interp = False      # the GPU's build, not the interpreter's
     return st

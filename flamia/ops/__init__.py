@@ -10,15 +10,16 @@ cu_seqlens = [0, S, 2S, ...]):
   sq  (Hq, T) fp32 power-of-two scales (softmax scale NOT folded in); sk, sv (Hkv, T)
   vcap (Hkv, T) fp32: causal prefix max of sv inside each document (reference.py, point 3)
   lse (Hq, T) fp32, natural log, of the softmax-scaled scores
-Entry points (implemented in quantize.py / forward.py / backward.py):
-  quantize_qkv(q, k, v, cu_seqlens, recipe, causal, vt_mma_order=True) -> QuantizedQKV
+Entry points (quantize.py / forward.py / backward.py; config.py says which kernel runs where):
+  quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV, with vt8 (the K-major V of
+      the PV GEMM) in the column order the device's forward kernel reads (config.vt_mma_order)
   attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
-      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32); on an sm_90 GPU at D=128, with V^T in
-      token order (vt_mma_order=False), the persistent Gluon kernel (forward.persistent_forward:
-      the public API picks the order accordingly)
+      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32): the persistent Gluon kernel
+      (forward_gluon) for the fp8 recipes at D=128 on sm_90, the Triton kernel otherwise
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
-                     back to the input space
+                     back to the input space: the one-pass Hopper kernel (backward_sm90) for
+                     bf16 on sm_90, the split kernels (backward, backward_gluon) otherwise
 """
 from __future__ import annotations
 

@@ -1,77 +1,86 @@
-"""Gluon (Hopper sm_90a) dK/dV and dQ kernels for the `fp8` recipe.
+"""Gluon (Hopper sm_90a) dK/dV and dQ kernels of the split backward, for the fp8 and fp8_mixed
+recipes: backward.launch_dkdv / launch_dq run them on sm_90 GPUs (config.uses_gluon_backward).
 
-Same function as `backward._bwd_dkdv` with RECIPE == 0, fused dK and dV, no DQ_ATOMIC: it
-consumes the `BwdState` of `backward.make_state` + `backward.launch_preprocess` and writes
-st.dk / st.dv like `backward.launch_dkdv` (dK * sm_scale, Hadamard rotate-back when st.rotate,
-cast to the gradient dtype). Per tile the numerics are `_dkdv_tile`'s for RECIPE == 0:
+They consume the `BwdState` of `backward.make_state` + `backward.launch_preprocess` and write
+st.dk / st.dv / st.dq like the Triton kernels (dK, dQ * sm_scale, Hadamard rotate-back when
+st.rotate, cast to the gradient dtype). The configs are st.cfg.dkdv / st.cfg.dq
+(flamia.ops.config: GluonDkdvConfig / GluonDqConfig for fp8, MixedDkdvConfig / MixedDqConfig
+for fp8_mixed).
+
+fp8 dK/dV (`_dkdv_fp8_kernel`; per tile the numerics of backward._dkdv_tile, RECIPE == 0):
 
     S^T  = (k8_j q8_i^T) * rowf_j * sq_i            rowf_j = sk_j * sm_scale * log2(e)
-    P^T  = exp2(S^T - lse2_i)                       masked (exact 0) on diagonal / tail tiles
-    a    = P^T sdo_i
+    a    = P^T sdo_i = exp2(S^T - (lse2_i - log2 sdo_i))     masked (exact 0) on diagonal / tail
     dV_j += c_j  * (e4m3(a / c_j) @ do8_i)           c_j  = _pow2_scale(max_i |a|)  over the tile
     t    = (v8_j do8_i^T) * sv_j - Delta_i           (Delta in units of sdo_i)
     b    = a * t * sq_i
     dK_j += c2_j * (e4m3(b / c2_j) @ q8_i)           c2_j = _pow2_scale(max_i |b|)
 
-with the per-tile fp32 promotion kept: every fp8 wgmma of the dV / dK GEMMs starts from a zero
-accumulator (use_acc=False) and its result is scaled and added to fp32 registers by the CUDA
-cores (Hopper's fp8 accumulator keeps fewer bits than fp32; chaining it across tiles cost 1.5e-2,
-benchmarks/NOTES.md). The query block of a tile is BM = 64 rows (the Triton kernel uses 32), so
-the per-tile scales are over other subsets: results match by the FlashAttention rule, not bitwise.
-
-Structure (one warpgroup = 4 warps per CTA, BN = 64 keys, aimed at 2 CTAs per SM so the two
-CTAs' element-wise phases and tensor-core phases interleave):
-  - K_j, V_j (BN x D, token-major) land in shared memory once, by TMA.
-  - Per query block (flattened loop over the GROUP query heads of the kv head and the query
-    blocks i >= the kv block for causal), an NS-stage TMA + mbarrier ring brings q8_i, do8_i
-    (token-major, B operands of S^T / dP^T, K-major as fp8 wgmma needs), qT8_i, doT8_i (the
-    K-major copies in the padded per-document layout, B operands of dK / dV) and the per-query
-    vectors lse, Delta, sq, sdo ((1, BM) fp32 TMA boxes, or one (4, BM) box with pack_vecs, so
-    they cost no registers until used).
-    The vectors come from (Hq, Tp) copies in the same padded layout as the K-major tiles
-    (`padded_vectors`), read at column pstart + i0: TMA needs the innermost box coordinate
-    16-byte aligned (an unaligned one is an *illegal instruction* on Hopper, not a masked read;
-    triton-lang/triton#7385, the Gluon TMA tutorial's list of restrictions), and the packed
-    (Hq, T) vectors' h * T + start + i0 is not: the first H200 run's crash.
+with the per-tile fp32 promotion: every fp8 wgmma of the dV / dK GEMMs starts from a zero
+accumulator and its result is scaled and added to fp32 registers by the CUDA cores (Hopper's fp8
+accumulator keeps fewer bits than fp32; chaining it across tiles cost 1.5e-2 at 32k tokens). The
+query block of a tile is BM = 64 rows (the Triton kernel uses 32), so the per-tile scales are
+over other subsets: results match by the FlashAttention rule, not bitwise.
+  - K_j, V_j (BN x D, token-major) land in shared memory once, by TMA. Per query block (a
+    flattened loop over the GROUP query heads of the kv head and the query blocks i >= the kv
+    block for causal), an NS-stage TMA + mbarrier ring brings q8_i, do8_i (token-major, B
+    operands of S^T / dP^T), qT8_i, doT8_i (the K-major copies in the padded per-document layout,
+    B operands of dK / dV) and one (4, BM) box of the per-query vectors lse (folded with sdo),
+    Delta, sq, sdo: rows 4h .. 4h + 3 of an (Hq * 4, Tp) buffer in the same padded layout, which
+    launch_preprocess gathers in its copy launch (vector_gathers). TMA needs the innermost box
+    coordinate 16-byte aligned (an unaligned one is an illegal instruction on Hopper, not a
+    masked read: triton-lang/triton#7385): pstart + i0 is, h * T + start + i0 is not.
   - S^T and dP^T are issued back to back as async wgmmas; the kernel waits for S^T only and
-    computes P^T, a, c_j, e4m3(a / c_j) while dP^T runs; the dV GEMM (A = the fp8 tile from
-    registers, B = doT8 tile in shared memory) is issued before t / b / c2 are computed. The dV
-    and dK GEMMs are split into 64-column halves of D so that at most two 64 x 64 fp32 results
-    are in flight next to the two BN x D accumulators (register budget 255 / thread).
+    computes a, c_j, e4m3(a / c_j) while dP^T runs. The dV and dK GEMMs are split into 64-column
+    halves of D so that at most two 64 x 64 fp32 results are in flight next to the two BN x D
+    accumulators (255 registers / thread).
   - Tiles that reach past the document end (at most one per head) get their K-major tiles'
     out-of-document columns zeroed in shared memory (a NaN byte of the next document would
-    survive 0 * NaN in the MMA) and a = P^T sdo / b masked with `where` (never multiplied: the
-    next document's lse / sdo / Delta / sq / q8 / do8 come in through the TMA boxes).
-  - The innermost component of every TMA coordinate is a multiple of 16 bytes: h * D (q8, do8,
-    k8, v8) and pstart + i0 with pstart % 16 == 0 (qT8, doT8, and the padded vectors).
-  - GluonDkdvConfig.sync_mma waits for every wgmma right after issuing it (no overlap): a
-    bisection baseline, like vec_tma=False (plain masked gl.load of the vectors) and stages=1.
-Causal masking is the same `where` on a and b for the diagonal tiles (query >= key,
-document-relative); the result equals masking P^T.
+    survive 0 * NaN in the MMA) and a / b masked with `where` (never multiplied: the next
+    document's lse / sdo / Delta / sq / q8 / do8 come in through the TMA boxes).
+  - D=64 (GluonDkdvConfig.ws): FA3's layout, BN = 128 keys and two consumer warpgroups (64 keys
+    each) in one CTA per SM, fed by a 1-warp TMA producer partition (_release_slot's comment);
+    its A operands go in in wgmma key order (key_order_dv / dk). D=128: one warpgroup per 64
+    keys, two CTAs per SM, the dV GEMM issued after the dS^T operand (late_dv) and the masks as
+    one threshold compare (threshold_mask).
 
-Options (GluonDkdvConfig; the defaults per head dim, `default_gluon_config`, are the fastest
-combination measured on the H200, benchmarks/NOTES.md session 5):
-  - ws (constexpr WS; default at D=64): FA3's layout, BN = 128 keys and two consumer warpgroups
-    (64 keys each) in one CTA per SM, fed by a 1-warp TMA producer partition (the ws comment
-    above `_release_slot`). The one-warpgroup overlap / ws variants lost and were removed
-    (session 4).
-  - fold_sdo (constexpr FOLD; default): sdo_i is a power of two, so the lse vector arrives as
-    lse2_i - log2(sdo_i) and a = exp2(S^T - that) directly (one multiply per element less).
-  - pack_vecs (default): lse, Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer
-    and one (4, BM) TMA box per tile (`_packed_query_vectors`, one Triton launch).
-  - shared_mask (constexpr SHARED_MASK; the D=128 default until session 7): the two masks as
-    one expression, which the compiler evaluates on every tile; with threshold_mask it no longer
-    saves spills, so the default leaves it off.
+fp8 dQ (`_dq_fp8_persistent_kernel`; backward._dq_tile for RECIPE == 0): two CTAs per SM walk
+the forward's work list (flamia.ops.schedule), one (document, query head, 64-row query block)
+item at a time, a 1-warp producer running ahead across items; the consumer warpgroup loops over
+the kv blocks j0 = 0, BN, .. (j <= i causal):
 
-dQ (`launch_dq_gluon`): see the comment of the dQ launcher section; its opt-in ws schedule
-(constexpr WS): above `_dq_producer`. CPU builds: compile_sm90 / compile_dq_sm90.
+    S  = (q8_i k8_j^T) * sk_j * rowf_i              rowf_i = sq_i * sm_scale * log2(e)
+    P  = exp2(S - lse2_i)
+    t  = (do8_i v8_j^T) * sv_j - Delta_i             (Delta in units of sdo_i)
+    b  = P t sk_j                                    masked (where) on diagonal / end tiles
+    dQ_i += c_i * (e4m3(b / c_i) @ kT8_j)            c_i = _pow2_scale(max_j |b|) over the tile
+    epilogue: dQ_i * sdo_i * sm_scale, rotate back, cast
+
+q8_i / do8_i come by TMA per item; the ring brings k8_j, v8_j, kT8_j and sk_j / sv_j as (1, BN)
+boxes of (Hkv, Tp) padded copies (gathered with the query vectors). BN = 64 = the Triton
+kernel's, so the per-row scales c_i are over the same key subsets.
+
+fp8_mixed (`_dkdv_mixed_kernel`, `_dq_mixed_kernel`; RECIPE == 1): forward in fp8, dP and the
+dS GEMMs in bf16. One program per (document, kv head, 64 keys) / (document, query head, 64
+queries):
+
+    S^T  = (k8_j q8_i^T) * rowf_j * sq_i            fp8 wgmma (bitwise the forward's S)
+    a    = P^T sdo_i, dV_j += c_j * (e4m3(a / c_j) @ doT8_i)     fp8, as the fp8 recipe
+    dS^T = P^T ((bf16(V_j) bf16(dO_i)^T) sv_j - Delta_i)         bf16 wgmma, fp32 sums
+    dK_j += bf16(dS^T sq_i) @ bf16(q8_i)             bf16 wgmma accumulating in place
+    dS   = P ((bf16(dO_i) bf16(V_j)^T) sv_j - Delta_i);  dQ_i += bf16(dS sk_j) @ bf16(k8_j)
+    epilogue: * sm_scale (no sdo: the bf16 path never scaled dO), rotate back, cast.
+Hopper's bf16 wgmma sums in fp32, so the bf16 GEMMs chain their accumulators across tiles; only
+fp8 results are promoted per tile. e4m3 values are exact in bf16: dK's B operand Q_i is made in
+the kernel (q8_i's tile converted to bf16 in shared memory while S^T / dP^T run; rows past the
+document end zeroed on tail tiles), V_j, K_j and dO come by TMA from host bf16 copies
+(mixed_operands, one pass). Every bf16 tile is a (rows, 64) box (128-byte rows): D = 128 GEMMs
+reducing over D are two chained wgmmas, those producing D columns two 64-column halves. The
+per-row vectors come as four (1, BM) / two (1, BN) boxes of padded copies (torch gathers).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -86,130 +95,21 @@ try:   # Gluon ships with triton >= 3.5; keep the module importable where it doe
 except ImportError:   # pragma: no cover
     HAVE_GLUON = False
 
+from .config import RECIPE_IDS, GluonDkdvConfig, GluonDqConfig, MixedDkdvConfig, MixedDqConfig
 from .kmajor import mma_key_order_gluon, mma_order16_gluon
+from .schedule import persistent_grid, work_list
 
 if HAVE_GLUON:   # the persistent kernels' work-list reader
     from .schedule import work_item
 
 LOG2E = 1.4426950408889634
 CH_ = 64    # column chunk of D for the dV / dK GEMM results and accumulators
-
-
-@dataclass(frozen=True)
-class GluonDkdvConfig:
-    bn: int = 64          # keys per CTA (one warpgroup)
-    bm: int = 64          # query rows per step
-    stages: int = 2       # TMA ring depth (D=128: 2 keeps ~90 KB smem -> 2 CTAs / SM)
-    vec_tma: bool = True  # lse / Delta / sq / sdo by (1, BM) TMA boxes (False: gl.load)
-    num_warps: int = 4
-    sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # ws: a 1-warp TMA producer partition, for bn=128 / num_warps=8 only (FA3's layout). The two
-    # consumer warpgroups issue no TMA, so the membar pass's bar.sync per TMA issue goes away
-    # (12 partition-wide bar.sync per tile -> 4) and they can drift apart between the rest.
-    ws: bool = False
-    producer_regs: int = 24   # setmaxnreg of the ws producer warp
-    # the padded vectors built by one Triton launch (kmajor.padded_rows) instead of 4 torch
-    # gathers (host side only: the kernel is the same)
-    vec_gather: bool = False
-    # fold_sdo: the lse vector arrives as lse * log2(e) - log2(sdo) (sdo is a power of two), so
-    # exp2 gives a = P^T sdo_i directly: one FMUL per element and one per query less per tile
-    # (constexpr FOLD; needs vec_tma)
-    fold_sdo: bool = False
-    # shared_mask: the dS^T mask written as the same expression as the dV operand's; the
-    # compiler then computes the predicate once, before the first masked `where`, on every
-    # tile (~180 more SASS instructions per tile at D=128, but 180 instead of 340 B of spills).
-    # Off: each masked branch computes its own (constexpr SHARED_MASK).
-    shared_mask: bool = False
-    # pack_vecs: lse, Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer, one (4, BM)
-    # TMA box per tile instead of four (1, BM) ones (each TMA issue costs the consumer a CTA
-    # barrier and ~20 instructions of descriptor / coordinate set-up; needs vec_tma)
-    pack_vecs: bool = False
-    # threshold_mask: both masks as one compare per element against a per-column threshold
-    # (constexpr THR_MASK; the same predicate). late_dv: the dV GEMM issued after the dS^T
-    # operand, not overlapping its math (constexpr LATE_DV): 32 fewer live registers. Together
-    # at D=128 with shared_mask: 1132 -> 1010 SASS on the unconditional path per tile, spills
-    # 204 -> 80 B (benchmarks/NOTES.md session 5 item 12); doc32k 37.5 -> 33.0 ms (session 6).
-    threshold_mask: bool = False
-    late_dv: bool = False
-    # key_order_dv / key_order_dk: the A operand a8 = P^T sdo of the dV GEMM / b8 = dS^T of the
-    # dK GEMM goes in as its registers already are an fp8 wgmma A operand (queries, the
-    # reduction dim, in kmajor.mma_order16 order within 16-query groups), with doT8 / qT8 in the
-    # same column order (launch_preprocess writes them so when this kernel runs), instead of a
-    # cross-lane conversion (constexpr KEY_ORDER_DV / KEY_ORDER_DK). CPU, SASS per tile: D=64
-    # both 692 -> 643, no spills (the default since session 10); D=128 dk only 929 -> 902 and
-    # spills 64 -> 60 B, dv only 974, both 998 with 292 B (benchmarks/NOTES.md session 10).
-    key_order_dv: bool = False
-    key_order_dk: bool = False
-    diag: int = 0   # timing diagnostic (wrong results): _dkdv_loop's DIAG (benchmarks/NOTES.md s11)
-
-
-def plain_gluon_config(D: int) -> GluonDkdvConfig:
-    """One warpgroup per 64 keys, no opt-in: the base the dev ladders and variants start from."""
-    return GluonDkdvConfig(stages=3 if D <= 64 else 2)
-
-
-@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
-def default_gluon_config(D: int) -> GluonDkdvConfig:
-    """The fastest config measured on the H200 (benchmarks/NOTES.md, session 6 item 1 and
-    session 7 item 7; bwd_gluon_dev.py in one process, ms, doc8k_x4 / longtail / doc32k at
-    D=128, doc8k_x4 at D=64): D=128 fold_sdo + pack_vecs + late_dv + threshold_mask 8.10 / 8.11
-    / 32.30 (with shared_mask as well, the session-6 default: 8.36 / 8.34 / 31.95; without the
-    last two 9.62 / 9.01 / 37.54, plain 10.44 / 10.22 / 43.94, session 6); D=64 FA3's layout
-    (w8ws) + fold_sdo + pack_vecs 6.51 (+ threshold_mask 6.62, plain 7.35), + key_order_dv/dk
-    (session 10): d64_doc8k_x4 6.36 -> 5.95, d64_longtail 5.06 -> 4.76."""
-    if D <= 64:
-        return dataclasses.replace(plain_gluon_config(D), bn=128, num_warps=8, ws=True,
-                                   fold_sdo=True, pack_vecs=True, key_order_dv=True,
-                                   key_order_dk=True)
-    return dataclasses.replace(plain_gluon_config(D), fold_sdo=True, pack_vecs=True,
-                               late_dv=True, threshold_mask=True)
-
-
-@dataclass(frozen=True)
-class GluonDqConfig:
-    bm: int = 64          # query rows per CTA (16 per warp: one m64 wgmma block per warpgroup)
-    bn: int = 64          # keys per step
-    stages: int = 3       # kv ring depth (D=128: ~99 KB smem with the rotate tile -> 2 CTAs / SM)
-    vec_tma: bool = True  # sk / sv by (1, BN) TMA boxes of padded (Hkv, Tp) copies (False: gl.load)
-    num_warps: int = 4
-    sync_mma: bool = False  # every wgmma waited for at once (bisection baseline)
-    # --- opt-in (off: the production schedule of _dq_fp8_kernel) ---
-    # ws: a 1-warp TMA producer partition (constexpr WS); needs vec_tma, not sync_mma, one
-    # warpgroup. (The software-pipelined S / dP "overlap" schedules lost on the H200 and were
-    # removed: benchmarks/NOTES.md, session 5.)
-    ws: bool = False
-    producer_regs: int = 24   # setmaxnreg of the ws producer warp
-    # launch register cap (0: none). ws allocates 8 warps (the producer warp padded to a
-    # warpgroup): maxnreg 128 keeps 2 CTAs / SM, the consumer then setmaxnreg's up to ~232
-    maxnreg: int = 0
-    vec_gather: bool = False   # sk / sv by one Triton launch (kmajor.padded_rows)
-    # persistent: that many CTAs per SM walk the forward's work list (flamia.ops.schedule), the
-    # ws producer running ahead across items (_dq_fp8_persistent_kernel); needs ws. qbuf: q8 /
-    # do8 buffers (2: the next item's pair loads during this item)
-    persistent: int = 0
-    qbuf: int = 2
-    diag: int = 0   # persistent only, timing diagnostic (wrong results): _dq_tile_update's DIAG
-
-
-def plain_dq_config(D: int) -> GluonDqConfig:
-    """One program per (document, query head, query block): the base the dev ladders and
-    variants start from. sk / sv gathered by one Triton launch (vec_gather; bitwise the torch
-    gathers, and the same kernel: timed alike on the H200, session 5) to spare the host 4 small
-    torch ops."""
-    return GluonDqConfig(stages=4 if D <= 64 else 3, vec_gather=True)
-
-
-@functools.lru_cache(maxsize=None)   # frozen: one per D, not rebuilt per call
-def default_dq_config(D: int) -> GluonDqConfig:
-    """The persistent kernel, two CTAs per SM, q8 / do8 single-buffered at the plain ring depth
-    (benchmarks/NOTES.md session 11 item 2; bitwise the plain kernel's results). H200, ms, plain
-    -> persistent, same process: doc512_x64 0.72 -> 0.62, doc2k_x16 1.67 -> 1.54, longtail
-    4.54 -> 4.17, doc8k_x4 5.74 -> 5.27, d64_doc8k_x4 4.22 -> 4.07."""
-    return dataclasses.replace(plain_dq_config(D), ws=True, maxnreg=128, persistent=2, qbuf=1)
+RECIPE_FP8, RECIPE_MIXED = RECIPE_IDS["fp8"], RECIPE_IDS["fp8_mixed"]
 
 
 if HAVE_GLUON:
     CH = gl.constexpr(CH_)
+
 
     @gluon.jit
     def _pow2_scale_g(amax, FMT_EXP: gl.constexpr):
@@ -232,96 +132,69 @@ if HAVE_GLUON:
         return scale, inv
 
     @gluon.jit
-    def _issue_tile(it, nb, lo, start, pstart, hk, T,
-                    q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                    q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
-                    GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
-                    VEC_TMA: gl.constexpr):
+    def _issue_tile(it, nb, lo, start, pstart, hk, q_desc, do_desc, qT_desc, doT_desc, vec_desc,
+                    q_s, do_s, qT_s, doT_s, vec_s, ready, pred, GROUP, D: gl.constexpr,
+                    BM: gl.constexpr, NS: gl.constexpr):
         """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
         i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
         _issue_tile_at(i0, h, it % NS, start, pstart, q_desc, do_desc, qT_desc, doT_desc,
-                       lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s, lse_s, dl_s,
-                       sq_s, sdo_s, ready, pred, D, VEC_TMA)
+                       vec_desc, q_s, do_s, qT_s, doT_s, vec_s, ready, pred, D)
 
     @gluon.jit
-    def _issue_tile_at(i0, h, s, start, pstart,
-                       q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                       q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
-                       D: gl.constexpr, VEC_TMA: gl.constexpr):
-        """TMA loads of the query tile (head h, first row i0) into ring slot s.
-        Packed vectors (lse_desc with (4, BM) boxes, GluonDkdvConfig.pack_vecs): one box of the
-        four rows lse, Delta, sq, sdo into lse_s (the one ring) instead of four (1, BM) boxes."""
+    def _issue_tile_at(i0, h, s, start, pstart, q_desc, do_desc, qT_desc, doT_desc, vec_desc,
+                       q_s, do_s, qT_s, doT_s, vec_s, ready, pred, D: gl.constexpr):
+        """TMA loads of the query tile (head h, first row i0) into ring slot s: q8_i, do8_i
+        (token-major), qT8_i, doT8_i (K-major, padded columns) and one (4, BM) box of the packed
+        per-query vectors lse, Delta, sq, sdo (rows 4h .. 4h + 3 of vector_gathers' buffer)."""
         bar = ready.index(s)
-        PACK: gl.constexpr = lse_desc.block_type.shape[0] > 1
-        NVEC: gl.constexpr = 1 if PACK else 4
         # the full boxes' bytes (TMA counts out-of-bounds fills too), from the descriptors
-        if VEC_TMA:
-            NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
-                                    + NVEC * lse_desc.block_type.nbytes)
-        else:
-            NBYTES: gl.constexpr = 2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+        NBYTES: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * qT_desc.block_type.nbytes
+                                + vec_desc.block_type.nbytes)
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(do_desc, [start + i0, h * D], bar, do_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(qT_desc, [h * D, pstart + i0], bar, qT_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
                                         pred=pred)
-        if VEC_TMA and PACK:
-            tma.async_copy_global_to_shared(lse_desc, [h * 4, pstart + i0], bar, lse_s.index(s),
-                                            pred=pred)
-        elif VEC_TMA:
-            _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
-                              pstart + i0, bar, s, pred)
+        tma.async_copy_global_to_shared(vec_desc, [h * 4, pstart + i0], bar, vec_s.index(s),
+                                        pred=pred)
 
     @gluon.jit
-    def _row_vec(ring, s, ptr, h, T, start, m_idx, L, other, COL: gl.constexpr,
-                 VEC_TMA: gl.constexpr, ROW: gl.constexpr = 0):
-        """A per-query vector of the tile in the column slice layout of the MMA results: stage s
-        of a (NS, R, BM) fp32 ring (unswizzled, so read as a plain 1-D buffer; row ROW when the
-        ring packs R > 1 vectors, else row 0), or a masked global load."""
-        if VEC_TMA:
-            R: gl.constexpr = ring.shape[1]
-            BM: gl.constexpr = ring.shape[2]
-            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-            if R == 1:
-                x = ring.index(s)._reinterpret(gl.float32, [BM], flat).load(COL)
-            else:
-                x = ring.index(s)._reinterpret(gl.float32, [R * BM], flat).slice(
-                    ROW * BM, BM).load(COL)
+    def _row_vec(ring, s, COL: gl.constexpr, ROW: gl.constexpr = 0):
+        """A per-query (or per-key) vector of the tile in the column slice layout of the MMA
+        results: stage s of a (NS, R, BM) fp32 ring of TMA boxes (unswizzled, so read as a
+        plain 1-D buffer), row ROW when the ring packs R > 1 vectors, else row 0."""
+        R: gl.constexpr = ring.shape[1]
+        BM: gl.constexpr = ring.shape[2]
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        if R == 1:
+            x = ring.index(s)._reinterpret(gl.float32, [BM], flat).load(COL)
         else:
-            x = gl.load(ptr + h * T + start + m_idx, mask=m_idx < L, other=other)
+            x = ring.index(s)._reinterpret(gl.float32, [R * BM], flat).slice(
+                ROW * BM, BM).load(COL)
         return x
 
     @gluon.jit
-    def _mma(a, b, zero, SYNC: gl.constexpr):
-        """a @ b from a zero accumulator: an async wgmma (a token for _mma_wait), or with SYNC a
-        plain one, waited for at once (the bisection baseline: no wgmma ever overlaps)."""
-        if SYNC:
-            r = warpgroup_mma(a, b, zero, use_acc=False)
-        else:
-            r = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-        return r
+    def _mma(a, b, zero):
+        """a @ b from a zero accumulator: an async wgmma (a token for _mma_wait)."""
+        return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _mma_wait(tok, N: gl.constexpr, SYNC: gl.constexpr):
-        if SYNC:
-            r = tok
-        else:
-            r = warpgroup_mma_wait(N, deps=(tok,))
-        return r
+    def _mma_wait(tok, N: gl.constexpr):
+        return warpgroup_mma_wait(N, deps=(tok,))
 
     @gluon.jit
-    def _promote(tok, N: gl.constexpr, acc, c, SYNC: gl.constexpr):
+    def _promote(tok, N: gl.constexpr, acc, c):
         """The fp32 promotion of one fresh fp8 GEMM result: acc + result * c per row, once the
         wgmma is retired (waited for down to N groups still in flight)."""
-        return acc + _mma_wait(tok, N, SYNC) * gl.expand_dims(c, 1)
+        return acc + _mma_wait(tok, N) * gl.expand_dims(c, 1)
 
     @gluon.jit
-    def _promote_pair(tok0, tok1, acc0, acc1, c, SYNC: gl.constexpr):
+    def _promote_pair(tok0, tok1, acc0, acc1, c):
         """_promote of two in-flight 64-column GEMM halves (issued in this order, no later
         wgmma outstanding), each as soon as it is done."""
-        acc0 = _promote(tok0, 1, acc0, c, SYNC)
-        acc1 = _promote(tok1, 0, acc1, c, SYNC)
+        acc0 = _promote(tok0, 1, acc0, c)
+        acc1 = _promote(tok1, 0, acc1, c)
         return acc0, acc1
 
     @gluon.jit
@@ -406,14 +279,6 @@ if HAVE_GLUON:
         ptr = dst + gl.expand_dims(row_off, 1) + gl.expand_dims(cols, 0)
         gl.store(ptr, x.to(dst.dtype.element_ty), mask=gl.expand_dims(rows_ok, 1))
 
-    # ------------------------------------------------------------------------------------------
-    # Pieces of the fp8 kernels below that the fp8_mixed ones (backward_gluon_mixed) reuse as
-    # they are, like the helpers above: program prologues, shared-memory rings and barriers,
-    # per-key / per-query vectors, tile indices, masks, P^T and the dV operand, epilogues.
-    # Triton inlines them, and the PTX follows their op order: keep it when editing (an
-    # argument computed by the caller moves its instructions before the helper's first op).
-    # ------------------------------------------------------------------------------------------
-
     @gluon.jit
     def _store_pair(x0, x1, dst, rows_ok, row_off, NCH: gl.constexpr, LACC: gl.constexpr):
         """A (rows, D) result held as NCH 64-column chunks (x1 unused when NCH == 1)."""
@@ -472,17 +337,11 @@ if HAVE_GLUON:
         return h, hk, start, L_doc, pstart, ib
 
     @gluon.jit
-    def _vec_ring(desc, placeholder, NS: gl.constexpr, BOX: gl.constexpr,
-                  VEC_TMA: gl.constexpr):
+    def _vec_ring(desc, NS: gl.constexpr, BOX: gl.constexpr):
         """The (NS, R, BOX) fp32 ring of a per-row vector's TMA boxes (R rows per box: 1, or 4
-        packed vectors; the descriptor's unswizzled layout); without VEC_TMA `placeholder`, never
-        touched."""
-        if VEC_TMA:
-            R: gl.constexpr = desc.block_type.shape[0]
-            ring = gl.allocate_shared_memory(gl.float32, [NS, R, BOX], desc.layout)
-        else:
-            ring = placeholder
-        return ring
+        packed vectors; the descriptor's unswizzled layout)."""
+        R: gl.constexpr = desc.block_type.shape[0]
+        return gl.allocate_shared_memory(gl.float32, [NS, R, BOX], desc.layout)
 
     @gluon.jit
     def _init_barriers(NS: gl.constexpr, WS: gl.constexpr):
@@ -627,31 +486,28 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(sv_desc, [hk, c0], bar, sv_s.index(s), pred=pred)
 
     @gluon.jit
-    def _dv_operand(s_tok, s, rowf, n_idx, cols, h, T, start, L_doc, shift, need_mask,
-                    lse_s, sq_s, sdo_s, lse, sq, sdo, PENDING: gl.constexpr, BM: gl.constexpr,
-                    COL: gl.constexpr, AOP: gl.constexpr, VEC_TMA: gl.constexpr,
-                    SYNC: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
+    def _dv_operand(s_tok, s, rowf, n_idx, cols, L_doc, shift, need_mask, lse_s, sq_s, sdo_s,
+                    PENDING: gl.constexpr, BM: gl.constexpr, COL: gl.constexpr,
+                    AOP: gl.constexpr, FOLD: gl.constexpr, THR: gl.constexpr,
                     KEY_ORDER: gl.constexpr = False, LAZY: gl.constexpr = False):
         """P^T of a dK/dV tile from its S^T wgmma (waited for down to PENDING groups) and the
         dV GEMM's A operand: a = P^T sdo_i (masked), its per-key scale c_j, e4m3(a / c_j).
         cols: the tile's query indices, or with LAZY its first query (_cols_of).
-        FOLD: the lse ring holds lse * log2(e) - log2(sdo_i), the exponent gives a at once
-        (p is then a as well: only for callers that do not need P itself)."""
-        if VEC_TMA:
-            m_idx = cols   # (unused by _row_vec)
-        else:
-            m_idx = _cols_of(cols, BM, COL, LAZY)
-        lse2 = _row_vec(lse_s, s, lse, h, T, start, m_idx, L_doc, float("inf"), COL, VEC_TMA)
+        FOLD (the fp8 kernel): the lse ring holds lse * log2(e) - log2(sdo_i), the exponent
+        gives a at once (p is then a as well: only for callers that do not need P itself).
+        Without FOLD (fp8_mixed) lse_s / sq_s / sdo_s are separate (1, BM) rings; with it one
+        packed (4, BM) ring (rows lse, Delta, sq, sdo)."""
+        lse2 = _row_vec(lse_s, s, COL)
         if not FOLD:
             lse2 = lse2 * 1.4426950408889634
-        sq_i = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-        st = _mma_wait(s_tok, PENDING, SYNC)
+        sq_i = _row_vec(sq_s, s, COL, 2)
+        st = _mma_wait(s_tok, PENDING)
         p = gl.exp2(st * gl.expand_dims(rowf, 1) * gl.expand_dims(sq_i, 0)
                     - gl.expand_dims(lse2, 0))
         if FOLD:
             a = p
         else:
-            sdo_i = _row_vec(sdo_s, s, sdo, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 3)
+            sdo_i = _row_vec(sdo_s, s, COL, 3)
             a = p * gl.expand_dims(sdo_i, 0)
         if need_mask:   # on a (not P): sdo of another document's token may be NaN
             a = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), a,
@@ -670,8 +526,8 @@ if HAVE_GLUON:
         (MixedDkdvConfig.lazy_cols) computed here from cols = the tile's first query, inside
         each masked branch that needs them. Computed once for both branches, before the
         first, they cost every tile ~64 SASS instructions (the column pattern rebuilt from
-        the lane id). Inside, the fp8_mixed kernel gained 14 % (H200); the fp8 kernel at
-        D=128 lost 20 % (ptxas spilled more: 276 B), so it keeps the indices (NOTES s13)."""
+        the lane id). Inside, the fp8_mixed kernel is 14 % faster on the H200; the fp8 kernel
+        at D=128 20 % slower (ptxas spills more: 276 B), so it keeps the indices."""
         if LAZY:
             cols = cols + gl.arange(0, BM, layout=COL)
         return cols
@@ -690,20 +546,17 @@ if HAVE_GLUON:
         return ok
 
     @gluon.jit
-    def _mask_ds_t(b, n_idx, cols, shift, L_doc, need_mask, SHARED: gl.constexpr,
-                   THR: gl.constexpr, COL: gl.constexpr, LAZY: gl.constexpr = False):
+    def _mask_ds_t(b, n_idx, cols, shift, L_doc, need_mask, COL: gl.constexpr,
+                   LAZY: gl.constexpr = False):
         """dK/dV: b (the dK operand before scaling) masked like a in _dv_operand, where needed:
         dP^T, Delta, sq of out-of-document columns may be anything (another document). cols:
         as in _dv_operand."""
         BM: gl.constexpr = b.shape[1]
-        if SHARED and need_mask:
-            b = gl.where(_visible(n_idx, _cols_of(cols, BM, COL, LAZY), shift, L_doc, THR), b,
-                         0.0)
-        elif need_mask:
+        if need_mask:
             m_idx = _cols_of(cols, BM, COL, LAZY)
             # the predicate of _dv_operand's `ok`, written differently: as the same expression
             # the compiler computed it once, before the first `if`, on every tile (~120 of
-            # ~1200 SASS instructions per tile; benchmarks/NOTES.md, session 4)
+            # ~1200 SASS instructions per tile)
             ok2 = (((gl.expand_dims(n_idx, 1) - gl.expand_dims(m_idx, 0)) <= shift)
                    & gl.expand_dims((L_doc - m_idx) > 0, 0))
             b = gl.where(ok2, b, 0.0)
@@ -733,19 +586,6 @@ if HAVE_GLUON:
         _store_out(acc_dk0, acc_dk1, hmat, dk, n_ok, row_off, out_scale, ROTATE, D, BN, NCH, L,
                    num_warps)
 
-    # ------------------------------------------------------------------------------------------
-    # ws (GluonDkdvConfig.ws / GluonDqConfig.ws; constexpr WS of _dkdv_fp8_kernel /
-    # _dq_fp8_kernel): gl.warp_specialize with a 1-warp TMA producer partition (forward_gluon's
-    # ready / release protocol). The producer issues every TMA load: K / V (dQ: q8 / do8) once,
-    # the first NS ring tiles, then, per release r_j (count 1, phase j // NS of rel[j % NS]),
-    # tile j + NS into the freed slot. The consumer (the default partition: dK/dV two
-    # warpgroups, dQ one) waits for ready[j % NS] as without ws, issues no TMA (so no CTA-wide
-    # bar.sync per TMA issue in its loop), and releases slot j % NS once every one of its warps
-    # is done reading it (_release_slot). The accumulators are returned from the partition; the
-    # epilogue (stores, Hadamard rotate) runs after it. Per tile the numerics are the default's,
-    # op for op: results expected bitwise equal.
-    # ------------------------------------------------------------------------------------------
-
     @gluon.jit
     def _release_slot(rel, s):
         """The consumer partition is done with ring slot s. The fence orders this thread's
@@ -759,10 +599,9 @@ if HAVE_GLUON:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                       lse_desc, dl_desc, sq_desc, sdo_desc,
-                       k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
-                       ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP, T):
+    def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc, vec_desc,
+                       k_s, v_s, q_s, do_s, qT_s, doT_s, vec_s,
+                       ready, rel, kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP):
         """The 1-warp TMA partition of _dkdv_fp8_kernel with WS. Sizes from the buffers' types
         (constexpr arguments of a worker partition arrive as tensors in Triton 3.6)."""
         NS: gl.constexpr = q_s.type.shape[0]
@@ -772,30 +611,24 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(k_desc, [start + n0, hk * D], kv_bar, k_s)
         tma.async_copy_global_to_shared(v_desc, [start + n0, hk * D], kv_bar, v_s)
         for pi in gl.static_range(NS):
-            _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc, doT_desc,
-                        lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, True)
+            _issue_tile(pi, nb, lo, start, pstart, hk, q_desc, do_desc, qT_desc, doT_desc,
+                        vec_desc, q_s, do_s, qT_s, doT_s, vec_s, ready, pi < total, GROUP, D,
+                        BM, NS)
         for j in range(total - NS):
             mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
-            _issue_tile(j + NS, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                        doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s, doT_s,
-                        lse_s, dl_s, sq_s, sdo_s, ready, True, GROUP, D, BM, NS, True)
+            _issue_tile(j + NS, nb, lo, start, pstart, hk, q_desc, do_desc, qT_desc, doT_desc,
+                        vec_desc, q_s, do_s, qT_s, doT_s, vec_s, ready, True, GROUP, D, BM, NS)
 
     @gluon.jit
-    def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
-                   k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel,
-                   kv_bar, lse, delta, sq, sdo, sk, sv, start, pstart, L_doc, n0, hk, lo, nb,
-                   total, GROUP, T, qk_scale2,
+    def _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, vec_desc, k_s, v_s, q_s, do_s, qT_s,
+                   doT_s, vec_s, ready, rel, kv_bar, sk, sv, start, pstart, L_doc, n0, hk, lo,
+                   nb, total, GROUP, T, qk_scale2,
                    D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                   CAUSAL: gl.constexpr, VEC_TMA: gl.constexpr, SYNC: gl.constexpr,
-                   WS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-                   THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
-                   KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-                   DIAG: gl.constexpr = 0):
+                   CAUSAL: gl.constexpr, WS: gl.constexpr, THR_MASK: gl.constexpr,
+                   LATE_DV: gl.constexpr, num_warps: gl.constexpr,
+                   KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False):
         """The main loop of _dkdv_fp8_kernel (with WS: its consumer partition); returns the
-        fp32 accumulators (dV half 0, 1, dK half 0, 1). DIAG=1 (timing diagnostic, wrong
-        results): the four GEMMs with almost no element-wise work between them (the dV / dK
-        A operands are S^T / dP^T cast to e4m3, the promotion scales rowf_j)."""
+        fp32 accumulators (dV half 0, 1, dK half 0, 1)."""
         NCH: gl.constexpr = D // CH
         # One MMA layout for S^T, dP^T, and every 64-column chunk of the dV / dK results and
         # accumulators: per-key scale vectors broadcast without layout conversions.
@@ -815,8 +648,8 @@ if HAVE_GLUON:
         shift = _causal_shift(L_doc, CAUSAL)
         mbarrier.wait(kv_bar, 0)
         # (head, block) cursors of the current tile and of the tile NS - 1 ahead (the refill):
-        # advanced per tile, so the loop divides by nb only here (two runtime divisions per
-        # tile before: D=128 1010 -> 969 SASS per tile, doc32k 33.9 -> 32.0 ms; NOTES s7 item 3)
+        # advanced per tile, so the loop divides by nb only here (a runtime division per tile
+        # costs ~40 SASS of the ~1000 per tile at D=128, and 6 % of doc32k's time)
         g_cur = 0
         blk_cur = 0
         g_nxt = (NS - 1) // nb
@@ -826,9 +659,8 @@ if HAVE_GLUON:
             if not WS:   # refill the slot consumed at it - 1 (its wgmmas were all waited for)
                 nxt = it + NS - 1
                 _issue_tile_at(lo + blk_nxt * BM, hk * GROUP + g_nxt, nxt % NS, start, pstart,
-                               q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                               sdo_desc, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready,
-                               nxt < total, D, VEC_TMA)
+                               q_desc, do_desc, qT_desc, doT_desc, vec_desc, q_s, do_s, qT_s,
+                               doT_s, vec_s, ready, nxt < total, D)
                 g_nxt, blk_nxt = _next_tile(g_nxt, blk_nxt, nb)
             s = it % NS
             i0 = lo + blk_cur * BM
@@ -840,8 +672,8 @@ if HAVE_GLUON:
             dos = do_s.index(s)
             qTs = qT_s.index(s)
             doTs = doT_s.index(s)
-            s_tok = _mma(k_s, qs.permute((1, 0)), zero, SYNC)
-            dp_tok = _mma(v_s, dos.permute((1, 0)), zero, SYNC)
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero)
+            dp_tok = _mma(v_s, dos.permute((1, 0)), zero)
 
             if tail:   # at most once per head: the K-major tiles' columns past the document end
                 _zero_tail_cols(qTs, i0, L_doc, D, BM, num_warps, KEY_ORDER_DK)
@@ -849,77 +681,59 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
 
-            if DIAG == 1:
-                a8 = gl.convert_layout(_mma_wait(s_tok, 1, SYNC).to(gl.float8e4nv), AOP)
-                c = rowf
-            else:
-                p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, h, T, start, L_doc,
-                                          shift, need_mask, lse_s, sq_s, sdo_s, lse, sq, sdo, 1,
-                                          BM, COL, AOP, VEC_TMA, SYNC, FOLD, THR_MASK,
-                                          KEY_ORDER_DV)
+            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, m_idx, L_doc, shift, need_mask,
+                                      vec_s, vec_s, vec_s, 1, BM, COL, AOP, True, THR_MASK,
+                                      KEY_ORDER_DV)
             if not LATE_DV:   # dV's first half overlaps the dS^T math (32 result registers)
-                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero)
 
-            dl_i = _row_vec(dl_s, s, delta, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 1)
+            dl_i = _row_vec(vec_s, s, COL, 1)
             if LATE_DV:   # nothing issued after dP^T yet
-                dp = _mma_wait(dp_tok, 0, SYNC)
+                dp = _mma_wait(dp_tok, 0)
             else:
-                dp = _mma_wait(dp_tok, 1, SYNC)
-            if DIAG == 1:
-                b8 = gl.convert_layout(dp.to(gl.float8e4nv), AOP)
-                c2 = rowf
+                dp = _mma_wait(dp_tok, 1)
+            t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
+            # sq_i again from shared memory: not kept live in registers across the wgmma waits
+            sq_i2 = _row_vec(vec_s, s, COL, 2)
+            b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
+                           need_mask, COL)
+            c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+            if KEY_ORDER_DK:
+                b8 = gl.convert_layout(
+                    mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)), AOP)
             else:
-                t = dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0)
-                # sq_i again from shared memory: not kept live in registers across the wgmma
-                # waits
-                sq_i2 = _row_vec(sq_s, s, sq, h, T, start, m_idx, L_doc, 0.0, COL, VEC_TMA, 2)
-                b = _mask_ds_t(a * t * gl.expand_dims(sq_i2, 0), n_idx, m_idx, shift, L_doc,
-                               need_mask, SHARED_MASK, THR_MASK, COL)
-                c2, inv2 = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-                if KEY_ORDER_DK:
-                    b8 = gl.convert_layout(
-                        mma_key_order_gluon((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv)),
-                        AOP)
-                else:
-                    b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
+                b8 = gl.convert_layout((b * gl.expand_dims(inv2, 1)).to(gl.float8e4nv), AOP)
             if LATE_DV:
-                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
+                dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero)
 
             if NCH == 2:
-                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c, SYNC)
-                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-                acc_dv1 = _promote(dv1_tok, 1, acc_dv1, c, SYNC)
-                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-                acc_dk0, acc_dk1 = _promote_pair(dk0_tok, dk1_tok, acc_dk0, acc_dk1, c2, SYNC)
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c)
+                dk0_tok = _mma(b8, qTs.slice(0, CH, dim=0).permute((1, 0)), zero)
+                acc_dv1 = _promote(dv1_tok, 1, acc_dv1, c)
+                dk1_tok = _mma(b8, qTs.slice(CH, CH, dim=0).permute((1, 0)), zero)
+                acc_dk0, acc_dk1 = _promote_pair(dk0_tok, dk1_tok, acc_dk0, acc_dk1, c2)
             else:
-                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero, SYNC)
-                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c, SYNC)
-                acc_dk0 = _promote(dk0_tok, 0, acc_dk0, c2, SYNC)
+                dk0_tok = _mma(b8, qTs.permute((1, 0)), zero)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c)
+                acc_dk0 = _promote(dk0_tok, 0, acc_dk0, c2)
             if WS:   # every read of slot s is done (wgmmas waited; vectors read)
                 _release_slot(rel, s)
 
         return acc_dv0, acc_dv1, acc_dk0, acc_dk1
 
-    # T, HQ, HKV runtime and unspecialized: one binary per (config, D, causal, dtypes), not one
-    # per head count / T % 16 (fewer compiles in the GPU dev runs; nothing depends on them)
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
     def _dkdv_fp8_kernel(
-        k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-        lse_desc, dl_desc, sq_desc, sdo_desc,
-        lse, delta, sq, sdo, sk, sv, dk, dv, hmat, cu, pcu,
+        k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc, vec_desc,
+        sk, sv, dk, dv, hmat, cu, pcu,
         T, stride_dkt, sm_scale, qk_scale2, out_scale,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
         BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, FOLD: gl.constexpr, SHARED_MASK: gl.constexpr,
-        THR_MASK: gl.constexpr, LATE_DV: gl.constexpr, num_warps: gl.constexpr,
-        KEY_ORDER_DV: gl.constexpr = False, KEY_ORDER_DK: gl.constexpr = False,
-        DIAG: gl.constexpr = 0,
+        WS: gl.constexpr, PRODUCER_REGS: gl.constexpr, THR_MASK: gl.constexpr,
+        LATE_DV: gl.constexpr, num_warps: gl.constexpr, KEY_ORDER_DV: gl.constexpr = False,
+        KEY_ORDER_DK: gl.constexpr = False,
     ):
-        gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 8),
-                         "ws needs VEC_TMA, async wgmma and two consumer warpgroups")
-        gl.static_assert(not FOLD or VEC_TMA, "FOLD needs VEC_TMA (the folded padded vector)")
+        gl.static_assert(not WS or num_warps == 8, "ws: two consumer warpgroups")
         GROUP = HQ // HKV
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -937,15 +751,7 @@ if HAVE_GLUON:
         do_s = gl.allocate_shared_memory(do_desc.dtype, [NS, BM, D], do_desc.layout)
         qT_s = gl.allocate_shared_memory(qT_desc.dtype, [NS, D, BM], qT_desc.layout)
         doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
-        lse_s = _vec_ring(lse_desc, q_s, NS, BM, VEC_TMA)
-        if lse_desc.block_type.shape[0] > 1:   # pack_vecs: one ring, rows lse, Delta, sq, sdo
-            dl_s = lse_s
-            sq_s = lse_s
-            sdo_s = lse_s
-        else:
-            dl_s = _vec_ring(dl_desc, q_s, NS, BM, VEC_TMA)
-            sq_s = _vec_ring(sq_desc, q_s, NS, BM, VEC_TMA)
-            sdo_s = _vec_ring(sdo_desc, q_s, NS, BM, VEC_TMA)
+        vec_s = _vec_ring(vec_desc, NS, BM)     # one ring, rows lse, Delta, sq, sdo
         ready, kv_bar, rel = _init_barriers(NS, WS)
 
         # --- K_j, V_j (WS: by the producer), the first NS - 1 query tiles --------------------
@@ -957,29 +763,25 @@ if HAVE_GLUON:
         lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
         if WS:   # (the arguments twice: a shared tuple would not keep D, BM, .. constexpr)
             accs = gl.warp_specialize([
-                (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
-                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
+                (_dkdv_loop, (q_desc, do_desc, qT_desc, doT_desc, vec_desc, k_s, v_s, q_s,
+                              do_s, qT_s, doT_s, vec_s, ready, rel, kv_bar, sk, sv, start,
                               pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)),
+                              BN, NS, CAUSAL, WS, THR_MASK, LATE_DV, num_warps, KEY_ORDER_DV,
+                              KEY_ORDER_DK)),
                 (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, qT_desc, doT_desc,
-                                  lse_desc, dl_desc, sq_desc, sdo_desc, k_s, v_s, q_s, do_s,
-                                  qT_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, rel, kv_bar,
-                                  start, pstart, n0, hk, lo, nb, total, GROUP, T)),
+                                  vec_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, vec_s, ready, rel,
+                                  kv_bar, start, pstart, n0, hk, lo, nb, total, GROUP)),
             ], [1], [PRODUCER_REGS])
         else:
             for pi in gl.static_range(NS - 1):
-                _issue_tile(pi, nb, lo, start, pstart, hk, T, q_desc, do_desc, qT_desc,
-                            doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc, q_s, do_s, qT_s,
-                            doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM,
-                            NS, VEC_TMA)
-            accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, lse_desc, dl_desc, sq_desc,
-                              sdo_desc, k_s, v_s, q_s, do_s, qT_s, doT_s, lse_s, dl_s, sq_s,
-                              sdo_s, ready, rel, kv_bar, lse, delta, sq, sdo, sk, sv, start,
-                              pstart, L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM,
-                              BN, NS, CAUSAL, VEC_TMA, SYNC, WS, FOLD, SHARED_MASK, THR_MASK,
-                              LATE_DV, num_warps, KEY_ORDER_DV, KEY_ORDER_DK, DIAG)
+                _issue_tile(pi, nb, lo, start, pstart, hk, q_desc, do_desc, qT_desc, doT_desc,
+                            vec_desc, q_s, do_s, qT_s, doT_s, vec_s, ready, pi < total, GROUP, D,
+                            BM, NS)
+            accs = _dkdv_loop(q_desc, do_desc, qT_desc, doT_desc, vec_desc, k_s, v_s, q_s, do_s,
+                              qT_s, doT_s, vec_s, ready, rel, kv_bar, sk, sv, start, pstart,
+                              L_doc, n0, hk, lo, nb, total, GROUP, T, qk_scale2, D, BM, BN, NS,
+                              CAUSAL, WS, THR_MASK, LATE_DV, num_warps, KEY_ORDER_DV,
+                              KEY_ORDER_DK)
         acc_dv0, acc_dv1, acc_dk0, acc_dk1 = accs
         _invalidate_barriers(ready, kv_bar, rel, NS, WS)
 
@@ -989,265 +791,52 @@ if HAVE_GLUON:
         _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start, hk,
                        stride_dkt, sm_scale, out_scale, ROTATE, D, BN, NCH, L, num_warps)
 
-    # ------------------------------------------------------------------------------------------
-    # dQ (same numerics as backward._dq_tile, RECIPE == 0)
-    # ------------------------------------------------------------------------------------------
-
-    @gluon.jit
-    def _issue_kv(jt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                  k_s, v_s, kT_s, sk_s, sv_s, ready, pred,
-                  D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, VEC_TMA: gl.constexpr):
-        """TMA loads of kv tile `jt` (keys j0 = jt * BN of the document) into ring slot jt % NS:
-        k8_j, v8_j (token-major), kT8_j (K-major, padded columns) and with VEC_TMA sk_j, sv_j
-        ((1, BN) boxes of the padded (Hkv, Tp) copies)."""
-        _issue_kv_at(jt * BN, jt % NS, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc,
-                     sv_desc, k_s, v_s, kT_s, sk_s, sv_s, ready, pred, D, VEC_TMA)
-
     @gluon.jit
     def _issue_kv_at(j0, s, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                     k_s, v_s, kT_s, sk_s, sv_s, ready, pred, D: gl.constexpr,
-                     VEC_TMA: gl.constexpr):
-        """_issue_kv of the tile at key j0 into ring slot s."""
+                     k_s, v_s, kT_s, sk_s, sv_s, ready, pred, D: gl.constexpr):
+        """TMA loads of the kv tile at key j0 into ring slot s: k8_j, v8_j (token-major), kT8_j
+        (K-major, padded columns) and sk_j, sv_j ((1, BN) boxes of the padded (Hkv, Tp)
+        copies)."""
         bar = ready.index(s)
-        if VEC_TMA:
-            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                    + kT_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
-        else:
-            NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                                    + kT_desc.block_type.nbytes)
+        NBYTES: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                + kT_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
         mbarrier.expect(bar, NBYTES, pred=pred)
         tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], bar, k_s.index(s), pred=pred)
         tma.async_copy_global_to_shared(v_desc, [start + j0, hk * D], bar, v_s.index(s), pred=pred)
         # pstart % 16 == 0 and j0 % BN == 0: 16-byte aligned innermost coordinates (fp8, fp32)
         tma.async_copy_global_to_shared(kT_desc, [hk * D, pstart + j0], bar, kT_s.index(s),
                                         pred=pred)
-        if VEC_TMA:
-            _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
-
-    # ------------------------------------------------------------------------------------------
-    # Opt-in schedule of the dQ kernel: ws (GluonDqConfig.ws / producer_regs; constexprs WS,
-    # PRODUCER_REGS of _dq_fp8_kernel; off by default: then it compiles to the production PTX).
-    # The protocol of the dK/dV kernel's (comment above _release_slot) with a one-warpgroup
-    # consumer; the producer loads q8 / do8 once, then the kv ring. Per tile the numerics are
-    # the default's, op for op; only who issues the TMA loads changes, so the results are
-    # expected bitwise equal to the default's. Needs VEC_TMA, async wgmma (not SYNC) and one
-    # warpgroup (_check_dq_ws).
-    # ------------------------------------------------------------------------------------------
+        _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
 
     @gluon.jit
-    def _dq_producer(q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                     q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                     start, pstart, m0, h, hk, total):
-        """The 1-warp TMA partition of _dq_fp8_kernel with WS (VEC_TMA): q8_i / do8_i once,
-        then the kv ring."""
-        NS: gl.constexpr = k_s.type.shape[0]
-        BN: gl.constexpr = k_s.type.shape[1]
-        D: gl.constexpr = k_s.type.shape[2]
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-        tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
-        for pi in gl.static_range(NS):
-            _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, True)
-        for j in range(total - NS):
-            mbarrier.wait(rel.index(j % NS), (j // NS) & 1)
-            _issue_kv(j + NS, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                      k_s, v_s, kT_s, sk_s, sv_s, ready, True, D, BN, NS, True)
-
-    @gluon.jit
-    def _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start, n_idx, L_doc,
-                        m_idx, shift, need_mask, rowf, lse2, dl_i, acc0, acc1, zero,
-                        NCH: gl.constexpr, COL: gl.constexpr, AOP: gl.constexpr,
-                        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, DIAG: gl.constexpr = 0):
-        """One dQ tile after its S / dP wgmmas were issued (both dQ kernels): P, t, the masked
-        dS operand with its per-query scale, the dS K GEMM and the fp32 promotion into acc.
-        DIAG=1 (timing diagnostic, wrong results): the three GEMMs with almost no element-wise
-        work between them (the dQ GEMM's A operand is S + dP cast to e4m3, the promotion scale
-        rowf_i, as _dkdv_loop's DIAG)."""
-        if DIAG == 1:
-            sc = _mma_wait(s_tok, 1, SYNC)
-            dp = _mma_wait(dp_tok, 0, SYNC)
-            b8 = gl.convert_layout((sc + dp).to(gl.float8e4nv), AOP)
-            c = rowf
-        else:
-            sk_j = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            sc = _mma_wait(s_tok, 1, SYNC)
-            # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
-            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
-                        - gl.expand_dims(lse2, 1))
-            sv_j = _row_vec(sv_s, s, sv, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            dp = _mma_wait(dp_tok, 0, SYNC)
-            t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
-            # sk_j again from shared memory / L1: not kept live across the wgmma waits
-            sk_j2 = _row_vec(sk_s, s, sk, hk, T, start, n_idx, L_doc, 0.0, COL, VEC_TMA)
-            b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc,
-                         need_mask)
-            c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
-            b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
+    def _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, n_idx, L_doc, m_idx, shift, need_mask,
+                        rowf, lse2, dl_i, acc0, acc1, zero, NCH: gl.constexpr, COL: gl.constexpr,
+                        AOP: gl.constexpr):
+        """One dQ tile after its S / dP wgmmas were issued: P, t, the masked dS operand with its
+        per-query scale, the dS K GEMM and the fp32 promotion into acc."""
+        sk_j = _row_vec(sk_s, s, COL)
+        sc = _mma_wait(s_tok, 1)
+        # the order of backward._dq_tile: s = (q8 k8^T) sk_j, P = exp2(s rowf_i - lse2_i)
+        p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                    - gl.expand_dims(lse2, 1))
+        sv_j = _row_vec(sv_s, s, COL)
+        dp = _mma_wait(dp_tok, 0)
+        t = dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1)
+        # sk_j again from shared memory / L1: not kept live across the wgmma waits
+        sk_j2 = _row_vec(sk_s, s, COL)
+        b = _mask_ds(p * t * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
+        c, inv = _pow2_scale_g(gl.max(gl.abs(b), axis=1), 8)
+        b8 = gl.convert_layout((b * gl.expand_dims(inv, 1)).to(gl.float8e4nv), AOP)
 
         # per-tile fp32 promotion: each fp8 wgmma from zero, scaled and added by the CUDA cores
         if NCH == 2:
-            d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero, SYNC)
-            d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero, SYNC)
-            acc0, acc1 = _promote_pair(d0_tok, d1_tok, acc0, acc1, c, SYNC)
+            d0_tok = _mma(b8, kTs.slice(0, CH, dim=0).permute((1, 0)), zero)
+            d1_tok = _mma(b8, kTs.slice(CH, CH, dim=0).permute((1, 0)), zero)
+            acc0, acc1 = _promote_pair(d0_tok, d1_tok, acc0, acc1, c)
         else:
-            d0_tok = _mma(b8, kTs.permute((1, 0)), zero, SYNC)
-            acc0 = _promote(d0_tok, 0, acc0, c, SYNC)
+            d0_tok = _mma(b8, kTs.permute((1, 0)), zero)
+            acc0 = _promote(d0_tok, 0, acc0, c)
         return acc0, acc1
-
-    @gluon.jit
-    def _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                 q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                 lse, delta, sq, sk, sv, start, pstart, L_doc, m0, h, hk, total, mask_from,
-                 shift, T, qk_scale2,
-                 D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                 VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-                 num_warps: gl.constexpr):
-        """The main loop of _dq_fp8_kernel (with WS: its consumer partition); returns the fp32
-        accumulators (dQ half 0, 1)."""
-        NCH: gl.constexpr = D // CH
-        # One MMA layout for S, dP and the 64-column chunks of the dQ results / accumulators: the
-        # per-query vectors (ROW) and per-key vectors (COL) broadcast without conversions.
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
-        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
-        COL: gl.constexpr = gl.SliceLayout(0, L)     # per key (columns of S)
-
-        m_idx, m_ok, lse2, rowf, dl_i = _query_scales(lse, sq, delta, h, T, start, m0, L_doc,
-                                                      qk_scale2, BM, ROW)
-
-        zero = gl.zeros([BM, CH], gl.float32, L)
-        acc0 = gl.zeros([BM, CH], gl.float32, L)
-        acc1 = gl.zeros([BM, CH], gl.float32, L)
-        mbarrier.wait(q_bar, 0)
-
-        for jt in range(total):
-            if not WS:
-                # every warp is past its reads of slot (jt - 1) % NS (vectors by ld.shared; with
-                # two warpgroups also the other one's wgmmas) before the TMA refill overwrites it
-                gl.thread_barrier()
-                nxt = jt + NS - 1
-                _issue_kv(nxt, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                          k_s, v_s, kT_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, VEC_TMA)
-            s = jt % NS
-            j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
-            # (the same ops in two orders: each the PTX its schedule was validated with)
-            if WS:
-                kTs = kT_s.index(s)
-                mbarrier.wait(ready.index(s), (jt // NS) & 1)
-                s_tok = _mma(q_s, k_s.index(s).permute((1, 0)), zero, False)
-                dp_tok = _mma(do_s, v_s.index(s).permute((1, 0)), zero, False)
-            else:
-                mbarrier.wait(ready.index(s), (jt // NS) & 1)
-                ks = k_s.index(s)
-                vs = v_s.index(s)
-                kTs = kT_s.index(s)
-                s_tok = _mma(q_s, ks.permute((1, 0)), zero, SYNC)
-                dp_tok = _mma(do_s, vs.permute((1, 0)), zero, SYNC)
-
-            if end:   # once per program: kT8 columns past the document end (0 * NaN is NaN)
-                _zero_tail_cols(kTs, j0, L_doc, D, BN, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-
-            acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, hk, T, start,
-                                         n_idx, L_doc, m_idx, shift, need_mask, rowf, lse2, dl_i,
-                                         acc0, acc1, zero, NCH, COL, AOP, VEC_TMA, SYNC)
-            if WS:   # every read of slot s is done (wgmmas waited; sk / sv read)
-                _release_slot(rel, s)
-
-        return acc0, acc1
-
-    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
-    def _dq_fp8_kernel(
-        q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-        lse, delta, sq, sdo, sk, sv, dq, hmat, cu, pcu,
-        T, stride_dqt, sm_scale, qk_scale2, out_scale,
-        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
-        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        VEC_TMA: gl.constexpr, SYNC: gl.constexpr, WS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        gl.static_assert(not WS or (VEC_TMA and not SYNC and num_warps == 4),
-                         "ws needs VEC_TMA, async wgmma and one warpgroup")
-        GROUP = HQ // HKV
-        NCH: gl.constexpr = D // CH
-        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                    instr_shape=[16, CH, 32])
-        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query (rows of S)
-
-        h, hk, start, L_doc, pstart, ib = _dq_program(cu, pcu, HQ, GROUP, D, BM, BN, num_warps)
-        if ib < 0:
-            return
-        m0 = ib * BM
-
-        # --- shared memory ------------------------------------------------------------------
-        q_s = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
-        do_s = gl.allocate_shared_memory(do_desc.dtype, [BM, D], do_desc.layout)
-        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
-        v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
-        kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
-        sk_s = _vec_ring(sk_desc, k_s, NS, BN, VEC_TMA)
-        sv_s = _vec_ring(sv_desc, k_s, NS, BN, VEC_TMA)
-        ready, q_bar, rel = _init_barriers(NS, WS)
-
-        # --- q8_i, do8_i once (rows past the document end: other tokens, never stored) -------
-        if not WS:   # (WS: by the producer)
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [start + m0, h * D], q_bar, q_s)
-            tma.async_copy_global_to_shared(do_desc, [start + m0, h * D], q_bar, do_s)
-
-        mask_from, shift, total = _dq_bounds(m0, L_doc, BM, BN, CAUSAL)
-        if WS:
-            accs = gl.warp_specialize([
-                (_dq_loop, (k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
-                            pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)),
-                (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                                q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_bar,
-                                start, pstart, m0, h, hk, total)),
-            ], [1], [PRODUCER_REGS])
-        else:
-            for pi in gl.static_range(NS - 1):
-                _issue_kv(pi, start, pstart, hk, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-                          k_s, v_s, kT_s, sk_s, sv_s, ready, pi < total, D, BN, NS, VEC_TMA)
-            accs = _dq_loop(k_desc, v_desc, kT_desc, sk_desc, sv_desc, q_s, do_s, k_s, v_s,
-                            kT_s, sk_s, sv_s, ready, rel, q_bar, lse, delta, sq, sk, sv, start,
-                            pstart, L_doc, m0, h, hk, total, mask_from, shift, T, qk_scale2,
-                            D, BM, BN, NS, VEC_TMA, SYNC, WS, num_warps)
-        acc0, acc1 = accs
-        _invalidate_barriers(ready, q_bar, rel, NS, WS)
-
-        # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate, cast ---
-        m_idx = m0 + gl.arange(0, BM, layout=ROW)
-        m_ok = m_idx < L_doc
-        f = gl.load(sdo + h * T + start + m_idx, mask=m_ok, other=0.0) * sm_scale
-        acc0 = acc0 * gl.expand_dims(f, 1)
-        acc1 = acc1 * gl.expand_dims(f, 1)
-        row_off = (start + m_idx) * stride_dqt + h * D
-        _store_out(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, ROTATE, D, BM, NCH, L, num_warps)
-
-
-    # ------------------------------------------------------------------------------------------
-    # Persistent dQ (GluonDqConfig.persistent = CTAs per SM; _dq_fp8_persistent_kernel). Batches
-    # of short documents pay, per one-item program, a chain of dependent latencies (cu_seqlens ->
-    # q8 / do8 and the first kv tiles by TMA -> ... -> the epilogue's rotation and stores) with
-    # the tensor cores idle in between: doc512_x64 spends about half of its dQ time outside
-    # the tile loop (benchmarks/NOTES.md, session 11). Here each CTA walks work indices
-    # w = pid, pid + G, ... of the forward's work list (w = item * HQ + head: flamia.ops.schedule,
-    # heaviest first) with a 1-warp TMA producer that runs ahead across item boundaries:
-    #   - kv ring over the CTA-wide tile sequence g = 0, 1, ...: tile g in slot g % NS, loaded
-    #     after the consumer's release of tile g - NS (the dQ ws protocol, _release_slot);
-    #   - q8_i / do8_i in QBUF buffers: item `it`'s pair in buffer it % QBUF, loaded after the
-    #     consumer's q_free arrival for item it - QBUF (every S / dP wgmma of it done). The
-    #     default QBUF = 1 (room for 3 ring stages at 2 CTAs per SM) still loads the next pair
-    #     during this item's epilogue;
-    #   - the consumer reads the next item's work-list entry and query vectors one item ahead
-    #     (loop-carried), and the Hadamard tile of the rotate-back once per CTA.
-    # Per tile the numerics are _dq_loop's, op for op: results expected bitwise equal.
-    # ------------------------------------------------------------------------------------------
 
     @gluon.jit
     def _dq_item(ITEMS, N_ITEMS, HQ, GROUP, W, w, pcu):
@@ -1294,19 +883,17 @@ if HAVE_GLUON:
                     s = g % NS
                     mbarrier.wait(rel.index(s), ((g // NS) + 1) & 1, pred=g >= NS)
                     _issue_kv_at(jt * BN, s, start, pstart, hk, k_desc, v_desc, kT_desc,
-                                 sk_desc, sv_desc, k_s, v_s, kT_s, sk_s, sv_s, ready, True, D,
-                                 True)
+                                 sk_desc, sv_desc, k_s, v_s, kT_s, sk_s, sv_s, ready, True, D)
                     g += 1
                 it += 1
 
     @gluon.jit
     def _dq_pers_consumer(q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, h_s, ready, rel, q_ready,
-                          q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta, sq, sdo, sk,
-                          sv, dq, T, stride_dqt, sm_scale, qk_scale2, out_scale,
+                          q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta, sq, sdo, dq, T,
+                          stride_dqt, sm_scale, qk_scale2, out_scale,
                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                           NS: gl.constexpr, QBUF: gl.constexpr, CAUSAL: gl.constexpr,
-                          ROTATE: gl.constexpr, num_warps: gl.constexpr,
-                          DIAG: gl.constexpr = 0):
+                          ROTATE: gl.constexpr, num_warps: gl.constexpr):
         NCH: gl.constexpr = D // CH
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, CH, 32])
@@ -1338,16 +925,15 @@ if HAVE_GLUON:
                     kTs = kT_s.index(s)
                     j0, end, need_mask, n_idx = _kv_tile(jt, c_L, mask_from, BN, COL)
                     mbarrier.wait(ready.index(s), (g // NS) & 1)
-                    s_tok = _mma(qs, k_s.index(s).permute((1, 0)), zero, False)
-                    dp_tok = _mma(dos, v_s.index(s).permute((1, 0)), zero, False)
+                    s_tok = _mma(qs, k_s.index(s).permute((1, 0)), zero)
+                    dp_tok = _mma(dos, v_s.index(s).permute((1, 0)), zero)
                     if end:   # once per item: kT8 columns past the document end
                         _zero_tail_cols(kTs, j0, c_L, D, BN, num_warps)
                         fence_async_shared()
                         gl.thread_barrier()
-                    acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, sk, sv, c_hk,
-                                                 T, c_start, n_idx, c_L, c_m_idx, shift,
-                                                 need_mask, c_rowf, c_lse2, c_dl, acc0, acc1,
-                                                 zero, NCH, COL, AOP, True, False, DIAG)
+                    acc0, acc1 = _dq_tile_update(s_tok, dp_tok, kTs, s, sk_s, sv_s, n_idx, c_L,
+                                                 c_m_idx, shift, need_mask, c_rowf, c_lse2, c_dl,
+                                                 acc0, acc1, zero, NCH, COL, AOP)
                     _release_slot(rel, s)   # (its barrier: every S / dP of the item waited too)
                     g += 1
                 # q8_i / do8_i are read: the buffer may take item it + QBUF
@@ -1355,7 +941,8 @@ if HAVE_GLUON:
                 m_idx, m_ok, lse2, rowf, dl_i, f = _dq_item_rows(lse, sq, delta, sdo, h, T,
                                                                  start, blk, L_doc, sm_scale,
                                                                  qk_scale2, BM, ROW)
-                # --- epilogue: * sdo_i * sm_scale, rotate back, cast (as _dq_fp8_kernel's) ---
+                # --- epilogue: * sdo_i * sm_scale (sdo_i moved out of the row scales), rotate
+                # back, cast ---
                 acc0 = acc0 * gl.expand_dims(c_f, 1)
                 acc1 = acc1 * gl.expand_dims(c_f, 1)
                 row_off = (c_start + c_m_idx) * stride_dqt + c_h * D
@@ -1373,11 +960,11 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["T", "HQ", "HKV", "N_ITEMS"])
     def _dq_fp8_persistent_kernel(
         q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
-        lse, delta, sq, sdo, sk, sv, dq, hmat, ITEMS, pcu,
+        lse, delta, sq, sdo, dq, hmat, ITEMS, pcu,
         T, stride_dqt, sm_scale, qk_scale2, out_scale, N_ITEMS,
         HQ, HKV, D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
         QBUF: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         gl.static_assert(num_warps == 4, "one consumer warpgroup")
         gl.static_assert(BN == CH, "S / dP tiles share the chunk layout of the dQ results")
@@ -1390,9 +977,9 @@ if HAVE_GLUON:
         k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
         v_s = gl.allocate_shared_memory(v_desc.dtype, [NS, BN, D], v_desc.layout)
         kT_s = gl.allocate_shared_memory(kT_desc.dtype, [NS, D, BN], kT_desc.layout)
-        sk_s = _vec_ring(sk_desc, k_s, NS, BN, True)
-        sv_s = _vec_ring(sv_desc, k_s, NS, BN, True)
-        if ROTATE:   # H_64 once per CTA (the one-item kernels load it in every epilogue)
+        sk_s = _vec_ring(sk_desc, NS, BN)
+        sv_s = _vec_ring(sv_desc, NS, BN)
+        if ROTATE:   # H_64 once per CTA
             h_s = _hadamard_tile(hmat, D, num_warps)
         else:
             h_s = k_s    # placeholder, never read
@@ -1407,9 +994,8 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_pers_consumer, (q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, h_s, ready, rel,
                                  q_ready, q_free, ITEMS, N_ITEMS, HQ, GROUP, W, lse, delta,
-                                 sq, sdo, sk, sv, dq, T, stride_dqt, sm_scale, qk_scale2,
-                                 out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps,
-                                 DIAG)),
+                                 sq, sdo, dq, T, stride_dqt, sm_scale, qk_scale2,
+                                 out_scale, D, BM, BN, NS, QBUF, CAUSAL, ROTATE, num_warps)),
             (_dq_pers_producer, (q_desc, do_desc, k_desc, v_desc, kT_desc, sk_desc, sv_desc,
                                  q_s, do_s, k_s, v_s, kT_s, sk_s, sv_s, ready, rel, q_ready,
                                  q_free, ITEMS, N_ITEMS, HQ, GROUP, W, pcu, CAUSAL)),
@@ -1419,18 +1005,377 @@ if HAVE_GLUON:
             mbarrier.invalidate(q_free.index(i))
         _invalidate_barriers(ready, once, rel, NS, True)
 
+    @gluon.jit
+    def _mma_acc(a, b, acc):
+        """acc + a @ b in place, async (the bf16 GEMMs, and the second K-half of a D = 128
+        GEMM)."""
+        return warpgroup_mma(a, b, acc, is_async=True)
+
+    @gluon.jit
+    def _wait_pair(x0, x1, N: gl.constexpr, NCH: gl.constexpr):
+        """Wait until at most N wgmma groups are pending; the (one or two) chunk accumulators
+        as tensors (x1 passes through untouched when NCH == 1)."""
+        if NCH == 2:
+            r0, r1 = warpgroup_mma_wait(N, deps=(x0, x1))
+        else:
+            r0 = warpgroup_mma_wait(N, deps=(x0,))
+            r1 = x1
+        return r0, r1
+
+    @gluon.jit
+    def _load_once(f8_desc, bf_desc, bar, f8_s, bf_s, start, r0, head, D: gl.constexpr,
+                   NCH: gl.constexpr):
+        """TMA of a program's operand loaded once: its fp8 tile (tokens start + r0 on, head
+        `head`) and the bf16 copy's NCH (rows, 64) chunks (columns head * D + 64 c: 128-byte
+        aligned). The coordinates are computed here, after the expect, not by the caller: that
+        is the order of the validated PTX."""
+        mbarrier.expect(bar, f8_desc.block_type.nbytes + NCH * bf_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(f8_desc, [start + r0, head * D], bar, f8_s)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(bf_desc, [start + r0, head * D + cc * CH], bar,
+                                            bf_s.index(cc))
+
+    @gluon.jit
+    def _e4m3_to_bf16_rows(src, dst, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """dst (ROWS, 64) bf16 <- the e4m3 values of src (ROWS, 64) (exact), converted unmasked;
+        on a tile that reaches past the document end its rows row0 + r >= L are zeroed after
+        (the next document's bytes: 0 * NaN would reach the GEMM). A mask on the conversion
+        would cost every tile ~66 SASS."""
+        BLQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        dst.store(src.load(BLQ).to(gl.float32).to(gl.bfloat16))
+        if row0 + ROWS > L:   # (rows written above by other threads: ordered first)
+            gl.thread_barrier()
+            _zero_tail_rows(dst, row0, L, ROWS, num_warps)
+
+    @gluon.jit
+    def _zero_tail_rows(x_s, row0, L, ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """Zero the rows (tokens) row0 + r >= L of a token-major (ROWS, 64) bf16 tile."""
+        BLR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        x = x_s.load(BLR)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, BLR))
+        x = gl.where(gl.expand_dims(rows < L, 1), x, gl.zeros_like(x))
+        x_s.store(x)
+
+    @gluon.jit
+    def _issue_q_tile(it, nb, lo, start, pstart, hk,
+                      q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                      q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
+                      GROUP, D: gl.constexpr, BM: gl.constexpr, NS: gl.constexpr,
+                      NCH: gl.constexpr):
+        """TMA loads of query tile `it` (head g = it // nb, block i0) into ring slot it % NS."""
+        i0, h = _q_tile_rows(it, nb, lo, hk, GROUP, BM)
+        _issue_q_tile_at(i0, h, it % NS, start, pstart, q_desc, dob_desc, doT_desc, lse_desc,
+                         dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s,
+                         ready, pred, D, NCH)
+
+    @gluon.jit
+    def _issue_q_tile_at(i0, h, s, start, pstart,
+                         q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                         q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, pred,
+                         D: gl.constexpr, NCH: gl.constexpr):
+        """TMA loads of the query tile (head h, first row i0) into ring slot s:
+        q8_i (fp8, token-major), dO_i (bf16, NCH (BM, 64) chunks), doT8_i (fp8 K-major, padded
+        columns) and lse / Delta / sq / sdo ((1, BM) boxes, padded columns)."""
+        bar = ready.index(s)
+        NBYTES: gl.constexpr = (q_desc.block_type.nbytes + NCH * dob_desc.block_type.nbytes
+                                + doT_desc.block_type.nbytes + 4 * lse_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [start + i0, h * D], bar, q_s.index(s), pred=pred)
+        for cc in gl.static_range(NCH):
+            # bf16 column h * D + 64 c: 128-byte aligned
+            tma.async_copy_global_to_shared(dob_desc, [start + i0, h * D + cc * CH], bar,
+                                            dob_s.index(s * NCH + cc), pred=pred)
+        tma.async_copy_global_to_shared(doT_desc, [h * D, pstart + i0], bar, doT_s.index(s),
+                                        pred=pred)
+        _issue_query_vecs(lse_desc, dl_desc, sq_desc, sdo_desc, lse_s, dl_s, sq_s, sdo_s, h,
+                          pstart + i0, bar, s, pred)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dkdv_mixed_kernel(
+        k_desc, vb_desc, q_desc, dob_desc, doT_desc,
+        lse_desc, dl_desc, sq_desc, sdo_desc,
+        sk, sv, dk, dv, hmat, cu, pcu,
+        T, stride_dkt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        num_warps: gl.constexpr, LAZY: gl.constexpr = False,
+    ):
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        # fp8 wgmma results (S^T, dV; N = 64): per-key and per-query vectors broadcast without
+        # conversions
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        # bf16 wgmma results (dP^T, dK): k = 16 instructions; the same registers as L
+        # (the accumulator layout does not depend on k), so the conversions are free
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])
+        AOP8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=4)
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per key
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per query
+        BF_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, CH], gl.bfloat16)
+
+        hk, start, L_doc, pstart, n0 = _dkdv_program(cu, pcu, HKV, D, BM, BN, num_warps)
+        if n0 >= L_doc:
+            return
+
+        # --- shared memory ------------------------------------------------------------------
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [BN, D], k_desc.layout)
+        vb_s = gl.allocate_shared_memory(vb_desc.dtype, [NCH, BN, CH], vb_desc.layout)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [NS, BM, D], q_desc.layout)
+        dob_s = gl.allocate_shared_memory(dob_desc.dtype, [NS * NCH, BM, CH], dob_desc.layout)
+        doT_s = gl.allocate_shared_memory(doT_desc.dtype, [NS, D, BM], doT_desc.layout)
+        qb_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, BM, CH], BF_LAYOUT)
+        lse_s = _vec_ring(lse_desc, NS, BM)
+        dl_s = _vec_ring(dl_desc, NS, BM)
+        sq_s = _vec_ring(sq_desc, NS, BM)
+        sdo_s = _vec_ring(sdo_desc, NS, BM)
+        ready, kv_bar, _ = _init_barriers(NS, False)
+
+        # --- K_j (fp8, for S^T) and bf16 V_j (A of dP^T), once ---------------------------
+        _load_once(k_desc, vb_desc, kv_bar, k_s, vb_s, start, n0, hk, D, NCH)
+
+        lo, nb, total = _dkdv_bounds(n0, L_doc, GROUP, BM, CAUSAL)
+        for pi in gl.static_range(NS - 1):
+            _issue_q_tile(pi, nb, lo, start, pstart, hk, q_desc, dob_desc, doT_desc,
+                          lse_desc, dl_desc, sq_desc, sdo_desc, q_s, dob_s, doT_s,
+                          lse_s, dl_s, sq_s, sdo_s, ready, pi < total, GROUP, D, BM, NS, NCH)
+
+        n_idx, n_ok, rowf, sv_j = _key_scales(sk, sv, hk, T, start, n0, L_doc, qk_scale2, BN, ROW)
+
+        zero = gl.zeros([BN, CH], gl.float32, L)
+        zero_b = gl.zeros([BN, CH], gl.float32, LB)
+        acc_dv0 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk0 = gl.zeros([BN, CH], gl.float32, LB)
+        acc_dv1 = gl.zeros([BN, CH], gl.float32, L)
+        acc_dk1 = gl.zeros([BN, CH], gl.float32, LB)
+        shift = _causal_shift(L_doc, CAUSAL)
+        mbarrier.wait(kv_bar, 0)
+        # (head, block) cursors of the current and the refill tile (backward_gluon._dkdv_loop)
+        g_cur = 0
+        blk_cur = 0
+        g_nxt = (NS - 1) // nb
+        blk_nxt = (NS - 1) - g_nxt * nb
+
+        for it in range(total):
+            s = it % NS
+            i0 = lo + blk_cur * BM
+            h = hk * GROUP + g_cur
+            m_idx, tail, need_mask = _q_tile_at(i0, n0, L_doc, BM, BN, CAUSAL, COL)
+            if LAZY:
+                cols = i0
+            else:
+                cols = m_idx
+            g_cur, blk_cur = _next_tile(g_cur, blk_cur, nb)
+            # every warp is past its reads of slot (it - 1) % NS (vectors, q8 by ld.shared)
+            # before the refill; that slot's wgmmas were waited for in tile it - 1 (dK reads
+            # only qb_s)
+            gl.thread_barrier()
+            nxt = it + NS - 1
+            _issue_q_tile_at(lo + blk_nxt * BM, hk * GROUP + g_nxt, nxt % NS, start, pstart,
+                             q_desc, dob_desc, doT_desc, lse_desc, dl_desc, sq_desc, sdo_desc,
+                             q_s, dob_s, doT_s, lse_s, dl_s, sq_s, sdo_s, ready, nxt < total, D,
+                             NCH)
+            g_nxt, blk_nxt = _next_tile(g_nxt, blk_nxt, nb)
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            qs = q_s.index(s)
+            doTs = doT_s.index(s)
+
+            s_tok = _mma(k_s, qs.permute((1, 0)), zero)                       # fp8
+            dp_tok = _mma(vb_s.index(0), dob_s.index(s * NCH).permute((1, 0)), zero_b)
+            if NCH == 2:   # second half of the reduction over D, chained in place
+                dp_tok = _mma_acc(vb_s.index(1), dob_s.index(s * NCH + 1).permute((1, 0)),
+                                  dp_tok)
+
+            # bf16 copy of q8_i for the dK GEMM, while S^T / dP^T run (the previous tile's dK
+            # wgmmas were waited for)
+            for cc in gl.static_range(NCH):
+                _e4m3_to_bf16_rows(qs.slice(cc * CH, CH, dim=1), qb_s.index(cc), i0, L_doc, BM,
+                                   num_warps)
+            if tail:   # at most once per head: doT8 columns past the document end
+                _zero_tail_cols(doTs, i0, L_doc, D, BM, num_warps)
+            fence_async_shared()
+            gl.thread_barrier()
+
+            # (S^T waited for past the dP^T wgmmas: NCH of them)
+            p, a, c, a8 = _dv_operand(s_tok, s, rowf, n_idx, cols, L_doc, shift, need_mask,
+                                      lse_s, sq_s, sdo_s, NCH, BM, COL, AOP8, False, False,
+                                      False, LAZY)
+            dl_i = _row_vec(dl_s, s, COL)
+            dp = gl.convert_layout(_mma_wait(dp_tok, 0), L)
+            sq_i2 = _row_vec(sq_s, s, COL)
+            # _dkdv_tile: ds_t = p_t (dP^T sv_j - Delta_i); dK operand bf16(ds_t sq_i)
+            b = _mask_ds_t(p * (dp * gl.expand_dims(sv_j, 1) - gl.expand_dims(dl_i, 0))
+                           * gl.expand_dims(sq_i2, 0), n_idx, cols, shift, L_doc, need_mask,
+                           COL, LAZY)
+            b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
+            dv0_tok = _mma(a8, doTs.slice(0, CH, dim=0).permute((1, 0)), zero)
+
+            if NCH == 2:
+                dv1_tok = _mma(a8, doTs.slice(CH, CH, dim=0).permute((1, 0)), zero)
+                dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0)
+                dk1_tok = _mma_acc(b16, qb_s.index(1), acc_dk1)
+                acc_dv0 = _promote(dv0_tok, 3, acc_dv0, c)
+                acc_dv1 = _promote(dv1_tok, 2, acc_dv1, c)
+                acc_dk0, acc_dk1 = _wait_pair(dk0_tok, dk1_tok, 0, NCH)
+            else:
+                dk0_tok = _mma_acc(b16, qb_s.index(0), acc_dk0)
+                acc_dv0 = _promote(dv0_tok, 1, acc_dv0, c)
+                acc_dk0, acc_dk1 = _wait_pair(dk0_tok, acc_dk1, 0, NCH)
+
+        _invalidate_barriers(ready, kv_bar, ready, NS, False)
+        _dkdv_epilogue(acc_dv0, acc_dv1, acc_dk0, acc_dk1, dv, dk, hmat, n_idx, n_ok, start, hk,
+                       stride_dkt, sm_scale, out_scale, ROTATE, D, BN, NCH, L, num_warps)
+
+    @gluon.jit
+    def _issue_kv_tile(jt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+                       k_s, kb_s, vb_s, sk_s, sv_s, ready, pred,
+                       D: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr):
+        """TMA loads of kv tile `jt` into slot jt % NS: k8_j (fp8, for S), bf16 K_j and V_j in
+        (BN, 64) chunks, and sk_j / sv_j ((1, BN) boxes, padded columns)."""
+        j0 = jt * BN
+        s = jt % NS
+        bar = ready.index(s)
+        NBYTES: gl.constexpr = (k_desc.block_type.nbytes + NCH * kb_desc.block_type.nbytes
+                                + NCH * vb_desc.block_type.nbytes
+                                + 2 * sk_desc.block_type.nbytes)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [start + j0, hk * D], bar, k_s.index(s), pred=pred)
+        for cc in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(kb_desc, [start + j0, hk * D + cc * CH], bar,
+                                            kb_s.index(s * NCH + cc), pred=pred)
+            tma.async_copy_global_to_shared(vb_desc, [start + j0, hk * D + cc * CH], bar,
+                                            vb_s.index(s * NCH + cc), pred=pred)
+        _issue_key_vecs(sk_desc, sv_desc, sk_s, sv_s, hk, pstart + j0, bar, s, pred)
+
+    @gluon.jit(do_not_specialize=["T", "HQ", "HKV"])
+    def _dq_mixed_kernel(
+        q_desc, dob_desc, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+        lse, delta, sq, dq, hmat, cu, pcu,
+        T, stride_dqt, sm_scale, qk_scale2, out_scale,
+        HQ, HKV, D: gl.constexpr, BM: gl.constexpr,
+        BN: gl.constexpr, NS: gl.constexpr, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        gl.static_assert(NS >= 2, "a ring of 2+ stages (the prefetch of tile jt + NS - 1)")
+        GROUP = HQ // HKV
+        NCH: gl.constexpr = D // CH
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, CH, 32])
+        LB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, CH, 16])    # bf16 results
+        AOPB: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LB, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, L)     # per query
+        COL: gl.constexpr = gl.SliceLayout(0, L)     # per key
+
+        h, hk, start, L_doc, pstart, ib = _dq_program(cu, pcu, HQ, GROUP, D, BM, BN, num_warps)
+        if ib < 0:
+            return
+        m0 = ib * BM
+
+        # --- shared memory ------------------------------------------------------------------
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        dob_s = gl.allocate_shared_memory(dob_desc.dtype, [NCH, BM, CH], dob_desc.layout)
+        k_s = gl.allocate_shared_memory(k_desc.dtype, [NS, BN, D], k_desc.layout)
+        kb_s = gl.allocate_shared_memory(kb_desc.dtype, [NS * NCH, BN, CH], kb_desc.layout)
+        vb_s = gl.allocate_shared_memory(vb_desc.dtype, [NS * NCH, BN, CH], vb_desc.layout)
+        sk_s = _vec_ring(sk_desc, NS, BN)
+        sv_s = _vec_ring(sv_desc, NS, BN)
+        ready, q_bar, _ = _init_barriers(NS, False)
+
+        # --- q8_i (fp8, A of S) and bf16 dO_i (A of dP), once --------------------------------
+        _load_once(q_desc, dob_desc, q_bar, q_s, dob_s, start, m0, h, D, NCH)
+
+        mask_from, shift, total = _dq_bounds(m0, L_doc, BM, BN, CAUSAL)
+        for pi in gl.static_range(NS - 1):
+            _issue_kv_tile(pi, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+                           k_s, kb_s, vb_s, sk_s, sv_s, ready, pi < total, D, BN, NS, NCH)
+
+        m_idx, m_ok, lse2, rowf, dl_i = _query_scales(lse, sq, delta, h, T, start, m0, L_doc,
+                                                      qk_scale2, BM, ROW)
+
+        zero = gl.zeros([BM, CH], gl.float32, L)
+        zero_b = gl.zeros([BM, CH], gl.float32, LB)
+        acc0 = gl.zeros([BM, CH], gl.float32, LB)
+        acc1 = gl.zeros([BM, CH], gl.float32, LB)
+        mbarrier.wait(q_bar, 0)
+
+        for jt in range(total):
+            s = jt % NS
+            j0, end, need_mask, n_idx = _kv_tile(jt, L_doc, mask_from, BN, COL)
+            mbarrier.wait(ready.index(s), (jt // NS) & 1)
+            ks = k_s.index(s)
+
+            s_tok = _mma(q_s, ks.permute((1, 0)), zero)                         # fp8
+            dp_tok = _mma(dob_s.index(0), vb_s.index(s * NCH).permute((1, 0)), zero_b)
+            if NCH == 2:
+                dp_tok = _mma_acc(dob_s.index(1), vb_s.index(s * NCH + 1).permute((1, 0)),
+                                  dp_tok)
+
+            if end:   # once per program: bf16 K rows past the document end (0 * NaN is NaN)
+                for cc in gl.static_range(NCH):
+                    _zero_tail_rows(kb_s.index(s * NCH + cc), j0, L_doc, BN, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+
+            sk_j = _row_vec(sk_s, s, COL)
+            # waits for S and (issued before it) tile jt - 1's dQ wgmmas
+            sc = _mma_wait(s_tok, NCH)
+            # slot (jt - 1) % NS is free now (S, dP, dQ of tile jt - 1 done; every warp past
+            # its vector reads): prefetch tile jt + NS - 1 into it
+            gl.thread_barrier()
+            nxt = jt + NS - 1
+            _issue_kv_tile(nxt, start, pstart, hk, k_desc, kb_desc, vb_desc, sk_desc, sv_desc,
+                           k_s, kb_s, vb_s, sk_s, sv_s, ready, nxt < total, D, BN, NS, NCH)
+            p = gl.exp2(sc * gl.expand_dims(sk_j, 0) * gl.expand_dims(rowf, 1)
+                        - gl.expand_dims(lse2, 1))
+            sv_j = _row_vec(sv_s, s, COL)
+            dp = gl.convert_layout(_mma_wait(dp_tok, 0), L)
+            sk_j2 = _row_vec(sk_s, s, COL)
+            # _dq_tile: ds = p (dP sv_j - Delta_i); dQ operand bf16(ds sk_j)
+            b = _mask_ds(p * (dp * gl.expand_dims(sv_j, 0) - gl.expand_dims(dl_i, 1))
+                         * gl.expand_dims(sk_j2, 0), n_idx, m_idx, shift, L_doc, need_mask)
+            b16 = gl.convert_layout(b.to(gl.bfloat16), AOPB)
+
+            q0_tok = _mma_acc(b16, kb_s.index(s * NCH), acc0)
+            if NCH == 2:
+                q1_tok = _mma_acc(b16, kb_s.index(s * NCH + 1), acc1)
+            else:
+                q1_tok = acc1
+            acc0, acc1 = _wait_pair(q0_tok, q1_tok, 0, NCH)
+
+        acc0, acc1 = _wait_pair(acc0, acc1, 0, NCH)
+        _invalidate_barriers(ready, q_bar, ready, NS, False)
+
+        # --- epilogue: * sm_scale, rotate back, cast -------------------------------------------
+        acc0 = gl.convert_layout(acc0, L) * sm_scale
+        acc1 = gl.convert_layout(acc1, L) * sm_scale
+        row_off = (start + m_idx) * stride_dqt + h * D
+        _store_out(acc0, acc1, hmat, dq, m_ok, row_off, out_scale, ROTATE, D, BM, NCH, L, num_warps)
+
 
 # ----------------------------------------------------------------------------------------------
-# Launcher
+# Host side: per-row vectors in the padded layout, descriptors, launch arguments
 # ----------------------------------------------------------------------------------------------
+
+def vector_gathers(st):
+    """The kmajor.kmajor_copies_and_rows gathers (a, b) of the fp8 kernels' per-token vectors,
+    in the padded column layout of the K-major copies: the dK/dV kernel's query vectors (lse,
+    Delta, sq, sdo interleaved per head in one (Hq * 4, Tp) buffer, lse folded with sdo: lse *
+    log2(e) - log2(sdo), so exp2 of S^T minus it gives P^T sdo at once; pads +inf) and the dQ
+    kernel's key vectors (sk, sv). launch_preprocess keeps the results on the state
+    (st.query_vecs, st.kv_vecs)."""
+    return (dict(srcs=(st.lse, st.delta, st.sq, st.sdo), fill0_inf=True, interleave=True,
+                 fold0=True),
+            dict(srcs=(st.sk, st.sv)))
+
 
 def padded_vectors(st):
     """lse, Delta, sq, sdo as (Hq, Tp) fp32 in the padded per-document layout of the K-major
-    copies (column c holds token st.tok_of_col[c]; pad columns: lse +inf, the others 0), so a
-    tile's (1, BM) box starts at column pstart + i0, a multiple of 16 (TMA's 16-byte rule for
-    the innermost coordinate), and the row stride Tp * 4 bytes is a multiple of 16 too.
-    4 gathers of Hq x Tp floats (a few MB at 32k tokens); production would write these from
-    launch_preprocess directly."""
+    copies (column c holds token st.tok_of_col[c]; pad columns: lse +inf, the others 0): the
+    fp8_mixed dK/dV kernel's (1, BM) boxes start at column pstart + i0, a multiple of 16, and
+    the row stride Tp * 4 bytes is a multiple of 16 too (4 gathers of Hq x Tp floats)."""
     toc = st.tok_of_col.long()
     pad = toc < 0
     idx = toc.clamp(min=0)
@@ -1442,66 +1387,26 @@ def padded_vectors(st):
     return tuple(out)
 
 
-def padded_vectors_triton(st):
-    """padded_vectors(st) by one Triton launch (flamia.ops.kmajor.padded_rows, in the columns'
-    frame) instead of 4 index_select + masked_fill pairs: bitwise the same values, as views of
-    one (4, Hq, Tp) fp32 buffer (each TMA-legal)."""
-    from .kmajor import padded_rows
-    return padded_rows((st.lse, st.delta, st.sq, st.sdo), st.tok_of_col, st.Tp, fill0_inf=True)
-
-
-def _resolve_vecs(vecs, cfg, st, torch_fn, triton_fn):
-    """The launchers' `vecs`: prebuilt tensors, or None / "torch" / "triton" to build them
-    (None: the config's choice, cfg.vec_gather -> the Triton gather; the fp8_mixed configs
-    have no vec_gather: torch)."""
-    if vecs is None:
-        vecs = "triton" if getattr(cfg, "vec_gather", False) else "torch"
-    if isinstance(vecs, str):
-        if vecs not in ("torch", "triton"):
-            raise ValueError(f"vecs={vecs!r}: tensors, None, 'torch' or 'triton'")
-        vecs = (triton_fn if vecs == "triton" else torch_fn)(st)
-    return vecs
-
-
-_DUMMY: dict = {}
-
-
-def _dummy_vec(device, BM: int):
-    """A (1, BM) fp32 tensor for the vector descriptors when vec_tma is off (never read)."""
-    key = (str(device), BM)
-    if key not in _DUMMY:
-        _DUMMY[key] = torch.zeros(1, BM, dtype=torch.float32, device=device)
-    return _DUMMY[key]
-
-
-def check_tma_coords(st, cfg: GluonDkdvConfig | None = None) -> list[str]:
-    """Host-side check (syncs) of what the kernel's TMA coordinates rely on; [] when fine.
-    Innermost coordinates: h * D (fp8: D bytes), pstart + i0 (fp8: 16 | pstart; fp32 vectors:
-    4 * pstart, so 4 | pstart) and the global strides / bases (16 bytes)."""
-    cfg = cfg or default_gluon_config(st.D)
-    bad = []
-    pcu = st.pcu.tolist()
-    if any(c % 16 for c in pcu):
-        bad.append(f"pcu not 16-aligned: {[c for c in pcu if c % 16][:8]}")
-    if st.Tp % 16:
-        bad.append(f"Tp={st.Tp} not a multiple of 16")
-    if (st.D * st.Hq) % 16 or st.D % 16:
-        bad.append(f"D={st.D} / Hq*D not 16-byte multiples")
-    for name in ("q8", "k8", "v8", "do8", "qT8", "doT8", "lse", "delta", "sq", "sdo"):
-        x = getattr(st, name)
-        if x.data_ptr() % 16:
-            bad.append(f"{name} base not 16-byte aligned")
-    if cfg.bm * 4 % 16 or cfg.bm % 16:
-        bad.append(f"bm={cfg.bm}: box bytes not a multiple of 16")
-    return bad
+def padded_kv_vectors(st):
+    """sk, sv as (Hkv, Tp) fp32 in the padded per-document column layout (pads 0), for the
+    fp8_mixed dQ kernel's (1, BN) boxes at the 16-aligned column pcu[doc] + j0."""
+    toc = st.tok_of_col.long()
+    pad = toc < 0
+    idx = toc.clamp(min=0)
+    out = []
+    for x in (st.sk, st.sv):
+        y = x.float().index_select(1, idx)
+        y.masked_fill_(pad, 0.0)
+        out.append(y)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, cols: int, dtype):
     """The shared layout of a (rows, cols) TMA box, memoized: building it is pure Python with
-    validation (~10 us each, 16 descriptors per backward call; the host issues a short-document
-    call about as fast as the GPU runs it, benchmarks/NOTES.md session 5). fp32 boxes (the
-    padded vectors) unswizzled, so each row reads as a plain 1-D buffer."""
+    validation (~10 us each, 16 descriptors per backward call; a short-document call's host
+    time is about its GPU time). fp32 boxes (the padded vectors) unswizzled, so each row reads
+    as a plain 1-D buffer."""
     if dtype == gl.float32:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
@@ -1523,46 +1428,26 @@ def kmajor_desc(xT, cols: int):
 
 
 def vec_desc(x, cols: int, rows: int = 1):
-    """TMA descriptor over padded per-token fp32 vectors (H, Tp), (rows, cols) boxes, like
-    forward_gluon's sk / sv boxes."""
+    """TMA descriptor over padded per-token fp32 vectors (H, Tp), (rows, cols) boxes."""
     return GluonTensorDescriptor(x, list(x.shape), list(x.stride()), [rows, cols],
                                  _smem_layout(rows, cols, gl.float32))
 
-
-def pack_vectors(vecs):
-    """The padded (lse, Delta, sq, sdo), each (Hq, Tp), interleaved per head as one (Hq * 4, Tp)
-    buffer: rows 4h .. 4h + 3 are head h's four vectors (GluonDkdvConfig.pack_vecs)."""
-    return torch.stack(vecs, dim=1).reshape(-1, vecs[0].shape[1])
-
-
-# --- launch pieces shared with backward_gluon_mixed -----------------------------------------------
 
 def _check_state(st, recipe: int, what: str) -> None:
     """What every Gluon backward kernel needs of `st`; `what` names the kernel in messages."""
     if not HAVE_GLUON:
         raise RuntimeError("triton.experimental.gluon is not available")
-    if st.recipe != recipe or st.dq_atomic:
-        raise ValueError(f"the Gluon {what} kernel needs st.recipe == {recipe} (not "
-                         f"{st.recipe}) and no dq_atomic")
+    if st.recipe != recipe:
+        raise ValueError(f"the Gluon {what} kernel needs st.recipe == {recipe}, not {st.recipe}")
     if st.D not in (64, 128):
         raise ValueError(f"the Gluon {what} kernel supports D in (64, 128), not {st.D}")
 
 
-def _check_blocks(cfg, cta_rows: int, step_rows: int, what: str) -> None:
+def _check_blocks(cfg, cta_rows: int, step_rows: int, num_warps: int, what: str) -> None:
     """The block sizes every kernel assumes: a CTA's rows (dK/dV: bn keys, dQ: bm queries) one
     m64 wgmma row block per warpgroup, 64 rows per loop step (the chunk layout), a ring."""
-    if step_rows != CH_ or cta_rows != 16 * cfg.num_warps or cfg.stages < 1:
+    if step_rows != CH_ or cta_rows != 16 * num_warps or cfg.stages < 1:
         raise ValueError(f"unsupported Gluon {what} config {cfg}")
-
-
-def _vec_descs(st, cfg, vecs, box: int, count: int, torch_fn, triton_fn) -> tuple:
-    """TMA descriptors ((1, box) boxes) of the `count` padded per-row vectors: `vecs` resolved
-    by _resolve_vecs with vec_tma, else dummies the kernel never reads."""
-    if cfg.vec_tma:
-        vecs = _resolve_vecs(vecs, cfg, st, torch_fn, triton_fn)
-    else:
-        vecs = (_dummy_vec(st.lse.device, box),) * count
-    return tuple(vec_desc(x, box) for x in vecs)
 
 
 def _launch_args(st, cfg, descs, tensors, dq: bool, **kwargs):
@@ -1577,8 +1462,7 @@ def _launch_args(st, cfg, descs, tensors, dq: bool, **kwargs):
     args = (*descs, *tensors, st.hmat, st.cu, st.pcu, st.T, out.stride(0), st.sm_scale,
             st.sm_scale * LOG2E, st.D ** -0.5)
     kwargs = dict(HQ=st.Hq, HKV=st.Hkv, D=st.D, BM=cfg.bm, BN=cfg.bn, NS=cfg.stages,
-                  CAUSAL=st.causal, ROTATE=st.rotate, VEC_TMA=cfg.vec_tma, SYNC=cfg.sync_mma,
-                  num_warps=cfg.num_warps, **kwargs)
+                  CAUSAL=st.causal, ROTATE=st.rotate, **kwargs)
     return grid, args, kwargs
 
 
@@ -1591,257 +1475,159 @@ def _no_tokens(st, *outs) -> bool:
     return False
 
 
-# --- dK/dV ----------------------------------------------------------------------------------------
-
-def _descs(st, cfg: GluonDkdvConfig, vecs=None):
-    D, BM, BN = st.D, cfg.bm, cfg.bn
-    f8 = gl.float8e4nv
-    if cfg.pack_vecs:   # one descriptor, passed for all four vectors (the kernel reads rows)
-        vec_descs = (vec_desc(_packed_query_vectors(st, cfg, vecs), BM, rows=4),) * 4
-    else:
-        if cfg.fold_sdo:
-            vecs = fold_sdo(_resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton))
-        vec_descs = _vec_descs(st, cfg, vecs, BM, 4, padded_vectors, padded_vectors_triton)
-    return (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
-            tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            *(kmajor_desc(x, BM) for x in _qT_doT(st, cfg.key_order_dk, cfg.key_order_dv)),
-            *vec_descs)
+def _config(st, attr: str, kind):
+    cfg = getattr(st.cfg, attr)
+    if not isinstance(cfg, kind):
+        raise ValueError(f"st.cfg.{attr} is {cfg!r}: this launcher runs {kind.__name__}")
+    return cfg
 
 
-def _packed_query_vectors(st, cfg: GluonDkdvConfig, vecs=None):
-    """The (Hq * 4, Tp) buffer of pack_vecs (lse folded with fold_sdo). vecs None or "triton":
-    gathered, folded and interleaved by one Triton launch (kmajor.padded_rows; the call's
-    default: one launch instead of ~12 small torch ops, which cost host time on short
-    documents); "torch" or the four padded vectors: by torch ops (fold_sdo, pack_vectors),
-    bitwise the same (tests/test_ops_kmajor.py)."""
-    if vecs is None and st.query_vecs is not None and st.query_vecs[0] == cfg.fold_sdo:
-        return st.query_vecs[1]     # gathered by launch_preprocess (vector_gathers)
-    if vecs is None or (isinstance(vecs, str) and vecs == "triton"):
-        # with the dQ kernel's padded sk / sv in the same launch (kept on the state for
-        # padded_kv_vectors_triton): one launch less per call
-        from .kmajor import padded_rows_two
-        packed, st.kv_vecs = padded_rows_two(*vector_gathers(st, cfg.fold_sdo), st.tok_of_col,
-                                             st.Tp)
-        return packed
-    vecs = _resolve_vecs(vecs, cfg, st, padded_vectors, padded_vectors_triton)
-    return pack_vectors(fold_sdo(vecs) if cfg.fold_sdo else vecs)
+# --- fp8 ------------------------------------------------------------------------------------------
 
-
-def vector_gathers(st, fold: bool):
-    """The padded_rows gathers (kmajor.padded_rows_two's a and b) of the fp8 kernels' per-token
-    vectors: the dK/dV kernel's packed query vectors (lse, Delta, sq, sdo interleaved per head,
-    lse folded with fold_sdo) and the dQ kernel's key vectors (sk, sv)."""
-    return (dict(srcs=(st.lse, st.delta, st.sq, st.sdo), fill0_inf=True, interleave=True,
-                 fold0=fold),
-            dict(srcs=(st.sk, st.sv)))
-
-
-def fold_sdo(vecs):
-    """The padded (lse, Delta, sq, sdo) with lse replaced by lse * log2(e) - log2(sdo), the
-    exponent offset of GluonDkdvConfig.fold_sdo (sdo is a power of two, so exp2 of the folded
-    exponent is P * sdo up to the rounding of one fp32 add). Pad columns stay +inf (lse +inf,
-    sdo 0); an out-of-document sdo of 0 gives +inf too (a = 0, as P * 0)."""
-    lse, delta, sq, sdo = vecs
-    return (lse * LOG2E - torch.log2(sdo), delta, sq, sdo)
-
-
-def _args(st, cfg: GluonDkdvConfig, vecs=None):
-    _check_state(st, 0, "fp8 dK/dV")
-    _check_blocks(cfg, cfg.bn, cfg.bm, "fp8 dK/dV")
-    if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not cfg.vec_tma or cfg.sync_mma
-                   or not 24 <= cfg.producer_regs <= 256):
-        raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups), vec_tma, "
-                         f"async wgmma and producer_regs in [24, 256]: {cfg}")
+def _dkdv_args(st):
+    cfg = _config(st, "dkdv", GluonDkdvConfig)
+    _check_state(st, RECIPE_FP8, "fp8 dK/dV")
+    _check_blocks(cfg, cfg.bn, cfg.bm, cfg.num_warps, "fp8 dK/dV")
+    if cfg.ws and ((cfg.bn, cfg.num_warps) != (128, 8) or not 24 <= cfg.producer_regs <= 256):
+        raise ValueError(f"ws needs bn=128, num_warps=8 (two consumer warpgroups) and "
+                         f"producer_regs in [24, 256]: {cfg}")
+    if st.query_vecs is None:
+        raise ValueError("the fp8 dK/dV kernel reads the packed query vectors that "
+                         "backward.launch_preprocess gathers (st.query_vecs)")
     for x in (st.q8, st.k8, st.v8, st.do8, st.qT8, st.doT8, st.lse, st.delta, st.sq, st.sdo,
               st.sk, st.sv, st.dk, st.dv):
         assert x.is_contiguous()
-    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk, st.dv)
-    if (cfg.fold_sdo or cfg.pack_vecs) and not cfg.vec_tma:
-        raise ValueError(f"fold_sdo and pack_vecs need vec_tma (padded vectors by TMA): {cfg}")
-    return _launch_args(st, cfg, _descs(st, cfg, vecs), tensors, False, WS=cfg.ws,
-                        PRODUCER_REGS=cfg.producer_regs, FOLD=cfg.fold_sdo,
-                        SHARED_MASK=cfg.shared_mask, THR_MASK=cfg.threshold_mask,
-                        LATE_DV=cfg.late_dv,
-                        **({"KEY_ORDER_DV": True} if cfg.key_order_dv else {}),
-                        **({"KEY_ORDER_DK": True} if cfg.key_order_dk else {}),
-                        **({"DIAG": cfg.diag} if cfg.diag else {}))
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    f8 = gl.float8e4nv
+    descs = (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
+             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
+             kmajor_desc(st.qT8, BM), kmajor_desc(st.doT8, BM),
+             vec_desc(st.query_vecs, BM, rows=4))   # (4, BM) boxes: lse, Delta, sq, sdo
+    tensors = (st.sk, st.sv, st.dk, st.dv)
+    return _launch_args(st, cfg, descs, tensors, False, WS=cfg.ws,
+                        PRODUCER_REGS=cfg.producer_regs, THR_MASK=cfg.threshold_mask,
+                        LATE_DV=cfg.late_dv, KEY_ORDER_DV=cfg.key_order_dv,
+                        KEY_ORDER_DK=cfg.key_order_dk, num_warps=cfg.num_warps)
 
 
-def _qT_doT(st, q_key_order: bool, do_key_order: bool):
-    """(qT8, doT8) in the column orders a dK/dV config reads (backward.qT_doT_in_order)."""
-    from .backward import qT_doT_in_order
-    return qT_doT_in_order(st, q_key_order, do_key_order)
-
-
-def _check_dq_ws(cfg: GluonDqConfig) -> None:
-    """The dQ kernel's opt-in warp-specialized schedule (constexpr WS of _dq_fp8_kernel): the
-    option combinations it supports (the kernel's static_assert, as a ValueError here)."""
-    if not cfg.ws:
-        return
-    if not cfg.vec_tma or cfg.sync_mma or cfg.num_warps != 4:
-        raise ValueError(f"dQ ws needs vec_tma, async wgmma and one warpgroup (num_warps=4): "
-                         f"{cfg}")
-    if not 24 <= cfg.producer_regs <= 256:
-        raise ValueError(f"producer_regs {cfg.producer_regs} out of range: {cfg}")
-
-
-def _with_env_diag(cfg):
-    """The default config, or with FLAMIA_BWD_DIAG=1 its timing diagnostic (WRONG results: the
-    GEMMs with almost no element-wise work between them; GluonDkdvConfig.diag, GluonDqConfig.diag).
-    For what-if timings of the public call in one process (benchmarks/graph_timing.py
-    fp8@FLAMIA_BWD_DIAG=1), as FLAMIA_FWD_DIAG for the forward."""
-    diag = os.environ.get("FLAMIA_BWD_DIAG")
-    return dataclasses.replace(cfg, diag=int(diag)) if diag else cfg
-
-
-def launch_dkdv_gluon(st, config: GluonDkdvConfig | None = None, vecs=None) -> None:
-    """dK, dV of the fp8 recipe into st.dk / st.dv (same contract as backward.launch_dkdv).
-    `st` from backward.make_state + backward.launch_preprocess, on an sm_90a GPU. `vecs`:
-    padded_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
-    or with vecs="triton" / config.vec_gather by one Triton launch, padded_vectors_triton)."""
-    cfg = config or _with_env_diag(default_gluon_config(st.D))
+def launch_dkdv_gluon(st) -> None:
+    """dK, dV of the fp8 recipe into st.dk / st.dv (backward.launch_dkdv's contract), with the
+    kernel of st.cfg.dkdv (a GluonDkdvConfig). `st` from backward.make_state +
+    backward.launch_preprocess (which wrote qT8 / doT8 in that config's column orders and the
+    packed query vectors), on an sm_90a GPU."""
     if _no_tokens(st, st.dk, st.dv):
         return
-    grid, args, kwargs = _args(st, cfg, vecs)
+    grid, args, kwargs = _dkdv_args(st)
     _dkdv_fp8_kernel[grid](*args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------
-# dQ launcher
-# ----------------------------------------------------------------------------------------------
-# dQ (`launch_dq_gluon`, the fp8 default of backward.launch_dq on sm_90): `backward._bwd_dq` /
-# `_dq_tile` for RECIPE == 0 with the same ingredients. Per (document, query head, query block
-# of BM = 64 rows) item -- one program each in _dq_fp8_kernel (plain_dq_config: the last block
-# first; GluonDqConfig.bm = 128: two warpgroups sharing each kv tile), or, the default, the
-# persistent _dq_fp8_persistent_kernel walking the forward's work list (comment above it) --
-# one warpgroup loops over the kv blocks j0 = 0, BN, .. (j <= i causal):
-#
-#     S  = (q8_i k8_j^T) * sk_j * rowf_i              rowf_i = sq_i * sm_scale * log2(e)
-#     P  = exp2(S - lse2_i)
-#     t  = (do8_i v8_j^T) * sv_j - Delta_i             (Delta in units of sdo_i)
-#     b  = P t sk_j                                    masked (where) on diagonal / end tiles
-#     dQ_i += c_i * (e4m3(b / c_i) @ kT8_j)            c_i = _pow2_scale(max_j |b|) over the tile
-#     epilogue: dQ_i * sdo_i * sm_scale, rotate back, cast
-#
-# q8_i / do8_i come once by TMA (A operands of S / dP from shared memory); an NS-stage TMA ring
-# brings k8_j, v8_j (token-major, B operands of S / dP), kT8_j (K-major, padded columns, B operand
-# of the dQ GEMM) and sk_j / sv_j as (1, BN) boxes of (Hkv, Tp) padded copies (`padded_kv_vectors`,
-# same 16-byte rule as above). BN = 64 = the Triton kernel's, so the per-row scales c_i are over the
-# same key subsets. The per-query lse / Delta / sq / sdo are plain masked loads, once per program.
-# The end tile (keys past the document end, the next document's bytes) gets kT8's out-of-document
-# columns zeroed in shared memory and b masked with `where`; rows past the end only reach their own
-# (unstored) rows of dQ.
-#
-# Importable without a GPU; `compile_sm90` / `compile_dq_sm90` build the kernels for sm_90a on a
-# CPU-only machine (benchmarks/bwd_gluon_dev.py --cpu-smoke [--kernel dq],
-# tests/test_ops_backward_gluon.py).
-
-
-def padded_kv_vectors(st):
-    """sk, sv as (Hkv, Tp) fp32 in the padded per-document column layout (pads 0), so the dQ
-    kernel's (1, BN) boxes start at the 16-aligned column pcu[doc] + j0 (the packed (Hkv, T)
-    vectors' hk * T + start + j0 is not TMA-legal). 2 gathers of Hkv x Tp floats; production
-    would have the quantization write them padded."""
-    toc = st.tok_of_col.long()
-    pad = toc < 0
-    idx = toc.clamp(min=0)
-    out = []
-    for x in (st.sk, st.sv):
-        y = x.float().index_select(1, idx)
-        y.masked_fill_(pad, 0.0)
-        out.append(y)
-    return tuple(out)
-
-
-def padded_kv_vectors_triton(st):
-    """padded_kv_vectors(st) by one Triton launch (kmajor.padded_rows), or the ones the dK/dV
-    launch gathered with its query vectors (_packed_query_vectors): bitwise the same."""
-    if st.kv_vecs is not None:
-        return st.kv_vecs
-    from .kmajor import padded_rows
-    return padded_rows((st.sk, st.sv), st.tok_of_col, st.Tp)
-
-
-def check_tma_coords_dq(st, cfg: GluonDqConfig | None = None) -> list[str]:
-    """As check_tma_coords, for what the dQ kernel's TMA coordinates rely on; [] when fine."""
-    cfg = cfg or default_dq_config(st.D)
-    bad = []
-    pcu = st.pcu.tolist()
-    if any(c % 16 for c in pcu):
-        bad.append(f"pcu not 16-aligned: {[c for c in pcu if c % 16][:8]}")
-    if st.Tp % 16:
-        bad.append(f"Tp={st.Tp} not a multiple of 16")
-    if (st.D * st.Hq) % 16 or (st.D * st.Hkv) % 16:
-        bad.append(f"D={st.D}: Hq*D / Hkv*D not 16-byte multiples")
-    for name in ("q8", "k8", "v8", "do8", "kT8"):
-        if getattr(st, name).data_ptr() % 16:
-            bad.append(f"{name} base not 16-byte aligned")
-    if cfg.bn % 16:
-        bad.append(f"bn={cfg.bn}: box bytes not a multiple of 16")
-    return bad
-
-
-def _dq_descs(st, cfg: GluonDqConfig, vecs=None):
-    D, BM, BN = st.D, cfg.bm, cfg.bn
-    f8 = gl.float8e4nv
-    return (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
-            tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
-            kmajor_desc(st.kT8, BN),
-            *_vec_descs(st, cfg, vecs, BN, 2, padded_kv_vectors, padded_kv_vectors_triton))
-
-
-def _dq_args(st, cfg: GluonDqConfig, vecs=None):
-    _check_state(st, 0, "fp8 dQ")
-    _check_blocks(cfg, cfg.bm, cfg.bn, "fp8 dQ")
+def _dq_args(st):
+    """grid, args, kwargs of _dq_fp8_persistent_kernel: the work list (memoized per cu_seqlens,
+    like the forward's) in cu's place, ctas_per_sm CTAs per SM."""
+    cfg = _config(st, "dq", GluonDqConfig)
+    _check_state(st, RECIPE_FP8, "fp8 dQ")
+    _check_blocks(cfg, cfg.bm, cfg.bn, 4, "fp8 dQ")
+    if cfg.q_buffers not in (1, 2) or not 24 <= cfg.producer_regs <= 256:
+        raise ValueError(f"persistent dQ needs q_buffers 1 or 2 and producer_regs in [24, 256]: "
+                         f"{cfg}")
+    if st.kv_vecs is None:
+        raise ValueError("the fp8 dQ kernel reads the padded key vectors that "
+                         "backward.launch_preprocess gathers (st.kv_vecs)")
     for x in (st.q8, st.k8, st.v8, st.do8, st.kT8, st.lse, st.delta, st.sq, st.sdo, st.sk,
               st.sv, st.dq):
         assert x.is_contiguous()
-    tensors = (st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dq)
-    grid, args, kwargs = _launch_args(st, cfg, _dq_descs(st, cfg, vecs), tensors, True,
-                                      WS=cfg.ws, PRODUCER_REGS=cfg.producer_regs)
-    _check_dq_ws(cfg)
-    if cfg.maxnreg:
-        kwargs["maxnreg"] = cfg.maxnreg
-    if cfg.persistent:
-        grid, args, kwargs = _persistent_dq_args(st, cfg, args, kwargs)
-    elif cfg.diag:
-        raise ValueError(f"the dQ timing diagnostic (diag) exists in the persistent kernel only: "
-                         f"{cfg}")
-    return grid, args, kwargs
-
-
-def _persistent_dq_args(st, cfg: GluonDqConfig, args, kwargs):
-    """_dq_args of the one-item kernel rewritten for _dq_fp8_persistent_kernel: the work list
-    (memoized per cu_seqlens, like the forward's) instead of cu, a grid of `persistent` CTAs
-    per SM."""
-    from .schedule import persistent_grid, work_list
-    if not cfg.ws or cfg.num_warps != 4 or cfg.qbuf not in (1, 2):
-        raise ValueError(f"persistent dQ needs ws, one consumer warpgroup and qbuf 1 or 2: {cfg}")
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    f8 = gl.float8e4nv
+    descs = (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(st.do8, BM, D, f8),
+             tok_major_desc(st.k8, BN, D, f8), tok_major_desc(st.v8, BN, D, f8),
+             kmajor_desc(st.kT8, BN), *(vec_desc(x, BN) for x in st.kv_vecs))
+    tensors = (st.lse, st.delta, st.sq, st.sdo, st.dq)
+    _, args, kwargs = _launch_args(st, cfg, descs, tensors, True,
+                                   PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     sched = work_list(st.cu, st.T, cfg.bm, cfg.bn, st.causal)
     n_items = sched.items.shape[1]
-    grid = persistent_grid(n_items * st.Hq, cfg.persistent, st.dq.device)
+    grid = persistent_grid(n_items * st.Hq, cfg.ctas_per_sm, st.dq.device)
     # (descriptors, tensors, hmat, cu, pcu, scalars): the work list in cu's place, its length last
     i_cu = next(i for i, a in enumerate(args) if a is st.cu)
     args = (*args[:i_cu], sched.items, *args[i_cu + 1:], n_items)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("VEC_TMA", "SYNC", "WS")}
-    kwargs["QBUF"] = cfg.qbuf
-    if cfg.diag:
-        kwargs["DIAG"] = cfg.diag
+    kwargs.update(QBUF=cfg.q_buffers, maxnreg=cfg.maxnreg)
     return grid, args, kwargs
 
 
-def _dq_kernel(cfg: GluonDqConfig):
-    return _dq_fp8_persistent_kernel if cfg.persistent else _dq_fp8_kernel
-
-
-def launch_dq_gluon(st, config: GluonDqConfig | None = None, vecs=None) -> None:
-    """dQ of the fp8 recipe into st.dq (same contract as backward.launch_dq without dq_atomic:
-    * sdo_i * sm_scale, Hadamard rotate-back when st.rotate, cast to st.dq's dtype). `st` from
-    backward.make_state + backward.launch_preprocess (kT8 needed), on an sm_90a GPU. `vecs`:
-    padded_kv_vectors(st) when the caller already has them (else built here if vec_tma: by torch,
-    or with vecs="triton" / config.vec_gather by one Triton launch, padded_kv_vectors_triton)."""
-    cfg = config or _with_env_diag(default_dq_config(st.D))
+def launch_dq_gluon(st) -> None:
+    """dQ of the fp8 recipe into st.dq (backward.launch_dq's contract: * sdo_i * sm_scale,
+    Hadamard rotate-back when st.rotate, cast to st.dq's dtype), with st.cfg.dq (a
+    GluonDqConfig). `st` from backward.make_state + backward.launch_preprocess (kT8 and the
+    padded key vectors), on an sm_90a GPU."""
     if _no_tokens(st, st.dq):
         return
-    grid, args, kwargs = _dq_args(st, cfg, vecs)
-    _dq_kernel(cfg)[grid](*args, **kwargs)
+    grid, args, kwargs = _dq_args(st)
+    _dq_fp8_persistent_kernel[grid](*args, **kwargs)
+
+
+# --- fp8_mixed ------------------------------------------------------------------------------------
+
+def mixed_operands(st):
+    """(dO bf16 (T, Hq, D), V bf16 (T, Hkv, D), K bf16 (T, Hkv, D)): the bf16 GEMMs' token-major
+    operands, built once per state (st.mixed_ops; the dK/dV and the dQ launch share them). V / K:
+    e4m3 values, exact in bf16 (one pass over v8 / k8). dO: the caller's, rounded to bf16 as
+    backward._bf16_op does when it is fp16 / fp32."""
+    if st.mixed_ops is None:
+        bf = torch.bfloat16
+        dob = st.dout if st.dout.dtype == bf else st.dout.to(bf)
+        st.mixed_ops = (dob.contiguous(), st.v8.to(bf).contiguous(), st.k8.to(bf).contiguous())
+    return st.mixed_ops
+
+
+def _mixed_dkdv_args(st):
+    cfg = _config(st, "dkdv", MixedDkdvConfig)
+    _check_state(st, RECIPE_MIXED, "fp8_mixed dK/dV")
+    _check_blocks(cfg, cfg.bn, cfg.bm, cfg.num_warps, "fp8_mixed dK/dV")
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    dob, vb, _ = mixed_operands(st)
+    for x in (st.q8, st.k8, st.doT8, st.lse, st.delta, st.sq, st.sdo, st.sk, st.sv, st.dk,
+              st.dv, dob, vb):
+        assert x.is_contiguous()
+    f8, bf = gl.float8e4nv, gl.bfloat16
+    descs = (tok_major_desc(st.k8, BN, D, f8), tok_major_desc(vb, BN, CH_, bf),
+             tok_major_desc(st.q8, BM, D, f8), tok_major_desc(dob, BM, CH_, bf),
+             kmajor_desc(st.doT8, BM), *(vec_desc(x, BM) for x in padded_vectors(st)))
+    tensors = (st.sk, st.sv, st.dk, st.dv)
+    return _launch_args(st, cfg, descs, tensors, False, LAZY=cfg.lazy_cols,
+                        num_warps=cfg.num_warps)
+
+
+def launch_dkdv_gluon_mixed(st) -> None:
+    """dK, dV of fp8_mixed into st.dk / st.dv (backward.launch_dkdv's contract), with
+    st.cfg.dkdv (a MixedDkdvConfig)."""
+    if _no_tokens(st, st.dk, st.dv):
+        return
+    grid, args, kwargs = _mixed_dkdv_args(st)
+    _dkdv_mixed_kernel[grid](*args, **kwargs)
+
+
+def _mixed_dq_args(st):
+    cfg = _config(st, "dq", MixedDqConfig)
+    _check_state(st, RECIPE_MIXED, "fp8_mixed dQ")
+    _check_blocks(cfg, cfg.bm, cfg.bn, cfg.num_warps, "fp8_mixed dQ")
+    if cfg.stages < 2:
+        raise ValueError(f"the fp8_mixed dQ kernel prefetches: stages >= 2, not {cfg}")
+    D, BM, BN = st.D, cfg.bm, cfg.bn
+    dob, vb, kb = mixed_operands(st)
+    for x in (st.q8, st.k8, st.lse, st.delta, st.sq, st.sk, st.sv, st.dq, dob, vb, kb):
+        assert x.is_contiguous()
+    f8, bf = gl.float8e4nv, gl.bfloat16
+    descs = (tok_major_desc(st.q8, BM, D, f8), tok_major_desc(dob, BM, CH_, bf),
+             tok_major_desc(st.k8, BN, D, f8), tok_major_desc(kb, BN, CH_, bf),
+             tok_major_desc(vb, BN, CH_, bf), *(vec_desc(x, BN) for x in padded_kv_vectors(st)))
+    tensors = (st.lse, st.delta, st.sq, st.dq)    # (no sdo: dO was never scaled)
+    return _launch_args(st, cfg, descs, tensors, True, num_warps=cfg.num_warps)
+
+
+def launch_dq_gluon_mixed(st) -> None:
+    """dQ of fp8_mixed into st.dq (backward.launch_dq's contract), with st.cfg.dq (a
+    MixedDqConfig)."""
+    if _no_tokens(st, st.dq):
+        return
+    grid, args, kwargs = _mixed_dq_args(st)
+    _dq_mixed_kernel[grid](*args, **kwargs)

@@ -12,7 +12,7 @@ document, never on a switch. Tile shapes were measured on the H200 (benchmarks/N
     backward  bf16 (bf16 inputs) at D=64/128 on sm_90: the one-pass kernel (backward_sm90,
               which picks its own tiles: backward_sm90.select_config)
               fp8 / fp8_mixed on sm_90: preprocess + the Gluon dK/dV and dQ kernels
-              (backward_gluon, backward_gluon_mixed), Gluon*Config / Mixed*Config
+              (backward_gluon), BwdConfig with Gluon*Config / Mixed*Config
               otherwise (other GPUs, fp16 bf16-recipe inputs, the CPU interpreter): the Triton
               kernels (backward), BwdConfig
 """
@@ -27,6 +27,8 @@ from . import interpreting, is_sm90
 from .gluon_common import HAVE_GLUON
 
 FP8_RECIPES = ("fp8", "fp8_mixed")
+# The kernels' recipe ids (their RECIPE constexpr; BwdState.recipe)
+RECIPE_IDS = {"fp8": 0, "fp8_mixed": 1, "bf16": 2}
 
 
 def _recipe_name(recipe) -> str:
@@ -123,3 +125,198 @@ def vt_mma_order(head_dim: int, recipe, device) -> bool:
     registers are then the PV wgmma's A operand as they are: flamia.ops.kmajor), token order for
     the persistent Gluon kernel."""
     return not uses_persistent_forward(head_dim, recipe, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GluonDkdvConfig:
+    """The fp8 recipe's Gluon dK/dV kernel (backward_gluon._dkdv_fp8_kernel)."""
+    bn: int = 64            # keys per CTA: 16 * num_warps (one m64 wgmma row block per warpgroup)
+    bm: int = 64            # query rows per step
+    stages: int = 2         # TMA ring depth (D=128: 2 keeps ~90 KB smem -> 2 CTAs / SM)
+    num_warps: int = 4
+    # ws: FA3's layout, bn=128 and two consumer warpgroups (num_warps=8) in one CTA per SM, fed
+    # by a 1-warp TMA producer partition at producer_regs registers (constexpr WS)
+    ws: bool = False
+    producer_regs: int = 24
+    # threshold_mask: both masks as one compare per element against a per-column threshold
+    # (constexpr THR_MASK; the same predicate). late_dv: the dV GEMM issued after the dS^T
+    # operand, not overlapping its math (constexpr LATE_DV): 32 fewer live registers.
+    threshold_mask: bool = False
+    late_dv: bool = False
+    # key_order_dv / key_order_dk: the A operand a8 = P^T sdo of the dV GEMM / b8 = dS^T of the
+    # dK GEMM goes in as its registers already are an fp8 wgmma A operand (queries in
+    # kmajor.mma_order16 order within 16-query groups), with doT8 / qT8 written in the same
+    # column order by launch_preprocess, instead of a cross-lane conversion
+    key_order_dv: bool = False
+    key_order_dk: bool = False
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_dkdv_config(head_dim: int) -> GluonDkdvConfig:
+    """H200, ms (doc8k_x4 / longtail / doc32k at D=128): D=128 one warpgroup per 64 keys with
+    late_dv + threshold_mask 8.10 / 8.11 / 32.30 (without them 9.62 / 9.01 / 37.54): SASS per
+    tile 1132 -> 1010, spills 204 -> 80 B. D=64 FA3's layout with key-ordered A operands:
+    d64_doc8k_x4 6.51 -> 5.95 (key orders: 692 -> 643 SASS per tile, no spills)."""
+    if head_dim <= 64:
+        return GluonDkdvConfig(bn=128, stages=3, num_warps=8, ws=True, key_order_dv=True,
+                               key_order_dk=True)
+    return GluonDkdvConfig(stages=2, late_dv=True, threshold_mask=True)
+
+
+@dataclass(frozen=True)
+class GluonDqConfig:
+    """The fp8 recipe's persistent Gluon dQ kernel (backward_gluon._dq_fp8_persistent_kernel):
+    ctas_per_sm CTAs per SM walk the forward's work list, a 1-warp producer (producer_regs)
+    running ahead across items; one consumer warpgroup of bm = 64 query rows."""
+    bm: int = 64
+    bn: int = 64            # keys per step
+    stages: int = 3         # kv ring depth
+    q_buffers: int = 1      # q8 / do8 buffers (2: the next item's pair loads during this one)
+    ctas_per_sm: int = 2
+    maxnreg: int = 128      # 8 warps x 128: 2 CTAs / SM; the consumer setmaxnreg's up to ~232
+    producer_regs: int = 24
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_dq_config(head_dim: int) -> GluonDqConfig:
+    """H200, ms, one program per (query block, head) -> persistent: doc512_x64 0.72 -> 0.62,
+    doc2k_x16 1.67 -> 1.54, longtail 4.54 -> 4.17, doc8k_x4 5.74 -> 5.27, d64_doc8k_x4 4.22 ->
+    4.07 (bitwise the same results)."""
+    return GluonDqConfig(stages=4 if head_dim <= 64 else 3)
+
+
+@dataclass(frozen=True)
+class MixedDkdvConfig:
+    """The fp8_mixed recipe's Gluon dK/dV kernel (backward_gluon._dkdv_mixed_kernel)."""
+    bn: int = 64            # keys per CTA (one warpgroup: 16 * num_warps)
+    bm: int = 64            # query rows per step
+    stages: int = 2         # TMA ring depth (D=128: ~106 KB smem -> 2 CTAs / SM)
+    num_warps: int = 4
+    # lazy_cols: the tile's query indices computed inside the masked branches only (constexpr
+    # LAZY; backward_gluon._cols_of; SASS per tile at D=128: 1147 -> 1075)
+    lazy_cols: bool = False
+
+
+@functools.lru_cache(maxsize=None)
+def mixed_dkdv_config(head_dim: int) -> MixedDkdvConfig:
+    """lazy_cols at D=128 (H200, ms: doc8k_x4 11.92 -> 10.16, longtail 10.87 -> 9.40, doc32k
+    46.87 -> 40.07; at D=64 7.17 -> 6.99 but d64_longtail 5.55 -> 5.64: not taken)."""
+    return MixedDkdvConfig(stages=3 if head_dim <= 64 else 2, lazy_cols=head_dim > 64)
+
+
+@dataclass(frozen=True)
+class MixedDqConfig:
+    """The fp8_mixed recipe's Gluon dQ kernel (backward_gluon._dq_mixed_kernel)."""
+    bm: int = 64            # query rows per CTA (16 * num_warps)
+    bn: int = 64            # keys per step
+    stages: int = 2         # kv ring depth (D=128: 40.5 KB per stage)
+    num_warps: int = 4
+
+
+@functools.lru_cache(maxsize=None)
+def mixed_dq_config(head_dim: int) -> MixedDqConfig:
+    return MixedDqConfig(stages=3 if head_dim <= 64 else 2)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """The split backward (backward.py): preprocess, then dK/dV and dQ. dkdv / dq: the Gluon
+    kernels' configs on sm_90 (their type says which kernel), None: the Triton kernels with the
+    tiles below. Triton dK/dV: kv_bn kv rows per program, kv_bm query rows per step
+    (kv_bn % kv_bm == 0); dQ: q_bm query rows per program, q_bn kv rows per step."""
+    kv_bn: int = 128
+    kv_bm: int = 64
+    kv_warps: int = 8
+    kv_stages: int = 2
+    q_bm: int = 128
+    q_bn: int = 64
+    q_warps: int = 8
+    q_stages: int = 2
+    pre_bt: int = 64
+    pre_warps: int = 4
+    # dK and dV in two launches (each recomputes S^T; half the accumulator registers each, so
+    # larger query steps fit): kv_bm for the dK launch, kv_bm_dv for the dV launch.
+    split_dkdv: bool = False
+    kv_bm_dv: int = 64
+    dkdv: GluonDkdvConfig | MixedDkdvConfig | None = None
+    dq: GluonDqConfig | MixedDqConfig | None = None
+
+
+# Longest document from which the Triton fp8_mixed backward splits its dK/dV launch.
+SPLIT_DKDV_MIN_SEQLEN = 4096
+
+
+def split_backward_config(head_dim: int, recipe, max_seqlen: int | None = None,
+                          gluon: bool = False) -> BwdConfig:
+    """The split backward's config; gluon: with the Gluon dK/dV and dQ kernels of the fp8
+    recipes (an sm_90 GPU). The Triton kernels' tiles come from the sm_90a compile analysis
+    and the H200 A/Bs of their time: the dK/dV kernel keeps dK and dV (BN x D fp32) live plus ~6
+    (BN x BM) temporaries, and at D=128 BM=32 spills least (fp8 ~0.4 KB). fp8_mixed at D=128
+    runs dK and dV as two launches with BM=64 (each holds one accumulator): 112 -> 90 ms at
+    doc32k and 29 -> 24 ms at doc8k_x4 despite recomputing S^T, but slower on short documents,
+    so only when the longest document has at least SPLIT_DKDV_MIN_SEQLEN tokens; fp8 loses with
+    the split (76 -> 86 ms at doc32k)."""
+    name = _recipe_name(recipe)
+    if head_dim <= 64:
+        cfg = BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, q_bm=128, q_bn=64, q_warps=8)
+    elif name == "fp8_mixed" and (max_seqlen or 0) >= SPLIT_DKDV_MIN_SEQLEN:
+        cfg = BwdConfig(kv_bn=128, kv_bm=64, kv_warps=8, kv_stages=2, split_dkdv=True,
+                        kv_bm_dv=64)
+    elif name in FP8_RECIPES:
+        cfg = BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, kv_stages=2)
+    else:
+        cfg = BwdConfig()
+    if gluon and name == "fp8":
+        cfg = replace(cfg, dkdv=gluon_dkdv_config(head_dim), dq=gluon_dq_config(head_dim))
+    elif gluon and name == "fp8_mixed":
+        cfg = replace(cfg, dkdv=mixed_dkdv_config(head_dim), dq=mixed_dq_config(head_dim))
+    return cfg
+
+
+def uses_gluon_backward(head_dim: int, recipe, device) -> bool:
+    """The fp8 recipes at D=64/128 on an sm_90 GPU run the Gluon dK/dV and dQ kernels (H200:
+    dK/dV 1.6-1.9x and dQ 1.4-1.8x the Triton kernels)."""
+    if interpreting() or _recipe_name(recipe) not in FP8_RECIPES or head_dim not in (64, 128):
+        return False
+    return is_sm90(torch.device(device)) and HAVE_GLUON
+
+
+def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
+    """The bf16 recipe's backward runs the one-pass Hopper kernel (backward_sm90) on an sm_90
+    GPU at head dims 64 and 128 for bf16 inputs (fp16 inputs keep the split kernels until the
+    one-pass kernel is tested with them on the GPU)."""
+    if _recipe_name(recipe) != "bf16" or dtype != torch.bfloat16 or head_dim not in (64, 128):
+        return False
+    return is_sm90(torch.device(device))
+
+
+def backward_config(head_dim: int, recipe, device, max_seqlen: int | None = None,
+                    dtype=torch.bfloat16):
+    """The config of the backward a call runs: backward_sm90's Sm90BwdConfig (the one-pass
+    kernel, which picks its own tiles) or the split backward's BwdConfig."""
+    if uses_sm90_backward(head_dim, recipe, device, dtype):
+        from .backward_sm90 import select_config
+        return select_config(head_dim)
+    return split_backward_config(head_dim, recipe, max_seqlen,
+                                 gluon=uses_gluon_backward(head_dim, recipe, device))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one call runs (select)."""
+    vt_mma_order: bool          # the V^T column order quantize_qkv writes for the forward
+    forward: FwdConfig | PersistentFwdConfig
+    backward: object            # BwdConfig, or backward_sm90.Sm90BwdConfig
+
+
+def select(head_dim: int, recipe, device, max_seqlen: int | None = None,
+           dtype=torch.bfloat16) -> Selection:
+    """The kernels and configs of a call with this head dim, recipe, device, longest document
+    and input dtype (the module docstring's table)."""
+    return Selection(vt_mma_order(head_dim, recipe, device),
+                     forward_config(head_dim, recipe, device),
+                     backward_config(head_dim, recipe, device, max_seqlen, dtype))

@@ -92,7 +92,7 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 
 @triton.jit
-def _copy_columns(src, dst, tok_of_col, T, Tp, stride_t, h,
+def copy_columns(src, dst, tok_of_col, T, Tp, stride_t, h,
                   D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
                   MMA_ORDER: tl.constexpr):
     """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :]."""
@@ -113,7 +113,7 @@ def _copy_columns(src, dst, tok_of_col, T, Tp, stride_t, h,
 def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
                         D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
                         MMA_ORDER: tl.constexpr):
-    _copy_columns(src, dst, tok_of_col, T, Tp, stride_t, tl.program_id(1), D, BLOCK_C, PLAIN,
+    copy_columns(src, dst, tok_of_col, T, Tp, stride_t, tl.program_id(1), D, BLOCK_C, PLAIN,
                   MMA_ORDER)
 
 
@@ -134,11 +134,11 @@ def _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, s
                MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
     """Row h of a copies grid: the heads of copy 0, then of copy 1, then of copy 2."""
     if h < H0:
-        _copy_columns(src0, dst0, tok_of_col, T, Tp, stride0, h, D, BLOCK_C, False, MMA0)
+        copy_columns(src0, dst0, tok_of_col, T, Tp, stride0, h, D, BLOCK_C, False, MMA0)
     elif (N == 2) or (h < H0 + H1):
-        _copy_columns(src1, dst1, tok_of_col, T, Tp, stride1, h - H0, D, BLOCK_C, False, MMA1)
+        copy_columns(src1, dst1, tok_of_col, T, Tp, stride1, h - H0, D, BLOCK_C, False, MMA1)
     else:
-        _copy_columns(src2, dst2, tok_of_col, T, Tp, stride2, h - H0 - H1, D, BLOCK_C, False,
+        copy_columns(src2, dst2, tok_of_col, T, Tp, stride2, h - H0 - H1, D, BLOCK_C, False,
                       MMA2)
 
 
@@ -152,8 +152,9 @@ def _copies_and_rows_kernel(src0, dst0, src1, dst1, src2, dst2, stride0, stride1
                             NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
                             INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
                             BLOCK_C: tl.constexpr):
-    """kmajor_copies and padded_rows_two in one launch: grid axis 1 runs over the copies' HC
-    heads, then row set a's heads, then b's; axis 0 over column blocks of both."""
+    """kmajor_copies and two row-vector gathers (a, b; _padded_rows_cols) in one launch: grid
+    axis 1 runs over the copies' HC heads, then row set a's heads, then b's; axis 0 over column
+    blocks of both."""
     h = tl.program_id(1)
     if h < HC:
         _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1,
@@ -171,7 +172,7 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     mma_order=True: column c holds what column mma_order16(c) would (Tp a multiple of 16; the
     padded layout's documents start at multiples of 16, so every 16-column group stays in its
     document). src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
-    _check_copy(src, dst, mma_order)
+    check_copy(src, dst, mma_order)
     T, H, D = src.shape
     Tp = dst.shape[2]
     plain = tok_of_col is None
@@ -184,8 +185,8 @@ def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor |
     return dst
 
 
-def _check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -> None:
-    """The argument rules of kmajor_copy (and of every launch built on _copy_columns)."""
+def check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -> None:
+    """The argument rules of kmajor_copy (and of every launch built on copy_columns)."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
@@ -201,7 +202,7 @@ def _check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -
 def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
     """Several kmajor_copy(src, dst, tok_of_col, mma_order=...) into the padded layout, in one
     launch (the backward's dO, q and k copies: two launches fewer per call, which at short
-    documents are host time; benchmarks/NOTES.md session 14). copies: 1-3 (src, dst, mma_order)
+    documents are host time). copies: 1-3 (src, dst, mma_order)
     with one D and one Tp; the results are those of the separate copies, byte for byte."""
     plan = _CopiesPlan(copies)
     if plan.n == 1:
@@ -217,11 +218,17 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
 
 def kmajor_copies_and_rows(copies, a: dict, b: dict, tok_of_col: torch.Tensor, Tp: int,
                            block_c: int = 64):
-    """kmajor_copies(copies, tok_of_col) and padded_rows_two(a, b, tok_of_col, Tp) in one
-    launch: the backward's K-major copies and its padded query / key vectors after the
-    preprocess kernel (one launch less per call: host time at short documents). Returns what
-    padded_rows_two returns; every byte and value is the separate launches' (pure copies,
-    tests/test_ops_kmajor.py)."""
+    """kmajor_copies(copies, tok_of_col) and two gathers of per-token row vectors (H, T) into
+    (H, Tp) fp32 copies in the padded column layout, in one launch: the backward's K-major
+    copies and its padded query / key vectors after the preprocess kernel (one launch less per
+    call: host time at short documents). a, b: dict(srcs=(1-4 vectors of one shape),
+    fill0_inf=, interleave=, fold0=): column c holds src[:, tok_of_col[c]], pad columns 0 (the
+    first source's +inf with fill0_inf, for lse); interleave puts head h's vectors in rows
+    h * len(srcs) + v of one (H * len(srcs), Tp) buffer; fold0 (4 sources: lse, Delta, sq, sdo)
+    puts lse * log2(e) - log2(sdo) in the first row (sdo is a power of two). Returns a's and b's
+    results: the one interleaved buffer, or views of one (len(srcs), H, Tp) buffer, each
+    TMA-legal (row stride Tp * 4 bytes, 16 | Tp). Pure copies: bitwise torch's gathers
+    (tests/test_ops_kmajor.py)."""
     plan = _CopiesPlan(copies)
     ga, gb = (_RowsGather(tp=Tp, **x) for x in (a, b))
     if plan.Tp != Tp or ga.T != gb.T or ga.T != plan.T:
@@ -247,7 +254,7 @@ class _CopiesPlan:
         if not 1 <= len(copies) <= 3:
             raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
         for src, dst, order in copies:
-            _check_copy(src, dst, order)
+            check_copy(src, dst, order)
         D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
         if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
             raise ValueError("kmajor_copies: every copy needs the same D and Tp")
@@ -273,28 +280,6 @@ def _log2_pow2(s):
 
 
 @triton.jit
-def _padded_rows_kernel(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H,
-                        NV: tl.constexpr, FILL0_INF: tl.constexpr, INTERLEAVE: tl.constexpr,
-                        FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One program per (block of output columns, head): _padded_rows_cols."""
-    _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, tl.program_id(1),
-                      NV, FILL0_INF, INTERLEAVE, FOLD0, BLOCK_C)
-
-
-@triton.jit
-def _padded_rows_two_kernel(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp,
-                            HA, HB, NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr,
-                            INTERLEAVE_A: tl.constexpr, FOLD0_A: tl.constexpr,
-                            NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
-                            INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
-    """Two padded_rows gathers in one launch: grid axis 1 runs over set a's heads, then b's."""
-    _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB,
-                 tl.program_id(1), NV_A, FILL0_INF_A, INTERLEAVE_A, FOLD0_A, NV_B, FILL0_INF_B,
-                 INTERLEAVE_B, FOLD0_B, BLOCK_C)
-
-
-@triton.jit
 def _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB, h,
                  NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr, INTERLEAVE_A: tl.constexpr,
                  FOLD0_A: tl.constexpr, NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
@@ -314,8 +299,8 @@ def _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, h,
                       FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
     """dst[v, h, c] (INTERLEAVE: dst[h, v, c]) = src_v[h, tok_of_col[c]] (fp32), pads
     (tok < 0) 0, or +inf for v = 0 with FILL0_INF. FOLD0 (NV = 4): row 0 is src0 * log2(e) -
-    log2(src3) (backward_gluon.fold_sdo). The columns of program_id(0)'s block, head h: every
-    column written."""
+    log2(src3), bitwise the torch ops' mul then sub (kmajor_copies_and_rows launches with fp
+    fusion off). The columns of program_id(0)'s block, head h: every column written."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < Tp
     tok = tl.load(tok_of_col + c, mask=c_ok, other=-1)
@@ -345,61 +330,22 @@ def _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, h,
         tl.store(out + 3 * plane, x, mask=c_ok)
 
 
-def padded_rows(srcs, tok_of_col: torch.Tensor, Tp: int, fill0_inf: bool = False,
-                block_c: int = 256, interleave: bool = False, fold0: bool = False):
-    """Per-token row vectors (H, T) -> (H, Tp) fp32 copies in the padded column layout, all in
-    one launch in the destination's frame (like kmajor_copy): column c holds src[:, tok_of_col[c]],
-    pad columns 0 (the first source's +inf with fill0_inf, for lse). 1-4 sources of one shape.
-    Returns views of one (len(srcs), H, Tp) buffer: each contiguous, row stride Tp * 4 bytes and
-    base offset H * Tp * 4 bytes (16-byte multiples when 4 | Tp), so TMA-legal like the separate
-    tensors of backward_gluon.padded_vectors, and bitwise equal to them (pure copies).
-
-    interleave=True returns instead the one (H * len(srcs), Tp) buffer with head h's vectors in
-    rows h * len(srcs) + v (backward_gluon.pack_vectors); fold0=True (4 sources: lse, Delta,
-    sq, sdo) puts lse * log2(e) - log2(sdo) in the first row (backward_gluon.fold_sdo), bitwise
-    as the torch ops compute it (sdo is a power of two)."""
-    g = _RowsGather(srcs, Tp, fill0_inf, interleave, fold0)
-    if Tp > 0 and g.H > 0:
-        s = g.slots
-        _padded_rows_kernel[(triton.cdiv(Tp, block_c), g.H)](
-            s[0], s[1], s[2], s[3], g.dst, tok_of_col, g.T, Tp, g.H, **g.flags(""),
-            BLOCK_C=block_c, num_warps=4,
-            enable_fp_fusion=False)   # fold0: two roundings, as torch's mul then sub
-    return g.result()
-
-
-def padded_rows_two(a: dict, b: dict, tok_of_col: torch.Tensor, Tp: int, block_c: int = 256):
-    """padded_rows(tok_of_col=..., Tp=..., **a) and the same of b (sources of one T, any head
-    counts) in one launch: (result of a, result of b), bitwise the two separate calls'. The
-    backward's query vectors (dK/dV) and key vectors (dQ) this way: one launch less per call."""
-    ga, gb = (_RowsGather(tp=Tp, **x) for x in (a, b))
-    if ga.T != gb.T:
-        raise ValueError(f"padded_rows_two: sources of {ga.T} and {gb.T} tokens")
-    if Tp > 0 and ga.H + gb.H > 0:
-        sa, sb = ga.slots, gb.slots
-        _padded_rows_two_kernel[(triton.cdiv(Tp, block_c), ga.H + gb.H)](
-            sa[0], sa[1], sa[2], sa[3], ga.dst, sb[0], sb[1], sb[2], sb[3], gb.dst, tok_of_col,
-            ga.T, Tp, ga.H, gb.H, **ga.flags("_A"), **gb.flags("_B"), BLOCK_C=block_c,
-            num_warps=4, enable_fp_fusion=False)
-    return ga.result(), gb.result()
-
-
 class _RowsGather:
-    """One padded_rows gather: its checked sources (4 launch slots), destination buffer and
-    flags, and the views it returns."""
+    """One row-vector gather of kmajor_copies_and_rows: its checked sources (4 launch slots),
+    destination buffer and flags, and the views it returns."""
 
     def __init__(self, srcs, tp: int, fill0_inf: bool = False, interleave: bool = False,
                  fold0: bool = False):
         nv = len(srcs)
         if not 1 <= nv <= 4:
-            raise ValueError(f"padded_rows: 1-4 sources, not {nv}")
+            raise ValueError(f"kmajor_copies_and_rows: 1-4 sources, not {nv}")
         if fold0 and nv != 4:
-            raise ValueError("padded_rows: fold0 needs the four sources lse, Delta, sq, sdo")
+            raise ValueError("kmajor_copies_and_rows: fold0 needs the four sources lse, Delta, sq, sdo")
         H, T = srcs[0].shape
         srcs = [x.contiguous() for x in srcs]
         for x in srcs:
             if tuple(x.shape) != (H, T):
-                raise ValueError(f"padded_rows: sources of shape {(H, T)}, got {tuple(x.shape)}")
+                raise ValueError(f"kmajor_copies_and_rows: sources of shape {(H, T)}, got {tuple(x.shape)}")
         self.nv, self.H, self.T, self.Tp = nv, H, T, tp
         self.fill0_inf, self.interleave, self.fold0 = fill0_inf, interleave, fold0
         self.slots = srcs + [srcs[0]] * (4 - nv)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import config, interpreting
-from .kmajor import _check_copy, _copy_columns
+from .kmajor import check_copy, copy_columns
 from .layout import QuantizedQKV
 from ..quant import hadamard
 from ..recipes import Recipe, get_recipe
@@ -118,13 +118,13 @@ def _vt_vcap_kernel(V8, VT8, SV, VCAP, CU, T, Tp, stride_t, HKV, N_COL_BLOCKS, N
                     CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
     """The forward's two passes after quantization in one launch (one launch less per call:
     host time at short documents): grid axis 1 < HKV copies v8 into the K-major vt8 (plain
-    layout, kmajor._copy_columns), the rest computes vcap (_vcap_doc); axis 0 is the column
+    layout, kmajor.copy_columns), the rest computes vcap (_vcap_doc); axis 0 is the column
     block of a copy program and the document of a vcap program."""
     i = tl.program_id(0)
     j = tl.program_id(1)
     if j < HKV:
         if i < N_COL_BLOCKS:
-            _copy_columns(V8, VT8, VT8, T, Tp, stride_t, j, D, BLOCK_C, True, MMA_ORDER)
+            copy_columns(V8, VT8, VT8, T, Tp, stride_t, j, D, BLOCK_C, True, MMA_ORDER)
     elif i < N_DOCS:
         _vcap_doc(SV, VCAP, CU, T, i, j - HKV, CAUSAL, BLOCK)
 
@@ -235,7 +235,7 @@ def _vt_and_vcap(v8, vt8, sv, vcap, cu_seqlens, causal: bool, mma_order: bool,
                  block_c: int = 64) -> None:
     """vt8 = kmajor_copy(v8, mma_order=mma_order) and vcap = the causal (or whole-document)
     prefix max of sv inside each document, in one launch."""
-    _check_copy(v8, vt8, mma_order)
+    check_copy(v8, vt8, mma_order)
     T, Hkv, D = v8.shape
     Tp = vt8.shape[2]
     n_docs = cu_seqlens.numel() - 1

@@ -13,19 +13,20 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from benchmarks.tools.operands import quantized_qkv_from_reference  # noqa: E402
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import backward as B  # noqa: E402
+from flamia.ops.config import BwdConfig  # noqa: E402
 
 LENGTHS = (1536, 0, 1, 700, 2048)
 HQ, HKV = 16, 4
 DEV = "cuda"
-CONFIGS = {
-    "default": None,
-    "small": B.BwdConfig(kv_bn=64, kv_bm=64, kv_warps=4, q_bm=64, q_bn=64, q_warps=4),
-    "bm32": B.BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, q_bm=128, q_bn=32, q_warps=8),
-    "dq_atomic": B.BwdConfig(dq_atomic=True),     # used with deterministic=False
-    "triton": B.BwdConfig(gluon_dkdv=False, gluon_dq=False),  # fp8: Triton kernels, not Gluon
+CONFIGS = {       # None: what the device runs (sm_90: Gluon / one-pass); a BwdConfig without
+    "default": None,  # Gluon configs: the Triton split kernels (other GPUs, the interpreter)
+    "small": BwdConfig(kv_bn=64, kv_bm=64, kv_warps=4, q_bm=64, q_bn=64, q_warps=4),
+    "bm32": BwdConfig(kv_bn=128, kv_bm=32, kv_warps=8, q_bm=128, q_bn=32, q_warps=8),
+    "triton": BwdConfig(),
 }
 
 
@@ -46,7 +47,7 @@ def _forward(q, k, v, cu, recipe, causal=True):
 
 def _kernel(dout, out, lse, saved, cu, recipe, causal=True, cfg=None, grad_dtype=torch.float32,
             deterministic=True):
-    qkv = B.quantized_qkv_from_reference(saved, recipe, cu, causal)
+    qkv = quantized_qkv_from_reference(saved, recipe, cu, causal)
     grads = B.attention_backward(dout, out, lse, qkv, cu, max(LENGTHS), causal,
                                  deterministic=deterministic, config=cfg, grad_dtype=grad_dtype)
     for g in grads:
@@ -74,14 +75,13 @@ def _check(name, g, g_ref, g64, atol_frac=2e-3, rel_atol=1e-4):
 @pytest.mark.parametrize("recipe", ("fp8", "fp8_mixed", "bf16"))
 @pytest.mark.parametrize("family", ("mild", "outliers"))
 def test_accuracy(family, recipe, D, config):
-    if config not in ("default", "dq_atomic") and (family != "mild" or D != 128):
+    if config != "default" and (family != "mild" or D != 128):
         pytest.skip("block configs checked on one case")
     q, k, v, cu = make_qkv(LENGTHS, HQ, HKV, D, family, device=DEV, seed=1)
     out, lse, saved = _forward(q, k, v, cu, recipe)
     dout = _dout(out.shape, 2)
     ref = R.backward(dout, out, lse, saved, cu, recipe)
-    kern = _kernel(dout, out, lse, saved, cu, recipe, cfg=CONFIGS[config],
-                   deterministic=config != "dq_atomic")
+    kern = _kernel(dout, out, lse, saved, cu, recipe, cfg=CONFIGS[config])
     g64 = _grads64(q, k, v, cu, dout)
     for name, g, r, e in zip(("dq", "dk", "dv"), kern, ref, g64):
         _check(f"{family} {recipe} D={D} {name}", g, r, e)

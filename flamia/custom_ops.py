@@ -1,12 +1,11 @@
 """The kernel path as two torch.library custom ops, for torch.compile: flamia::fwd, flamia::bwd.
 
-Eager calls run the kernels through interface._KernelAttention, an autograd.Function: the
-leanest host path (a short-document call is bound by its host: benchmarks/NOTES.md, session
-14). Under torch.compile a flamia call is instead one opaque node per direction, built from
-the same functions (interface.kernel_forward / kernel_backward), so compiled results are
-bitwise the eager ones. The compiler sees each op's output shapes (the fake implementations
-below), not Triton launches and host code that reads cu_seqlens, so `torch.compile(model,
-fullgraph=True)` traces a model through flamia attention. (The ops themselves have no autograd
+Eager calls run the kernels through interface's autograd.Function: the leanest host path (a
+short-document call is bound by its host). Under torch.compile a flamia call is instead one
+opaque node per direction, built from the same functions (kernel_path.kernel_forward /
+kernel_backward), so compiled results are bitwise the eager ones. The compiler sees each op's
+output shapes (the fake implementations below), not Triton launches and host code that reads
+cu_seqlens, so `torch.compile(model, fullgraph=True)` traces a model through flamia attention. (The ops themselves have no autograd
 registration: _OpAttention, an autograd.Function that dynamo traces, is their autograd.)
 
 What the forward keeps for the backward travels as op outputs, as a custom op requires:
@@ -23,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kernel_path import dense_cu_seqlens, kernel_backward, kernel_forward
 from .ops.layout import QuantizedQKV
 from .recipes import get_recipe
 from .validate import check_values
@@ -30,21 +30,20 @@ from .validate import check_values
 _FP8_SAVED = ("q8", "k8", "v8", "sq", "sk", "sv", "vcap")
 
 
-def _cu_seqlens(cu_seqlens, q, seqlen: int):
+def resolve_cu_seqlens(cu_seqlens, q, seqlen: int):
     """cu_seqlens, or for a dense call (None) the memoized [0, S, 2S, ..] of the eager path
-    (interface._dense_cu_seqlens). Built here, not in the compiled graph: a traced arange would
+    (kernel_path.dense_cu_seqlens). Built here, not in the compiled graph: a traced arange would
     be a new tensor at every call, and the kernels' metadata is memoized on the tensor
     (flamia.ops.schedule.per_cu_seqlens)."""
     if cu_seqlens is not None:
         return cu_seqlens
-    from .interface import _dense_cu_seqlens
-    return _dense_cu_seqlens(q.shape[0] // seqlen, seqlen, q.device)
+    return dense_cu_seqlens(q.shape[0] // seqlen, seqlen, q.device)
 
 
 # Not for torch.compile's own CUDA graphs (mode="reduce-overhead"): they copy each input into a
 # static buffer, so the metadata the kernels memoize on cu_seqlens (flamia.ops.schedule) would
 # be rebuilt inside the graph's memory pool and outlive the capture ("tensors in the cudagraph
-# pool not tracked as outputs", H200, benchmarks/NOTES.md session 16). Tagged, inductor runs
+# pool not tracked as outputs", seen on the H200). Tagged, inductor runs
 # the ops outside its graphs instead. (torch.cuda.graph around whole calls works:
 # tests/gpu/test_cuda_graphs_gpu.py.)
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -56,14 +55,13 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k
         deterministic: bool, check_content: bool
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, q8, k8, v8, sq, sk, sv, vcap) of the kernel forward. cu_seqlens None: a dense
-    call of documents of max_seqlen_q tokens (see _cu_seqlens); cu_seqlens_k: checked against
-    cu_seqlens (None: the same tensor; autograd.Function.apply under dynamo refuses one tensor
+    call of documents of max_seqlen_q tokens (see resolve_cu_seqlens); cu_seqlens_k: checked
+    against cu_seqlens (None: the same tensor; autograd.Function.apply under dynamo refuses one tensor
     passed twice); deterministic: for the backward (every launch is deterministic by default);
     check_content: check_finite."""
-    from .interface import kernel_forward
     check_values(q, k, v, softmax_scale, check_content, cu_seqlens,
                  cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse, qkv = kernel_forward(q, k, v, _cu_seqlens(cu_seqlens, q, max_seqlen_q),
+    out, lse, qkv = kernel_forward(q, k, v, resolve_cu_seqlens(cu_seqlens, q, max_seqlen_q),
                                    max(max_seqlen_q, max_seqlen_k), recipe, causal, softmax_scale)
     if recipe == "bf16":
         return (out, lse) + tuple(q.new_empty(0, dtype=torch.float32) for _ in _FP8_SAVED)
@@ -92,14 +90,13 @@ def bwd(dout: Tensor, out: Tensor, lse: Tensor, q8: Tensor, k8: Tensor, v8: Tens
         ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in dout's dtype. bf16: q8, k8, v8 are the forward's q, k, v and the scales
     are placeholders (flamia::fwd)."""
-    from .interface import kernel_backward
     if recipe == "bf16":
         qkv = QuantizedQKV("bf16", *(x.to(torch.bfloat16) for x in (q8, k8, v8)), None, None,
                            None, None, rotated=False)
     else:
         qkv = QuantizedQKV(recipe, q8, k8, v8, sq, sk, sv, vcap,
                            rotated=bool(get_recipe(recipe).rotate_qk))
-    return kernel_backward(dout, out, lse, qkv, _cu_seqlens(cu_seqlens, dout, max_seqlen),
+    return kernel_backward(dout, out, lse, qkv, resolve_cu_seqlens(cu_seqlens, dout, max_seqlen),
                            max_seqlen, causal, softmax_scale, deterministic)
 
 

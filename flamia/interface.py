@@ -8,13 +8,14 @@ reference) and both are autograd-capable.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 
 import torch
 
 from . import custom_ops, ops
+from .kernel_path import (dense_cu_seqlens, dense_offsets, kernel_backward, kernel_entry_points,
+                          kernel_forward)
 from .reference import ReferenceAttention
 from .recipes import RECIPES, Recipe
 from .validate import (check_finite_enabled, check_flags, check_recipe, check_softmax_scale,
@@ -23,25 +24,6 @@ from .validate import (check_finite_enabled, check_flags, check_recipe, check_so
 __all__ = ["flamia_attn_func", "flamia_attn_varlen_func", "FlamiaAttention", "backend"]
 
 KERNEL_HEAD_DIMS = (64, 128)
-
-
-_ENTRY_POINTS = []
-
-
-def _kernel_entry_points():
-    """((quantize_qkv, attention_forward, attention_backward), None), or (None, why) while the
-    kernel modules cannot be imported (then every call runs the reference). Memoized in a
-    module list, not functools.lru_cache: torch.compile traces backend() and would warn about
-    (and step through) the cache wrapper."""
-    if not _ENTRY_POINTS:
-        try:
-            from .ops.backward import attention_backward
-            from .ops.forward import attention_forward
-            from .ops.quantize import quantize_qkv
-            _ENTRY_POINTS.append(((quantize_qkv, attention_forward, attention_backward), None))
-        except ImportError as e:
-            _ENTRY_POINTS.append((None, f"{type(e).__name__}: {e}"))
-    return _ENTRY_POINTS[0]
 
 
 def backend(q: torch.Tensor, recipe: "str | Recipe") -> str:
@@ -62,7 +44,7 @@ def backend(q: torch.Tensor, recipe: "str | Recipe") -> str:
                 f"head dims {KERNEL_HEAD_DIMS}; head dim 256 runs only on the reference emulation "
                 f"(CPU tensors, or the emulated recipes mxfp8 / nvfp4_mixed)")
         return "reference"
-    entry, why = _kernel_entry_points()
+    entry, why = kernel_entry_points()
     if entry is None:
         _warn_no_kernels(why)
         return "reference"
@@ -73,26 +55,6 @@ def backend(q: torch.Tensor, recipe: "str | Recipe") -> str:
 def _warn_no_kernels(why: str) -> None:
     warnings.warn(f"flamia kernels are not available ({why}); running the reference emulation "
                   f"(correct, slow)", RuntimeWarning, stacklevel=4)
-
-
-def kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe: str, causal, softmax_scale):
-    """(out, lse, qkv): quantize once and run the forward kernel; qkv is what the backward
-    needs of the quantization (P3: nothing is quantized twice)."""
-    quantize_qkv, attention_forward, _ = _kernel_entry_points()[0]
-    # (V^T in the key order of the forward kernel this device runs: ops.config.vt_mma_order)
-    qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal)
-    out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
-    # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
-    # so what waits for the backward is Hkv * D bytes per token smaller.
-    return out, lse, dataclasses.replace(qkv, vt8=None)
-
-
-def kernel_backward(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale,
-                    deterministic):
-    """(dq, dk, dv) from the forward's out, lse and qkv (kernel_forward)."""
-    attention_backward = _kernel_entry_points()[0][2]
-    return attention_backward(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale,
-                              deterministic)
 
 
 class _KernelAttention(torch.autograd.Function):
@@ -130,7 +92,7 @@ def _attention_packed(q, k, v, cu_seqlens, max_seqlen, recipe: Recipe, causal, s
     for later (check_content, cu_seqlens_k, max_seqlen_q, max_seqlen_k; cu_seqlens_k None for a
     dense call): the kernel path runs them inside its custom op, the reference path here (a
     graph break). A dense call's op gets no cu_seqlens and takes the memoized one itself
-    (custom_ops._cu_seqlens): a traced one would be a new tensor at every call."""
+    (custom_ops.resolve_cu_seqlens): a traced one would be a new tensor at every call."""
     kernels = backend(q, recipe) == "kernels" and q.shape[0] > 0
     if deferred is not None:
         content, cu_k, max_q, max_k = deferred
@@ -173,17 +135,6 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return (out, lse) if return_lse else out
 
 
-def _dense_offsets(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """[0, S, 2S, ..., BS]: the cu_seqlens of a dense batch (one document per row)."""
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
-
-
-# One tensor per shape, so the metadata the kernels memoize on it
-# (flamia.ops.schedule.per_cu_seqlens) is built once, not at every layer and step. Never
-# modified (the kernels only read cu_seqlens).
-_dense_cu_seqlens = functools.lru_cache(maxsize=64)(_dense_offsets)
-
-
 def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", return_lse=False,
                      deterministic=False, check_finite=True):
     """Attention on dense batches, flash-attn's interface: every batch row is one document.
@@ -198,7 +149,7 @@ def flamia_attn_func(q, k, v, causal=True, softmax_scale=None, recipe="fp8", ret
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     # one document per row (under compile the cache is not traced: _attention_packed says why)
-    cu = (_dense_offsets if compiling else _dense_cu_seqlens)(B, S, q.device)
+    cu = (dense_offsets if compiling else dense_cu_seqlens)(B, S, q.device)
     deferred = (check_finite_enabled(check_finite), None, S, S) if compiling else None
     out, lse = _attention_packed(q.reshape(B * S, Hq, D), k.reshape(B * S, Hkv, D),
                                  v.reshape(B * S, Hkv, D), cu, S, rec, causal, scale, deterministic,

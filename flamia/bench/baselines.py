@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .common import (E4M3_MAX, Bound, Inputs, Skip, cudnn_module, fp8_quantize_per_tensor,  # noqa: F401
+                     scale_from_amax, short_error, sum_groups, sync)
 from .workloads import Problem
 
 BASELINE_KEYS = ("sdpa_cudnn", "sdpa_flash", "cudnn", "fa4", "varlen", "flex", "cudnn_fp8")
@@ -32,26 +33,6 @@ BASELINE_HELP = {
     "flex": "torch.compile'd flex_attention with a document-causal block mask",
     "cudnn_fp8": "cuDNN FP8 SDPA, per-tensor scales (one document; its quantization not timed)",
 }
-E4M3_MAX = 448.0
-
-
-class Skip(Exception):
-    """This implementation cannot run this problem; the message says why."""
-
-
-@dataclass
-class Inputs:
-    """Packed bf16 inputs on the GPU (no grad): q, dout (T, Hq, D); k, v (T, Hkv, D)."""
-    q: object
-    k: object
-    v: object
-    dout: object
-    cu_seqlens: object   # int32 (n_docs + 1,)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.dout))
-
-
 def make_inputs(problem: Problem, seed: int = 0, device="cuda", q=None, k=None, v=None,
                 dout=None) -> Inputs:
     """Standard-normal bf16 inputs drawn on the device (fast at benchmark sizes), or given ones."""
@@ -69,45 +50,6 @@ def make_inputs(problem: Problem, seed: int = 0, device="cuda", q=None, k=None, 
     v = rnd(T, Hkv, D) if v is None else v
     dout = rnd(T, Hq, D) if dout is None else dout
     return Inputs(q, k, v, dout, cu_seqlens_from_lengths(problem.doc_lengths, device=device))
-
-
-def _short(e: BaseException, n: int = 300) -> str:
-    msg = " ".join(str(e).split())
-    msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-    return msg if len(msg) <= n else msg[: n - 3] + "..."
-
-
-def _sync():
-    import torch
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _sum_groups(x, heads_kv: int):
-    """(T, Hq, D) gradient w.r.t. repeated kv -> (T, Hkv, D) (what autograd of repeat gives)."""
-    T, H, D = x.shape
-    return x.float().reshape(T, heads_kv, H // heads_kv, D).sum(2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bound objects
-
-
-class Bound:
-    notes: list
-    n_copies: int = 1
-
-    def fwd(self, i: int):
-        raise NotImplementedError
-
-    def fwdbwd(self, i: int):
-        raise NotImplementedError
-
-    def outputs(self):
-        raise NotImplementedError
-
-    def close(self):
-        pass
 
 
 class AutogradBound(Bound):
@@ -217,7 +159,7 @@ class FlamiaImpl(Impl):
         try:
             flamia_api()
         except Exception as e:
-            return f"flamia.flamia_attn_varlen_func not importable: {_short(e)}"
+            return f"flamia.flamia_attn_varlen_func not importable: {short_error(e)}"
         return None
 
     def _check_kernels(self, q):
@@ -233,15 +175,14 @@ class FlamiaImpl(Impl):
         try:
             which = backend(q, self.recipe)
         except ValueError as e:
-            raise Skip(f"flamia {self.recipe}: {_short(e, 200)}") from e
+            raise Skip(f"flamia {self.recipe}: {short_error(e, 200)}") from e
         if which != "kernels":
             why = ""
-            entry = getattr(interface, "_kernel_entry_points", None)
-            if entry is not None:
-                try:
-                    why = entry()[1] or ""
-                except Exception:
-                    pass
+            try:
+                from flamia.kernel_path import kernel_entry_points
+                why = kernel_entry_points()[1] or ""
+            except Exception:
+                pass
             raise Skip(f"flamia {self.recipe} would run the reference emulation here, not the "
                        f"kernels" + (f" ({why})" if why else ""))
 
@@ -294,7 +235,7 @@ class SdpaImpl(Impl):
         except Skip as e:
             return str(e)
         except Exception as e:
-            return f"torch.nn.attention.sdpa_kernel unavailable: {_short(e)}"
+            return f"torch.nn.attention.sdpa_kernel unavailable: {short_error(e)}"
         return None
 
     def static_skip(self, problem):
@@ -323,8 +264,8 @@ class SdpaImpl(Impl):
             return o[0].transpose(0, 1), dq[0], dk[0], dv[0]
 
         def to_packed_rep(o, dq, dk, dv):
-            return (o[0].transpose(0, 1), dq[0], _sum_groups(dk[0], problem.heads_kv),
-                    _sum_groups(dv[0], problem.heads_kv))
+            return (o[0].transpose(0, 1), dq[0], sum_groups(dk[0], problem.heads_kv),
+                    sum_groups(dv[0], problem.heads_kv))
 
         notes = []
         if G > 1:
@@ -335,11 +276,11 @@ class SdpaImpl(Impl):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     bound.fwdbwd(0)
-                    _sync()
+                    sync()
                 return bound
             except Exception as e:
                 bound.close()
-                notes.append(f"enable_gqa=True rejected ({_short(e, 120)}); kv repeated to "
+                notes.append(f"enable_gqa=True rejected ({short_error(e, 120)}); kv repeated to "
                              f"{problem.heads_q} heads with repeat_interleave outside the timed "
                              f"region (dK, dV summed over the group for accuracy)")
             rep = lambda t: t.repeat_interleave(G, dim=1).unsqueeze(0)  # noqa: E731
@@ -352,10 +293,10 @@ class SdpaImpl(Impl):
             warnings.simplefilter("ignore")
             try:
                 bound.fwdbwd(0)
-                _sync()
+                sync()
             except RuntimeError as e:
                 bound.close()
-                raise Skip(f"{self.label} cannot run this shape: {_short(e, 200)}") from e
+                raise Skip(f"{self.label} cannot run this shape: {short_error(e, 200)}") from e
         return bound
 
 
@@ -384,7 +325,7 @@ class VarlenImpl(Impl):
         except Exception as e:
             import torch
             return f"torch.nn.attention.varlen.varlen_attn not available in torch {torch.__version__} " \
-                   f"({_short(e, 100)})"
+                   f"({short_error(e, 100)})"
         return None
 
     def causal_kwargs(self) -> tuple[dict, str]:
@@ -416,7 +357,7 @@ class VarlenImpl(Impl):
             err = ((out.float() - ref).norm() / ref.norm()).item()
             res = (err < 2e-2, f"native GQA probe rel err {err:.1e}")
         except Exception as e:
-            res = (False, f"native GQA probe failed: {_short(e, 120)}")
+            res = (False, f"native GQA probe failed: {short_error(e, 120)}")
         self._native_gqa[D] = res
         return res
 
@@ -448,8 +389,8 @@ class VarlenImpl(Impl):
         tkv = (lambda t: t.repeat_interleave(G, dim=1)) if repeat else ident
         leaves, douts = make_leaves(inputs, n_copies, ident, tkv, ident)
         if repeat:
-            to_packed = lambda o, dq, dk, dv: (o, dq, _sum_groups(dk, problem.heads_kv),  # noqa: E731
-                                               _sum_groups(dv, problem.heads_kv))
+            to_packed = lambda o, dq, dk, dv: (o, dq, sum_groups(dk, problem.heads_kv),  # noqa: E731
+                                               sum_groups(dv, problem.heads_kv))
         else:
             to_packed = lambda o, dq, dk, dv: (o, dq, dk, dv)  # noqa: E731
         return AutogradBound(call, leaves, douts, to_packed, notes)
@@ -510,7 +451,7 @@ class FlexImpl(Impl):
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
         except Exception as e:
-            return f"torch.nn.attention.flex_attention unavailable: {_short(e)}"
+            return f"torch.nn.attention.flex_attention unavailable: {short_error(e)}"
         return None
 
     def build(self, problem, inputs, n_copies=1):
@@ -539,11 +480,6 @@ class FlexImpl(Impl):
 
 # ---------------------------------------------------------------------------------------------
 # cuDNN through cudnn-frontend (bf16 ragged, FP8 dense)
-
-
-def _cudnn():
-    import cudnn  # the cudnn-frontend python package
-    return cudnn
 
 
 class CudnnImpl(Impl):
@@ -581,9 +517,9 @@ class CudnnFp8Impl(Impl):
 
 def cudnn_env_skip() -> str | None:
     try:
-        c = _cudnn()
+        c = cudnn_module()
     except Exception as e:
-        return f"cudnn-frontend (python package 'cudnn') not importable: {_short(e, 150)}"
+        return f"cudnn-frontend (python package 'cudnn') not importable: {short_error(e, 150)}"
     for name in ("pygraph", "create_handle"):
         if not hasattr(c, name):
             return f"cudnn-frontend {getattr(c, '__version__', '?')} has no cudnn.{name}"
@@ -617,7 +553,7 @@ def fa4_env_skip() -> str | None:
         _fa4_fn()
     except Exception as e:
         return (f"flash-attn-4 (flash_attn.cute.flash_attn_varlen_func) not importable: "
-                f"{_short(e, 150)} (pip install 'flamia[fa4]')")
+                f"{short_error(e, 150)} (pip install 'flamia[fa4]')")
     import torch
     if not torch.cuda.is_available():
         return "FlashAttention-4 needs a CUDA GPU (none here)"
@@ -670,7 +606,7 @@ class Fa4Impl(Impl):
                               ["JIT compiled by one forward+backward in build, outside the timing"])
         try:
             bound.fwdbwd(0)      # CuTe DSL compiles its forward and backward kernels here
-            _sync()
+            sync()
         except Exception:
             bound.close()
             raise
@@ -720,24 +656,3 @@ def parse_baselines(spec: str | None) -> list[str]:
             if key not in out:
                 out.append(key)
     return out
-
-
-def fp8_quantize_per_tensor(x):
-    """Per-tensor current scaling (Transformer Engine style): x8 = e4m3(x * s), s = 448 / amax.
-    Returns (x8, descale (1, 1, 1, 1) float32 = 1 / s)."""
-    import torch
-
-    amax = x.detach().abs().amax().float()
-    s = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
-    x8 = (x.float() * s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, (1.0 / s).reshape(1, 1, 1, 1).contiguous()
-
-
-def scale_from_amax(amax_t, fmt_max: float = E4M3_MAX):
-    """FP8 scale (1, 1, 1, 1) float32 = fmt_max / amax (1 where amax is 0 or not finite)."""
-    import torch
-
-    a = amax_t.detach().float().reshape(())
-    ok = torch.isfinite(a) & (a > 0)
-    s = torch.where(ok, fmt_max / torch.where(ok, a, torch.ones_like(a)), torch.ones_like(a))
-    return s.reshape(1, 1, 1, 1).contiguous()

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import time
 
-from .baselines import (
-    E4M3_MAX, Bound, Inputs, Problem, Skip, _cudnn, _short, _sum_groups, _sync,
-    fp8_quantize_per_tensor,
-    scale_from_amax,
+from .common import (
+    E4M3_MAX, Bound, Inputs, Skip, cudnn_module, fp8_quantize_per_tensor, scale_from_amax,
+    short_error, sum_groups, sync,
 )
+from .workloads import Problem
 
 _HANDLE = None
 
@@ -35,7 +35,7 @@ def handle():
     import torch
 
     global _HANDLE
-    c = _cudnn()
+    c = cudnn_module()
     if _HANDLE is None:
         _HANDLE = c.create_handle()
     if torch.cuda.is_available():
@@ -45,9 +45,9 @@ def handle():
 
 def versions() -> dict:
     try:
-        c = _cudnn()
+        c = cudnn_module()
     except Exception as e:
-        return {"cudnn_frontend": None, "error": _short(e, 200)}
+        return {"cudnn_frontend": None, "error": short_error(e, 200)}
     out = {"cudnn_frontend": getattr(c, "__version__", None)}
     for name in ("backend_version_string", "backend_version"):
         try:
@@ -64,14 +64,14 @@ def _try_variants(fn, variants: list, what: str):
         try:
             return fn(**kw)
         except TypeError as e:
-            errors.append(_short(e, 600))
+            errors.append(short_error(e, 600))
     raise RuntimeError(f"{what}: none of {len(variants)} keyword spellings accepted; "
                        f"first error: {errors[0]}")
 
 
 def _causal_variants(base: dict) -> list:
     """base + causal masking, in the spellings of successive cudnn-frontend versions."""
-    c = _cudnn()
+    c = cudnn_module()
     out = [dict(base, use_causal_mask=True)]
     da = getattr(c, "diagonal_alignment", None)
     if da is not None:
@@ -86,7 +86,7 @@ def _stats_variants(variants: list) -> list:
 
 
 def _finalize(graph, what: str):
-    c = _cudnn()
+    c = cudnn_module()
     not_supported = getattr(c, "cudnnGraphNotSupportedError", ())
     try:
         graph.validate()
@@ -96,12 +96,12 @@ def _finalize(graph, what: str):
         graph.build_plans()
     except Exception as e:
         if not_supported and isinstance(e, not_supported):
-            raise Skip(f"cuDNN does not support this {what} graph: {_short(e, 250)}") from e
+            raise Skip(f"cuDNN does not support this {what} graph: {short_error(e, 250)}") from e
         raise
 
 
 def _scalar(g, name):
-    c = _cudnn()
+    c = cudnn_module()
     return g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=c.data_type.FLOAT)
 
 
@@ -152,7 +152,7 @@ class _RaggedGraphs:
 
     def __init__(self, b: int, s: int, T: int, Hq: int, Hkv: int, D: int, scale: float,
                  ragged_stats: bool = False):
-        c = _cudnn()
+        c = cudnn_module()
         h = handle()
         self.Hq, self.Hkv, self.D = Hq, Hkv, D
         BF16, FLOAT, I32, I64 = (c.data_type.BFLOAT16, c.data_type.FLOAT, c.data_type.INT32,
@@ -272,8 +272,8 @@ def ragged_graphs(b: int, s: int, T: int, Hq: int, Hkv: int, D: int, scale: floa
             try:
                 g = _RaggedGraphs(b, s, T, Hq, Hkv, D, scale, ragged_stats=True)
             except Exception as second:
-                raise RuntimeError(f"cuDNN ragged graphs: with dense stats: {_short(first, 250)}; "
-                                   f"with ragged stats: {_short(second, 250)}") from second
+                raise RuntimeError(f"cuDNN ragged graphs: with dense stats: {short_error(first, 250)}; "
+                                   f"with ragged stats: {short_error(second, 250)}") from second
         GRAPH_BUILDS["count"] += 1
         GRAPH_BUILDS["seconds"] += time.perf_counter() - t0
         return g
@@ -324,7 +324,7 @@ class _Fp8Graphs:
                    "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
 
     def __init__(self, problem: Problem):
-        c = _cudnn()
+        c = cudnn_module()
         h = handle()
         L, Hq, D = problem.T, problem.heads_q, problem.head_dim
         FP8, FLOAT = c.data_type.FP8_E4M3, c.data_type.FLOAT
@@ -359,7 +359,7 @@ class _Fp8Graphs:
         except Skip:
             raise
         except Exception as e:
-            first = _short(e, 200)
+            first = short_error(e, 200)
             try:
                 self.gf, self.f = build_fwd(False)
             except Exception:
@@ -434,7 +434,7 @@ class CudnnFp8Dense(Bound):
 
         # calibration backward: amaxes of dQ, dK, dV, dP -> their scales (best-case delayed scaling)
         _, _, _, _, amax = self._fwdbwd(0)
-        _sync()
+        sync()
         for n in ("dQ", "dK", "dV", "dP"):
             self.sc["scale_" + n] = scale_from_amax(amax[n])
         self.sc["descale_dP"] = (1.0 / self.sc["scale_dP"]).contiguous()
@@ -485,8 +485,8 @@ class CudnnFp8Dense(Bound):
         sc = self.sc
         o = o8.float() * sc["descale_o"].reshape(())
         dq = dq8.float() / sc["scale_dQ"].reshape(())
-        dk = _sum_groups(dk8.float() / sc["scale_dK"].reshape(()), self.Hkv)
-        dv = _sum_groups(dv8.float() / sc["scale_dV"].reshape(()), self.Hkv)
+        dk = sum_groups(dk8.float() / sc["scale_dK"].reshape(()), self.Hkv)
+        dv = sum_groups(dv8.float() / sc["scale_dV"].reshape(()), self.Hkv)
         return o, dq, dk, dv
 
     def close(self):

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from . import report
 from .baselines import (
-    BASELINE_HELP, BASELINE_KEYS, Impl, Problem, Skip, _short, make_impls, make_inputs,
-    parse_baselines,
+    BASELINE_HELP, BASELINE_KEYS, Impl, Problem, make_impls, make_inputs, parse_baselines,
 )
+from .common import Skip, short_error
 from .timing import TimingSettings, cuda_time, l2_bytes, n_copies_for, peak_memory
 from .workloads import (
     Workload, WorkloadError, accuracy_slice, load_workloads, select, workload_flops,
@@ -210,7 +210,7 @@ def dry_run_text(cfg: Config, impls: list) -> str:
         try:
             r = i.env_skip()
         except Exception as e:  # pragma: no cover
-            r = _short(e)
+            r = short_error(e)
         lines.append(f"  {i.label}: {'would skip: ' + r if r else 'available'}")
     try:
         import torch
@@ -401,7 +401,7 @@ def _free():
 
 
 def _error(e: BaseException) -> str:
-    return _short(e, 400)
+    return short_error(e, 400)
 
 
 def measure_impl(impl: Impl, w: Workload, inputs, n_copies: int, cfg: Config, acc, progress,

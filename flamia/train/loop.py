@@ -338,7 +338,7 @@ def time_steps(cfg: TrainConfig, data: Data, runs: list[RunSpec], names: dict, d
     """Training-step time of each non-leaky run's attention, measured interleaved on one model.
 
     The per-run tokens/s of train_run come from runs minutes apart, and two identical bf16 runs
-    differ by 1-8 % there (benchmarks/NOTES.md, session 14). Here one model (the runs' init seed) takes steps on the same
+    differ by 1-8 % there. Here one model (the runs' init seed) takes steps on the same
     cfg.time_steps batches with each attention in turn: one warm-up pass per attention
     (compilation, autotuning, cuDNN graphs), then cfg.time_rounds rounds, the order rotated per
     round. Returns per attention the median step time and tokens/s, and the fastest exact bf16

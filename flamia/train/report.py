@@ -6,7 +6,7 @@ Verdict rules (all on the final validation loss, nats per byte-token):
   another init seed (e.g. "bf16_seed1"); exact-bf16 spread: the same over runs with another exact
   bf16 attention (torch varlen, cuDNN ragged, FlashAttention-4) and the same seed. Those differ from
   the reference only by floating-point summation order, and at a few hundred steps that moves the
-  final loss by as much as a new seed does (session 14: 0.4 % between two seeds, 3.4 % between two
+  final loss by as much as a new seed does (measured: 0.4 % between two seeds, 3.4 % between two
   exact kernels), so both estimate the run-to-run noise. Each run is compared with the reference's
   evaluation at the same step (its last one: a leaky control capped by --leaky-steps stops early).
 - quality: a run passes when val_exact - val_exact(reference) <= max(seed spread, exact-bf16

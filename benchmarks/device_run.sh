@@ -5,28 +5,23 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd, tests-sm90
-# (the one-pass Hopper backward and its fuzz), tests-fwd,
-# tests-base (the cuDNN training baseline), tests-compile (torch.compile and CUDA graphs), tests
-# (all), bench (every recipe, every baseline), bench-fp8 (fp8 rows + fastest baselines only), graphs
-# (benchmarks/graph_timing.py GRAPH_ARGS), bounds (graph_timing over the suite and the train shape
-# with BOUND_SPECS: by default cuDNN, fp8, and fp8 with the timing diagnostics of the kernels;
-# BOUND_ARGS more graph_timing flags), bounds-fwd (the same, forward only, BOUND_SPECS_FWD),
-# bwd-next, bwd-ab (dK/dV configs BWD_CONFIGS, default "default"), dq-ab (dQ configs DQ_CONFIGS;
-# both on BWD_WORKLOADS), dq-next, mixed-dkdv (MIXED_CONFIGS, default the ladder; MIXED_WORKLOADS), mixed-dq, fwd-sweep (Triton forward configs,
-# fwd_dev.py --quick), fwd-next (Gluon forward variants), fwd-ab (Gluon forward configs
-# FWD_CONFIGS on FWD_WORKLOADS vs the Triton forward; correctness at head dims FWD_DIMS, 128), fwd-cands (Triton forward FP8 configs
-# FWD_CANDS vs the default, fwd_dev.py --fp8-configs), quant (quantize_qkv's knobs QUANT_CONFIGS,
-# benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs
-# of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile
-# of the host side, benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of
-# the forward, dK/dV and dQ kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4),
-# ncu-bwd (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS),
-# scales32k (benchmarks/scales_v2_check32k.py: the fp8_block spec at 32k tokens).
+# (the one-pass Hopper backward and its fuzz), tests-fwd, tests-base (the cuDNN training
+# baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
+# every baseline), bench-fp8 (fp8 rows + fastest baselines only), graphs
+# (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
+# --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant (quantize_qkv's
+# knobs QUANT_CONFIGS, benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia
+# train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs of back-to-back calls,
+# GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side, benchmarks/host_profile.py), ncu,
+# ncu-src (per-instruction warp samples of the forward, dK/dV and dQ kernels:
+# benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd (the bf16 backward, flamia
+# sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS), scales32k
+# (benchmarks/scales_v2_check32k.py: the fp8_block spec at 32k tokens).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
 #
-# FlashAttention-4 (the fa4 baseline of bench, graphs/bounds specs, train-check run fa4): its
+# FlashAttention-4 (the fa4 baseline of bench, graphs specs, train-check run fa4): its
 # CuTe DSL library is more than one call may carry, so it comes in two parts that
 # `bash ../shared/tools/fa4_wheels.sh .fa4` builds here (.fa4/a, .fa4/b; .fa4 is git-ignored),
 # over two calls on the same machine, the second within its 30 s warm window after the first:
@@ -91,47 +86,17 @@ for spec in "$@"; do
     tests-compile) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_compile_gpu.py \
              tests/gpu/test_cuda_graphs_gpu.py ;;
     graphs) run_stage "$name" "$secs" python benchmarks/graph_timing.py ${GRAPH_ARGS:-} ;;
-    bounds) run_stage "$name" "$secs" bash -c 'python benchmarks/graph_timing.py --workloads all \
-             --recipes "$0" $1 && python benchmarks/graph_timing.py --recipes "$0" $1' \
-             "${BOUND_SPECS:-cudnn,fp8,fp8@FLAMIA_BWD_DIAG=1,fp8@FLAMIA_BWD_DIAG=1@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" \
-             "${BOUND_ARGS:-}" ;;
-    bounds-fwd) run_stage "$name" "$secs" bash -c 'python benchmarks/graph_timing.py --workloads all \
-             --forward-only --recipes "$0" && python benchmarks/graph_timing.py --forward-only \
-             --recipes "$0"' "${BOUND_SPECS_FWD:-cudnn,fp8,fp8@FLAMIA_PERSISTENT_FWD=0,fp8@FLAMIA_FWD_DIAG=1@FLAMIA_PERSISTENT_FWD=0}" ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
              --recipes fp8,fp8_mixed,bf16 --baselines all --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn,fa4 \
              --no-accuracy --out "$OUT" ;;
-    bwd-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \
-             --reps 10 ;;
-    bwd-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --configs "${BWD_CONFIGS:-default}" --deadline $((secs - 30)) \
-             --workloads "${BWD_WORKLOADS:-doc8k_x4,longtail,doc32k,d64_doc8k_x4}" --reps 10 ;;
-    dq-ab) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
-             --configs "${DQ_CONFIGS:-default}" --deadline $((secs - 30)) \
-             --workloads "${BWD_WORKLOADS:-doc8k_x4,longtail,doc32k,d64_doc8k_x4}" --reps 10 ;;
-    dq-next) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate --kernel dq \
-             --configs next --deadline $((secs - 30)) --workloads doc8k_x4,longtail,doc32k,d64_doc8k_x4 \
-             --reps 10 ;;
-    mixed-dkdv) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --recipe fp8_mixed --configs "${MIXED_CONFIGS:-ladder}" --deadline $((secs - 30)) \
-             --workloads "${MIXED_WORKLOADS:-doc8k_x4,longtail,doc32k}" --reps 10 ;;
-    mixed-dq) run_stage "$name" "$secs" python benchmarks/bwd_gluon_dev.py --isolate \
-             --recipe fp8_mixed --kernel dq --configs ladder --deadline $((secs - 30)) \
-             --workloads doc8k_x4,longtail,doc32k --reps 10 ;;
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-cands) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --no-usage \
              --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" --rounds "${FWD_ROUNDS:-3}" \
              ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
-    fwd-next) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
-             --configs nextfwd ;;
-    fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_gluon_dev.py --isolate --quick \
-             --configs "${FWD_CONFIGS:-nextfwd}" --dims "${FWD_DIMS:-128}" --forward-only --parallel 4 \
-             --only "${FWD_WORKLOADS:-doc32k,doc8k_x4,doc2k_x16,longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
              --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;

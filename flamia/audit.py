@@ -127,7 +127,7 @@ def _nonzero(pairs, select_rows, token_name):
     return _changes(zeros, select_rows, token_name)
 
 
-def _pick_t(lengths: Sequence[int]) -> int:
+def pick_t(lengths: Sequence[int]) -> int:
     """A position in the middle of a document, near T/2, not on a multiple of 16."""
     cu = [0]
     for n in lengths:
@@ -173,7 +173,7 @@ def audit(fn: Callable, layout: str = "varlen", doc_lengths: Sequence[int] | Non
         raise ValueError(f"the dense layout needs equal doc_lengths (batch rows), got {list(lengths)}")
     T = sum(lengths)
     if t is None:
-        t = _pick_t(lengths) if layout == "varlen" else _pick_t(lengths[:1])
+        t = pick_t(lengths) if layout == "varlen" else pick_t(lengths[:1])
     S = lengths[0] if layout == "dense" else T
     if not 0 <= t < S - 1:
         raise ValueError(f"t must be in [0, {S - 2}], got {t}")

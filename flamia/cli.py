@@ -169,7 +169,7 @@ def audit_main(argv=None) -> int:
             raise UsageError(f"--lengths: the dense layout needs equal lengths (one per batch row), "
                              f"got {' '.join(map(str, lengths))}")
         try:
-            _audit._pick_t(lengths[:1] if args.layout == "dense" else lengths)
+            _audit.pick_t(lengths[:1] if args.layout == "dense" else lengths)
         except ValueError:
             raise UsageError(f"--lengths: needs a document of at least 3 tokens, got "
                              f"{' '.join(map(str, lengths))}") from None

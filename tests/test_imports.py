@@ -118,9 +118,7 @@ def test_cycle_detection_works():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# Known and owned elsewhere: the CLI validates --lengths with the audit's position picker (to be
-# made public in flamia/audit.py)
-KNOWN = {("flamia.cli", "flamia.audit", "_pick_t")}
+KNOWN: set = set()     # (module, owner, name) exceptions; none
 
 
 def test_no_private_names_across_modules():

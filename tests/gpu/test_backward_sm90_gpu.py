@@ -36,7 +36,8 @@ def _poison():
 
 def _attention(q, k, v, do, lengths, causal, scale, dtype):
     """out, lse (Hq, T), dq, dk, dv of attention in `dtype` (float64: the truth; float32 with
-    P and dS rounded to bf16 before the GEMMs they feed: the bf16 recipe's emulation)."""
+    P and dS rounded to the inputs' dtype (bf16 or fp16) before the GEMMs they feed, as the
+    kernel does: the emulation)."""
     T, Hq, D = q.shape
     G = Hq // k.shape[1]
     res = [[] for _ in range(5)]
@@ -58,11 +59,11 @@ def _attention(q, k, v, do, lengths, causal, scale, dtype):
         o_seen = o if dtype == torch.float64 else o.to(q.dtype).to(dtype)
         delta = (dod * o_seen).sum(-1).transpose(0, 1)                       # (h, q)
         if dtype != torch.float64:
-            p = p.to(torch.bfloat16).to(dtype)
+            p = p.to(q.dtype).to(dtype)
         dp = torch.einsum("qhd,khd->hqk", dod, vv)
         ds = p * (dp - delta[..., None])
         if dtype != torch.float64:
-            ds = ds.to(torch.bfloat16).to(dtype)
+            ds = ds.to(q.dtype).to(dtype)
         dq = torch.einsum("hqk,khd->qhd", ds, kk) * scale
         dk = torch.einsum("hqk,qhd->khd", ds, qd).reshape(L, -1, G, D).sum(2) * scale
         dv = torch.einsum("hqk,qhd->khd", p, dod).reshape(L, -1, G, D).sum(2)
@@ -71,11 +72,10 @@ def _attention(q, k, v, do, lengths, causal, scale, dtype):
     return [torch.cat(x, 1 if i == 1 else 0) for i, x in enumerate(res)]
 
 
-def _inputs(lengths, Hq, Hkv, D, seed):
+def _inputs(lengths, Hq, Hkv, D, seed, dtype=torch.bfloat16):
     g = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(lengths)
-    return [torch.randn(T, h, D, generator=g, device=DEV).to(torch.bfloat16)
-            for h in (Hq, Hkv, Hkv, Hq)]
+    return [torch.randn(T, h, D, generator=g, device=DEV).to(dtype) for h in (Hq, Hkv, Hkv, Hq)]
 
 
 def _fa_rule(name, g, emu, ref, frac=2e-3):
@@ -88,12 +88,12 @@ def _fa_rule(name, g, emu, ref, frac=2e-3):
     assert err <= 2 * err_emu + atol, f"{name}: max err {err:.3e} vs emulation {err_emu:.3e}"
 
 
-def _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=True):
-    q, k, v, do = _inputs(lengths, Hq, Hkv, D, seed)
+def _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=True, dtype=torch.bfloat16):
+    q, k, v, do = _inputs(lengths, Hq, Hkv, D, seed, dtype)
     scale = D ** -0.5
     o64, lse64, *g64 = _attention(q, k, v, do, lengths, causal, scale, torch.float64)
     _, _, *gemu = _attention(q, k, v, do, lengths, causal, scale, torch.float32)
-    o = o64.to(torch.bfloat16)
+    o = o64.to(dtype)
     lse = lse64.float().contiguous() if lse64.numel() else torch.zeros(Hq, 0, device=DEV)
     cu = cu_seqlens_from_lengths(lengths, device=DEV)
     _poison()
@@ -110,6 +110,14 @@ def _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=True):
 @pytest.mark.parametrize("heads", ((8, 2), (4, 4), (6, 1)))
 def test_accuracy(D, causal, heads):
     _run_case([700, 0, 1, 2, 513, 129, 64], *heads, D, causal, seed=D + heads[0])
+
+
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("causal", (True, False))
+def test_accuracy_fp16(D, causal):
+    q, *_, got = _run_case([700, 0, 1, 2, 513, 129, 64], 8, 2, D, causal, seed=7 + D,
+                           dtype=torch.float16)
+    assert all(x.dtype == torch.float16 for x in got)
 
 
 @pytest.mark.parametrize("D", (64, 128))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -27,36 +26,15 @@ import torch  # noqa: E402
 
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.reference import attention_exact, lse_exact  # noqa: E402
 
 
-def ref_attention(q, k, v, do, lengths, causal, scale):
-    """float64 out, lse (Hq, T), dq, dk, dv on the GPU, one document at a time."""
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    outs, lses, dqs, dks, dvs = [], [], [], [], []
-    s0 = 0
-    for L in lengths:
-        sl = slice(s0, s0 + L)
-        s0 += L
-        if L == 0:
-            continue
-        qd = q[sl].double().requires_grad_()
-        kd = k[sl].double().requires_grad_()
-        vd = v[sl].double().requires_grad_()
-        kk = kd.repeat_interleave(G, 1)
-        vv = vd.repeat_interleave(G, 1)
-        s = torch.einsum("qhd,khd->hqk", qd, kk) * scale
-        if causal:
-            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[..., None])
-        o = torch.einsum("hqk,khd->qhd", p, vv)
-        dq_, dk_, dv_ = torch.autograd.grad(o, (qd, kd, vd), do[sl].double())
-        outs.append(o.detach()); lses.append(lse.detach()); dqs.append(dq_); dks.append(dk_)
-        dvs.append(dv_)
-    cat = lambda xs, dim=0: torch.cat(xs, dim)  # noqa: E731
-    return cat(outs), cat(lses, 1), cat(dqs), cat(dks), cat(dvs)
+def ref_attention(q, k, v, do, cu, causal, scale):
+    """float64 out, lse (Hq, T), dq, dk, dv: flamia.reference's exact attention, autograd."""
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    o = attention_exact(qd, kd, vd, cu, causal, scale)
+    dq, dk, dv = torch.autograd.grad(o, (qd, kd, vd), do.double())
+    return o.detach(), lse_exact(q, k, cu, causal, scale), dq, dk, dv
 
 
 def rel(x, ref):
@@ -99,10 +77,10 @@ def check(seed: int, configs, compare_old: bool = True):
         scale = D ** -0.5
         q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
                        for h in (Hq, Hkv, Hkv, Hq))
-        o64, lse64, dq64, dk64, dv64 = ref_attention(q, k, v, do, lengths, causal, scale)
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        o64, lse64, dq64, dk64, dv64 = ref_attention(q, k, v, do, cu, causal, scale)
         o = o64.to(torch.bfloat16)
         lse = lse64.float().contiguous()
-        cu = cu_seqlens_from_lengths(lengths, device="cuda")
         old = (old_backward(do, o, lse, q, k, v, cu, max(lengths), causal, scale) if compare_old
                else None)
         for cfg in configs(D):

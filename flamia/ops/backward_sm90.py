@@ -54,6 +54,7 @@ if HAVE_GLUON:
 LOG2E = 1.4426950408889634
 
 
+BLOCK_N = 128           # keys per CTA (64 per MMA warpgroup)
 STAGES = 2              # Q / dO ring depth
 LOADER_REGS = 24        # setmaxnreg of the loader and dQ warps (the MMA warpgroups get 240)
 DQ_REGS = 24
@@ -62,11 +63,10 @@ DQ_REGS = 24
 @dataclass(frozen=True)
 class Sm90BwdConfig:
     block_m: int            # query rows per step
-    block_n: int = 128      # keys per CTA (64 per MMA warpgroup)
 
     @property
     def name(self) -> str:
-        return f"m{self.block_m}n{self.block_n}"
+        return f"m{self.block_m}n{BLOCK_N}"
 
 
 def select_config(head_dim: int) -> Sm90BwdConfig:
@@ -136,9 +136,8 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
     pair = torch.arange(N, device=dev, dtype=torch.int64)
     it, kvh = pair % n, pair // n
     order = torch.argsort(it, stable=True)
-    for key, desc in ((cost, True), (drank, False), (None, False), (cls, True)):
-        k = kvh[order] if key is None else key[it[order]]
-        order = order[torch.argsort(k, descending=desc, stable=True)]
+    for key, desc in ((cost[it], True), (drank[it], False), (kvh, False), (cls[it], True)):
+        order = order[torch.argsort(key[order], descending=desc, stable=True)]
     it, kvh = it[order], kvh[order]
     items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[it], blk[it],
                          cu[:-1][d][it], lengths[d][it], pq[d][it], kvh])
@@ -490,7 +489,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     cfg = config or select_config(D)
-    BM, BN = cfg.block_m, cfg.block_n
+    BM, BN = cfg.block_m, BLOCK_N
     dev = q.device
     grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)

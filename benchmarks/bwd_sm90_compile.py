@@ -32,16 +32,47 @@ def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat
     return dict(built)
 
 
+def fake_fp8_qkv(T=1024, Hq=8, Hkv=2, D=128):
+    """CPU stand-ins for the fp8_block forward's outputs (layout.QuantizedQKV fields), enough
+    to build the fp8 kernels."""
+    from types import SimpleNamespace
+    f8 = torch.float8_e4m3fn
+    z = lambda *s: torch.zeros(*s)                                   # noqa: E731
+    return SimpleNamespace(
+        q8=z(T, Hq, D).to(f8), k8=z(T, Hkv, D).to(f8), v8=z(T, Hkv, D).to(f8),
+        k8_diag=z(T, Hkv, D).to(f8), v8_diag=z(T, Hkv, D).to(f8), sq=z(Hq, T), sk=z(Hkv, T),
+        sv=z(Hkv, T), sk_diag=z(Hkv, T), sv_diag=z(Hkv, T), kcap=z(Hkv, T), vnorm=z(Hkv, T),
+        rotated=True, recipe="fp8_block")
+
+
+def build_fp8(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, deterministic=False):
+    qkv = fake_fp8_qkv(T, Hq, Hkv, D)
+    do = torch.randn(T, Hq, D).to(torch.bfloat16)
+    o = torch.randn(T, Hq, D).to(torch.bfloat16)
+    cu = torch.tensor([0, 300, T], dtype=torch.int32)
+    with compile_only() as built:
+        B.attention_backward_sm90_fp8(do, o, torch.zeros(Hq, T), torch.zeros(Hq, T), qkv, cu,
+                                      causal, deterministic=deterministic, config=cfg)
+    return dict(built)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--sass", action="store_true", help="SASS count of the main loop")
     ap.add_argument("--ptx", default=None, help="write the kernel PTX to this path")
+    ap.add_argument("--fp8", action="store_true", help="the fp8_block kernel")
+    ap.add_argument("--block-m", type=int, default=None, help="query rows per step")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         cfg = B.select_config(D)
-        built = build(D, cfg)
-        kern = built["_attn_bwd_sm90_kernel"]
+        if args.fp8:
+            cfg = B.Sm90BwdConfig(args.block_m) if args.block_m else B.select_config(D, "fp8_block")
+            built = build_fp8(D, cfg)
+            kern = built["_attn_bwd_sm90_fp8_kernel"]
+        else:
+            built = build(D, cfg)
+            kern = built["_attn_bwd_sm90_kernel"]
         u = resource_usage(kern)
         ptx = kern.asm["ptx"]
         import re

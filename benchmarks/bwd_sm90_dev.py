@@ -156,7 +156,21 @@ def fa4_fn():
         return None
 
 
-def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=()):
+def fp8_block_timing_inputs(q, k, v, cu, causal):
+    """(qkv_fp8, qkv_block): the fp8 recipe's quantized operands (flamia.ops.quantize) and, for
+    timing the fp8_block backward only, the same bytes standing in for its block and diagonal
+    copies (values do not change the kernel's work)."""
+    from types import SimpleNamespace
+    from flamia.ops.quantize import quantize_qkv
+    qkv = quantize_qkv(q, k, v, cu, "fp8", causal)
+    blk = SimpleNamespace(q8=qkv.q8, sq=qkv.sq, k8=qkv.k8, sk=qkv.sk, v8=qkv.v8, sv=qkv.sv,
+                          k8_diag=qkv.k8, v8_diag=qkv.v8, sk_diag=qkv.sk, sv_diag=qkv.sv,
+                          kcap=qkv.sk, vnorm=torch.ones_like(qkv.sk) * 11.0, rotated=True,
+                          recipe="fp8_block")
+    return qkv, blk
+
+
+def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
     for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
@@ -196,6 +210,17 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
         if old:
             row["old bf16"] = cuda_ms(lambda: old_backward(do, o, lse, q, k, v, cu, maxlen,
                                                            causal, scale))
+        if fp8:
+            from flamia.ops.backward import attention_backward
+            qkv8, qkvb = fp8_block_timing_inputs(q, k, v, cu, causal)
+            lse_b = lse.contiguous()
+            row["fp8_block"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                do, o, lse_b, lse_b, qkvb, cu, causal, scale))
+            if args_det:
+                row["fp8_block det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkvb, cu, causal, scale, deterministic=True))
+            row["fp8 split"] = cuda_ms(lambda: attention_backward(do, o, lse, qkv8, cu, maxlen,
+                                                                  causal, scale))
         if fa4 is not None:
             qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
 
@@ -264,6 +289,8 @@ def main():
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
                     "comma separated")
+    ap.add_argument("--fp8", action="store_true", help="also time the fp8_block one-pass "
+                    "backward and the fp8 split backward")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()
@@ -284,7 +311,8 @@ def main():
         print("CHECK", "PASS" if ok else "FAIL", flush=True)
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, old=not args.no_old,
-                       args_det=args.det, shapes=[x for x in args.shapes.split(",") if x])
+                       args_det=args.det, shapes=[x for x in args.shapes.split(",") if x],
+                       fp8=args.fp8)
     sys.exit(0 if ok else 1)
 
 

@@ -5,7 +5,8 @@
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
 # Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd, tests-sm90
-# (the one-pass Hopper backward and its fuzz), tests-fwd, tests-base (the cuDNN training
+# (the one-pass Hopper backward and its fuzz), tests-fp8 (its fp8_block kernel; FP8_TESTS: extra
+# pytest args), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
 # baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
 # every baseline), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
@@ -80,6 +81,8 @@ for spec in "$@"; do
              cp .fa4/a/part.aa /var/tmp/fa4/ && ls -l /var/tmp/fa4' ;;
     tests-bwd) run_stage "$name" "$secs" python -m pytest -q -x tests/gpu/test_backward_gpu.py ;;
     tests-sm90) run_stage "$name" "$secs" python -m pytest -q -s tests/gpu/test_backward_sm90_gpu.py ;;
+    tests-fp8) run_stage "$name" "$secs" python -m pytest -q -s -x tests/gpu/test_backward_sm90_fp8_gpu.py ${FP8_TESTS:-} ;;
+    dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     tests-base) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_baselines_gpu.py ;;

@@ -69,12 +69,14 @@ class Sm90BwdConfig:
         return f"m{self.block_m}n{BLOCK_N}"
 
 
-def select_config(head_dim: int) -> Sm90BwdConfig:
+def select_config(head_dim: int, recipe: str = "bf16") -> Sm90BwdConfig:
     """Tiles: 128 keys per CTA; 64 query rows per step at D=128 (128 rows do not fit the
-    registers next to dK and dV), 128 at D=64 (measured 12-16 % faster than 64 there)."""
+    registers next to dK and dV), and for bf16 128 at D=64 (measured 12-16 % faster than 64
+    there). fp8_block keeps 64 at D=64: its four per-row vectors do not fit next to 128-row
+    tiles (1 KB of spills)."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
-    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
+    return Sm90BwdConfig(block_m=128 if head_dim == 64 and recipe == "bf16" else 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class KeyBlocks:
 
 
 def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
-               n_kv_heads: int = 1) -> KeyBlocks:
+               n_kv_heads: int = 1, pad: int | None = None) -> KeyBlocks:
     """The CTAs' work, one (key block, KV head) each, in launch order:
 
     - heaviest first by cost class (floor(log2(query blocks seen))): the long items of every
@@ -102,21 +104,24 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
       documents, so the Q, dO and dQ rows they all walk stay in L2;
     - padding items (doc -1) last.
     Within one (document, KV head), a lower key block never comes later (deterministic mode's
-    dQ adds wait on them). Built on the device with no host sync; item count and padded rows
-    bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs; sum_d ceil(L_d / BM) BM <=
-    T + n_docs (BM - 1))."""
+    dQ adds wait on them). In the padded row layout every document starts at a multiple of
+    `pad` (default BM; a multiple of BM). Built on the device with no host sync; item count and
+    padded rows bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs;
+    sum_d ceil(L_d / pad) pad <= T + n_docs (pad - 1))."""
+    pad = pad or BM
     dev = cu_seqlens.device
     n_docs = cu_seqlens.numel() - 1
     n = max(T // BN + n_docs, 1)
     N = n * n_kv_heads
-    q_rows = max(-(-(T + n_docs * (BM - 1)) // BM) * BM, BM)
+    q_rows = max(-(-(T + n_docs * (pad - 1)) // pad) * pad, pad)
     if n_docs <= 0 or T == 0:
         return KeyBlocks(torch.full((6, N), -1, dtype=torch.int32, device=dev), N, q_rows,
                          torch.zeros((T,), dtype=torch.int32, device=dev))
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     nq = (lengths + BM - 1) // BM
-    pq = torch.cumsum(nq * BM, 0) - nq * BM          # padded first row of each document
+    npad = (lengths + pad - 1) // pad * pad
+    pq = torch.cumsum(npad, 0) - npad                # padded first row of each document
     nk = (lengths + BN - 1) // BN
     ends = torch.cumsum(nk, 0)
     idx = torch.arange(n, device=dev, dtype=torch.int64)
@@ -469,6 +474,501 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------------------------------
+# The fp8 token-block recipe (fp8_block: scaling "kvblock128", reference.py "Token-block
+# scaling"): the same skeleton with every GEMM in FP8
+# ---------------------------------------------------------------------------------------------
+#
+# Operands (e4m3). Row-major, as the forward quantized them: q8 (T, Hq, D) per-token scales sq;
+# k8 / v8 the K / V block copies (one scale per document-local 128-token block: a CTA scalar)
+# and, causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. The preprocess adds
+# dO quantized per 64-row block (do8, token layout) and K-major copies in the 128-aligned padded
+# layout (columns = padded rows, zeros between documents): dO^T and Q^T (Hq, D, QR) for
+# dV += P^T dO and dK += dS^T Q, K^T and K_diag^T (Hkv, D, QR) for dQ = dS K (Hopper's FP8
+# wgmma reads both operands K-major).
+#
+# Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row
+# vectors A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row),
+# Hv = sqf (0 for a zero dO row), E = delta sqf / sdo (0 there), and the CTA scalars c_pt, c_ds
+# (the per-CTA bounds), R = c_pt / c_ds, skb / svb (block scales):
+#     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
+#     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
+#     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
+# Diagonal steps (the query block inside the key block) use the token copies: skt_j, svt_j
+# multiply S^T and dP^T per key row, and dQ takes the second copy Y2 = Y skt_j / kcap_i against
+# K_diag, in units c_ds kcap_i. They run first (every head of the group), so one K^T buffer
+# holds K_diag^T for them and is then reloaded with the block copy's K^T. Epilogue:
+# dV = c_pt acc, dK = scale c_ds acc (fp32, rotated); the post pass divides dQ by sqf, multiplies
+# by the softmax scale and rotates dQ and dK back.
+
+FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
+DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
+N_VEC = 5               # per-row vectors A, B, Hv, E, kcap
+N_VEC_C = tl.constexpr(N_VEC)
+
+
+@triton.jit
+def _pow2_bound(amax):
+    """(scale, 1 / scale) with scale = 2^ceil(log2(amax / 448)) (quant.pow2_scale: exponent
+    clamped to [-126, 127]); amax == 0 -> (0, 0)."""
+    ratio = tl.math.div_rn(amax, 448.0)
+    bits = ratio.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    zero = amax == 0.0
+    return tl.where(zero, 0.0, scale), tl.where(zero, 0.0, inv)
+
+
+@triton.jit
+def _log2_exact(s):
+    """log2 of a power of two from its exponent bits (exact)."""
+    return (((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(tl.float32)
+
+
+@triton.jit
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, KCAP, PTOK, DO8, VEC, BPT, BDS, T, QR,
+                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr,
+                        CAUSAL: tl.constexpr):
+    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
+    block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E, kcap
+    and the block's maxima of the per-row bounds (reference.backward_scales):
+        row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse)."""
+    h = tl.program_id(1)
+    blk = tl.program_id(0)
+    r = blk * BT + tl.arange(0, BT)
+    tok = tl.load(PTOK + r)
+    ok = tok >= 0
+    t = tl.where(ok, tok, 0).to(tl.int64)
+    d = tl.arange(0, D)
+    offs = t[:, None] * stride_t + h * D + d[None, :]
+    o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    sdo, inv = _pow2_bound(tl.max(tl.max(tl.abs(do), 1), 0))
+    do8 = (do * inv).to(tl.float8e4nv)
+    tl.store(DO8 + offs, do8, mask=ok[:, None])
+    dq = do8.to(tl.float32) * sdo
+    live = tl.max(tl.abs(dq), 1) > 0.0
+    delta = tl.sum(dq * o, 1)
+    nrm = tl.sqrt(tl.sum(dq * dq, 1))
+    hrow = h.to(tl.int64) * T + t
+    lse = tl.load(LSE + hrow, mask=ok, other=0.0)
+    m = tl.load(RMAX + hrow, mask=ok, other=0.0)
+    sq = tl.load(SQ + hrow, mask=ok, other=0.0)
+    vn = tl.load(VNORM + (h // GROUP).to(tl.int64) * T + t, mask=ok, other=0.0)
+    pmax = tl.exp(m - lse)
+    sqf = tl.where(sq > 0.0, sq, 1.0)
+    live = live & ok
+    row_pt = tl.where(live, pmax * sdo, 0.0)
+    row_ds = tl.where(ok, pmax * (nrm * vn + tl.abs(delta)) * sqf, 0.0)
+    vrow = h.to(tl.int64) * QR + r
+    HQ = tl.num_programs(1)
+    tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
+    tl.store(VEC + HQ * QR + vrow,
+             tl.where(live, lse * 1.4426950408889634 - _log2_exact(sdo), float("inf")))
+    tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
+    tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
+    if CAUSAL:   # kcap of the row's token (the diagonal steps' second dS copy)
+        kc = tl.load(KCAP + (h // GROUP).to(tl.int64) * T + t, mask=ok, other=0.0)
+        tl.store(VEC + 4 * HQ * QR + vrow, kc)
+    nb = QR // BT
+    tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
+    tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
+
+
+@triton.jit
+def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.constexpr,
+                    BT: tl.constexpr, CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
+    """c_pt, c_ds of one CTA (work-list column): power-of-two scales of the max of the row
+    bounds over the rows it sees (rows >= its first key when causal, the document otherwise;
+    every query head of its GQA group; reference.cta_scales)."""
+    item = tl.program_id(0)
+    doc = tl.load(ITEMS + item)
+    if doc >= 0:
+        blk = tl.load(ITEMS + N_ITEMS + item)
+        L = tl.load(ITEMS + 3 * N_ITEMS + item)
+        pq = tl.load(ITEMS + 4 * N_ITEMS + item)
+        kvh = tl.load(ITEMS + 5 * N_ITEMS + item)
+        first = pq + blk * BN if CAUSAL else pq
+        b0 = first // BT
+        b1 = (pq + L + BT - 1) // BT
+        m_pt = tl.zeros([CHUNK], tl.float32)
+        m_ds = tl.zeros([CHUNK], tl.float32)
+        for g in range(GROUP):
+            base = (kvh * GROUP + g).to(tl.int64) * NB
+            for c in range(b0, b1, CHUNK):
+                idx = c + tl.arange(0, CHUNK)
+                mk = idx < b1
+                m_pt = tl.maximum(m_pt, tl.load(BPT + base + idx, mask=mk, other=0.0))
+                m_ds = tl.maximum(m_ds, tl.load(BDS + base + idx, mask=mk, other=0.0))
+        c_pt, _ = _pow2_bound(tl.max(m_pt, 0))
+        c_ds, _ = _pow2_bound(tl.max(m_ds, 0))
+        tl.store(CPT + item, c_pt)
+        tl.store(CDS + item, c_ds)
+
+
+@triton.jit
+def _rotate_back(x, HMAT, D: tl.constexpr):
+    """x (M, D) fp32 @ H (H the +-1 Sylvester matrix, bf16, exact) / sqrt(D): two bf16 GEMMs on
+    x = hi + lo (relative error <= 2^-17)."""
+    dd = tl.arange(0, D)
+    hm = tl.load(HMAT + dd[:, None] * D + dd[None, :])
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(hi, hm, out_dtype=tl.float32) + tl.dot(lo, hm, out_dtype=tl.float32)
+    return acc * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE: tl.constexpr,
+                         D: tl.constexpr, BT: tl.constexpr):
+    """Heads [0, HQ): dq = rotate_back(dq_acc * scale / sqf); heads HQ..: dk = rotate_back(dk)."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    if h < HQ:
+        pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+        acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
+                      other=0.0)
+        sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
+        acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
+        if ROTATE:
+            acc = _rotate_back(acc, HMAT, D)
+        tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
+                 acc.to(DQ.dtype.element_ty), mask=ok[:, None])
+    else:
+        HKV = tl.num_programs(1) - HQ
+        hk = h - HQ
+        offs = t64[:, None] * (HKV * D) + hk * D + d[None, :]
+        acc = tl.load(DK32 + offs, mask=ok[:, None], other=0.0)
+        if ROTATE:
+            acc = _rotate_back(acc, HMAT, D)
+        tl.store(DK + offs, acc.to(DK.dtype.element_ty), mask=ok[:, None])
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _fp8_steps(k0, L, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """(n_diag, n_off, off_lo): per query head, the diagonal steps (query blocks inside the
+        key block, causal only) and the later ones, which start at query row off_lo."""
+        nq = (L + BM - 1) // BM
+        if CAUSAL:
+            n_diag = (gl.minimum(BN, L - k0) + BM - 1) // BM
+            n_off = nq - k0 // BM - n_diag
+            off_lo = k0 + n_diag * BM
+        else:
+            n_diag = k0 * 0
+            n_off = nq
+            off_lo = k0 * 0
+        return n_diag, n_off, off_lo
+
+    @gluon.jit
+    def _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM: gl.constexpr):
+        """(query head, first query row, diagonal?) of step i: the diagonal steps of every head
+        of the GQA group first, then the later query blocks of every head."""
+        n_first = GROUP * n_diag
+        diag = i < n_first
+        if diag:
+            j = i
+            per = gl.maximum(n_diag, 1)
+            lo = k0
+        else:
+            j = i - n_first
+            per = gl.maximum(n_off, 1)
+            lo = off_lo
+        return kvh * GROUP + j // per, lo + (j % per) * BM, diag
+
+    @gluon.jit
+    def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                    kt_desc, ktd_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+                    v_smem, kt_smem, vec_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready,
+                    q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
+            switch = (n_diag > 0) & (n_off > 0)      # K^T reloaded after the diagonal steps
+            KV_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+            if CAUSAL:
+                mbarrier.expect(kv_ready, 2 * KV_BYTES)
+                tma.async_copy_global_to_shared(kd_desc, [start + k0, kvh * D], kv_ready,
+                                                k_smem.index(1))
+                tma.async_copy_global_to_shared(vd_desc, [start + k0, kvh * D], kv_ready,
+                                                v_smem.index(1))
+            else:
+                mbarrier.expect(kv_ready, KV_BYTES)
+            tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready, k_smem.index(0))
+            tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem.index(0))
+            mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
+            if n_diag > 0:      # (only when causal)
+                tma.async_copy_global_to_shared(ktd_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
+            else:
+                tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
+            for i in range(GROUP * (n_diag + n_off)):
+                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
+                s = i % STAGES
+                mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
+                qb = q_ready.index(s)
+                mbarrier.expect(qb, q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+                                + 2 * vec_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + q0, h * D], qb, q_smem.index(s))
+                tma.async_copy_global_to_shared(qt_desc, [h * D, pq + q0], qb, qt_smem.index(s))
+                tma.async_copy_global_to_shared(vec_desc, [h, pq + q0], qb,
+                                                vec_smem.index(s * NV))
+                tma.async_copy_global_to_shared(vec_desc, [HQ + h, pq + q0], qb,
+                                                vec_smem.index(s * NV + 1))
+                db = do_ready.index(s)
+                mbarrier.expect(db, do_desc.block_type.nbytes + dot_desc.block_type.nbytes
+                                + 3 * vec_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
+                tma.async_copy_global_to_shared(dot_desc, [h * D, pq + q0], db, dot_smem.index(s))
+                tma.async_copy_global_to_shared(vec_desc, [2 * HQ + h, pq + q0], db,
+                                                vec_smem.index(s * NV + 2))
+                tma.async_copy_global_to_shared(vec_desc, [3 * HQ + h, pq + q0], db,
+                                                vec_smem.index(s * NV + 3))
+                tma.async_copy_global_to_shared(vec_desc, [4 * HQ + h, pq + q0], db,
+                                                vec_smem.index(s * NV + 4))
+                if switch & (i == GROUP * n_diag):
+                    # the diagonal steps' dQ GEMMs are done with K_diag^T: the block copy's K^T
+                    mbarrier.wait(kt_free, 0)
+                    mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
+
+    @gluon.jit
+    def _fp8_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS,
+                       BN: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        """_bwd_dq_writer for the fp8 step order (_fp8_step)."""
+        BM: gl.constexpr = dq_smem.type.shape[1]
+        D: gl.constexpr = dq_smem.type.shape[2]
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
+            for i in range(GROUP * (n_diag + n_off)):
+                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
+                b = i % 2
+                mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
+                if DETERMINISTIC:
+                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
+                    turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                    while turn != blk:
+                        turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                if DETERMINISTIC:
+                    _bulk_writes_done()
+                    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+                else:
+                    tma.store_wait(0)
+                mbarrier.arrive(dq_free.index(b), count=1)
+
+    @gluon.jit
+    def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                     ds_smem, dq_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready, q_free,
+                     dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
+                     DK32, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     num_warps: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        f8: gl.constexpr = gl.float8e4nv
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
+        if BM == 16 * num_warps:
+            dq_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)   # dQ (BM, D)
+        else:
+            dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 32)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 4)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dqrow_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
+
+        item = gl.program_id(0)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
+            switch = (n_diag > 0) & (n_off > 0)      # (n_diag == 0 when not causal)
+            # CTA scalars
+            c_pt = gl.load(CPT + item)
+            c_ds = gl.load(CDS + item)
+            kv_row = kvh.to(gl.int64) * T + start + k0
+            skb = gl.load(SK + kv_row)
+            svb = gl.load(SV + kv_row)
+            lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
+            ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+            u_off = c_ds * skb
+            if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
+                keys = gl.arange(0, BN, layout=row_l)
+                kin = keys < L - k0
+                skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
+                svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+            mbarrier.wait(kv_ready, 0)
+            dk = gl.zeros([BN, D], gl.float32, kv_layout)
+            dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            for i in range(GROUP * (n_diag + n_off)):
+                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
+                s = i % STAGES
+                ph = (i // STAGES) & 1
+                c = diag.to(gl.int32)
+                mbarrier.wait(q_ready.index(s), ph)
+                st = warpgroup_mma(k_smem.index(c), q_smem.index(s).permute((1, 0)),
+                                   gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(do_ready.index(s), ph)
+                dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
+                                    gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                    is_async=True)
+                st = warpgroup_mma_wait(1, deps=[st])
+                edge_q = q0 + BM > L
+                if CAUSAL:
+                    masked = diag | edge_q | (k0 + BN > L)
+                else:
+                    masked = edge_q | (k0 + BN > L)
+                va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
+                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+                if CAUSAL:
+                    if diag:
+                        xt = gl.exp2((st * skt) * va - vb)
+                    else:
+                        xt = gl.exp2(st * (va * skb) - vb)
+                else:
+                    xt = gl.exp2(st * (va * skb) - vb)
+                if masked:
+                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                    xt = gl.where(ok, xt, 0.0)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
+                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
+                if CAUSAL:
+                    if diag:
+                        yt = xt * ((dpt * svt) * vh - ve)
+                    else:
+                        yt = xt * (dpt * (vh * svb) - ve)
+                else:
+                    yt = xt * (dpt * (vh * svb) - ve)
+                if masked:   # dP^T of keys past the document end may be NaN
+                    yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+                xa = gl.convert_layout(xt.to(f8), a_layout)
+                dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+                y8 = yt.to(f8)
+                if CAUSAL:
+                    if diag:
+                        kc = gl.expand_dims(_column_vector(vec_smem, s * NV + 4, col_l), 0)
+                        rk = gl.where(kc > 0.0, 1.0 / kc, 0.0)
+                        ds_smem.permute((1, 0)).store((yt * skt * rk).to(f8))
+                    else:
+                        ds_smem.permute((1, 0)).store(y8)
+                else:
+                    ds_smem.permute((1, 0)).store(y8)
+                fence_async_shared()
+                gl.thread_barrier()
+                ya = gl.convert_layout(y8, a_layout)
+                mbarrier.wait(kt_ready, (switch & (i >= GROUP * n_diag)).to(gl.int32))
+                dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
+                                   gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+                if switch & (i == GROUP * n_diag - 1):
+                    mbarrier.arrive(kt_free, count=1)
+                if CAUSAL:
+                    if diag:
+                        kq = _column_vector(vec_smem, s * NV + 4, dqrow_l)
+                        dq = dq * gl.expand_dims(c_ds * kq, 1)
+                    else:
+                        dq = dq * u_off
+                else:
+                    dq = dq * u_off
+                b = i % 2
+                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
+                dq_smem.index(b).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_ready.index(b), count=1)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_free.index(s), count=1)
+            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc (fp32, rotated space)
+            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            keep = rows < L
+            gl.store(DK32 + offs, dk * (sm_scale * c_ds), mask=keep)
+            gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+
+    @gluon.jit
+    def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
+                                  vd_desc, kt_desc, ktd_desc, vec_desc, dq_desc, DK32, DV, SEM,
+                                  ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
+                                  T, stride_kt, sm_scale,
+                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                                  DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
+        f8: gl.constexpr = gl.float8e4nv
+        q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
+        do_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], do_desc.layout)
+        dot_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], dot_desc.layout)
+        k_smem = gl.allocate_shared_memory(f8, [2, BN, D], k_desc.layout)      # block, diagonal
+        v_smem = gl.allocate_shared_memory(f8, [2, BN, D], v_desc.layout)
+        kt_smem = gl.allocate_shared_memory(f8, [D, BN], kt_desc.layout)
+        vec_smem = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC_C, 1, BM], vec_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                       rank=2)
+        ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kt_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kt_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kt_ready, count=1)
+        mbarrier.init(kt_free, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(dq_ready.index(i), count=1)
+            mbarrier.init(dq_free.index(i), count=1)
+        gl.warp_specialize([
+            (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                            ds_smem, dq_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready,
+                            q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
+                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, num_warps)),
+            (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                           kt_desc, ktd_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready, kt_free,
+                           q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
+            (_fp8_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
+                              QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
+        ], [1, 1], [LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(kt_ready)
+        mbarrier.invalidate(kt_free)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(q_ready.index(i))
+            mbarrier.invalidate(do_ready.index(i))
+            mbarrier.invalidate(q_free.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(dq_ready.index(i))
+            mbarrier.invalidate(dq_free.index(i))
+
+
+# ---------------------------------------------------------------------------------------------
 # Host
 # ---------------------------------------------------------------------------------------------
 
@@ -524,3 +1024,114 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
         DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)
     return dq, dk, dv
+
+
+def _hadamard_signs_bf16(D: int, device) -> torch.Tensor:
+    """The +-1 Sylvester matrix of size D in bf16 (exact), memoized per device."""
+    key = (D, str(device))
+    h = _HADAMARD.get(key)
+    if h is None:
+        h = torch.ones(1, 1)
+        while h.shape[0] < D:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = _HADAMARD[key] = h.to(device=device, dtype=torch.bfloat16).contiguous()
+    return h
+
+
+_HADAMARD: dict = {}
+
+
+def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
+                                softmax_scale=None, grad_dtype=None, deterministic=False,
+                                config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of the fp8_block recipe (scaling kvblock128) from the forward's quantized
+    operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
+    lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
+
+    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
+    launch for dO^T, Q^T and K^T (and one for K_diag^T when causal), the CTA scales, the kernel,
+    the post pass (dQ and dK out of their units and rotated back).
+    """
+    from .kmajor import kmajor_copies
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    cfg = config or select_config(D, "fp8_block")
+    BM, BN = cfg.block_m, BLOCK_N
+    dev = dout.device
+    grad_dtype = grad_dtype or dout.dtype
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dout, out = dout.contiguous(), out.contiguous()
+    dq = torch.empty((T, Hq, D), dtype=grad_dtype, device=dev)
+    dk = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    if T == 0:
+        return dq, dk, dv
+    group = Hq // Hkv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv, pad=FP8_PAD))
+    QR = kb.q_rows
+    ptok = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8_ptok", T, QR),
+                          lambda: _padded_tokens(kb.prow, QR))
+    f8 = torch.float8_e4m3fn
+    do8 = torch.empty((T, Hq, D), dtype=f8, device=dev)
+    vec = torch.empty((N_VEC, Hq, QR), dtype=torch.float32, device=dev)
+    nb = QR // DO_BLOCK
+    bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    kcap = qkv.kcap if causal else vec
+    _bwd_preprocess_fp8[(nb, Hq)](
+        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, kcap, ptok, do8, vec,
+        bpt, bds, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, CAUSAL=bool(causal),
+        num_warps=4)
+    qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+    dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+    kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
+    kmajor_copies([(do8, dot8, False), (qkv.q8, qt8, False), (qkv.k8, kt8, False)], ptok)
+    if causal:
+        ktd8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
+        kmajor_copies([(qkv.k8_diag, ktd8, False)], ptok)
+    else:
+        ktd8 = kt8
+    cpt = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
+    cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
+    _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
+                                   BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
+    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
+    k8d = qkv.k8_diag if causal else qkv.k8
+    v8d = qkv.v8_diag if causal else qkv.v8
+    skd = qkv.sk_diag if causal else qkv.sk
+    svd = qkv.sv_diag if causal else qkv.sv
+    descs = (
+        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(qt8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(do8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(dot8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(ktd8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(vec, N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+    )
+    sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
+           else kb.items)      # (never read when not deterministic)
+    _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
+        *descs, dk32, dv, sem, kb.items, kb.n_items, group, Hq, QR // BM, cpt, cds, qkv.sk,
+        qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
+        CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
+        DETERMINISTIC=bool(deterministic), num_warps=8)
+    grid_t = (triton.cdiv(T, PRE_BT), Hq + Hkv)
+    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, kb.prow, qkv.sq, _hadamard_signs_bf16(D, dev), dq,
+                                 dk, T, Hq, scale, ROTATE=bool(qkv.rotated), D=D, BT=PRE_BT,
+                                 num_warps=4)
+    return dq, dk, dv
+
+
+def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int32: the token at each row of the padded layout, -1 for a pad row."""
+    ptok = torch.full((rows,), -1, dtype=torch.int32, device=prow.device)
+    ptok[prow.long()] = torch.arange(prow.numel(), dtype=torch.int32, device=prow.device)
+    return ptok

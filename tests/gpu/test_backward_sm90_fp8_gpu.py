@@ -1,0 +1,182 @@
+"""The fp8_block recipe's one-pass Hopper backward (flamia.ops.backward_sm90,
+attention_backward_sm90_fp8) on the H200 (skipped without an sm_90 GPU), from the reference
+forward's quantized operands (flamia.reference._forward_kvblock): accuracy against float64 next
+to the reference emulation (reference._backward_kvblock, fp32) by the FlashAttention rule,
+determinism, P1 (gradients after t exactly zero when dO is zero after t), P2 bitwise, and a fuzz
+over random packed shapes.
+
+    python -m pytest -q -s tests/gpu/test_backward_sm90_fp8_gpu.py
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+from flamia import reference as R  # noqa: E402
+from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
+from flamia.ops.backward_sm90 import attention_backward_sm90_fp8  # noqa: E402
+
+DEV = "cuda"
+RECIPE = "fp8_block"
+FUZZ_CASES = int(os.environ.get("FLAMIA_FUZZ_CASES", "300"))
+FUZZ_SEED = int(os.environ.get("FLAMIA_FUZZ_SEED", "20261203"))
+
+
+def _poison():
+    x = torch.full((64 << 20,), float("nan"), device=DEV)
+    del x
+
+
+def qkv_from_saved(saved: R.Saved, cu: torch.Tensor, causal: bool) -> SimpleNamespace:
+    """The kernel's operands (layout.QuantizedQKV's fp8_block fields) from the reference
+    forward's: the same bytes and scales, (H, T) scale vectors, Vn the visible max of the V
+    copies' 2-norms (reference.backward_scales)."""
+    f8 = torch.float8_e4m3fn
+    vals = lambda op: op.values.to(f8).contiguous()                          # noqa: E731
+    tok = lambda op: op.token_scale().transpose(0, 1).float().contiguous()  # noqa: E731
+    vnb = saved.v.dequant().norm(dim=-1)
+    vnt = saved.v_diag.dequant().norm(dim=-1) if causal else vnb
+    vn = R._per_document(cu, lambda o, d: R._visible_max(o, d, causal), vnb, vnt)
+    ns = SimpleNamespace(q8=vals(saved.q), sq=tok(saved.q), k8=vals(saved.k), sk=tok(saved.k),
+                         v8=vals(saved.v), sv=tok(saved.v), vnorm=vn.transpose(0, 1).float().contiguous(),
+                         rotated=saved.rotation is not None, recipe=RECIPE,
+                         k8_diag=None, v8_diag=None, sk_diag=None, sv_diag=None, kcap=None)
+    if causal:
+        ns.k8_diag, ns.sk_diag = vals(saved.k_diag), tok(saved.k_diag)
+        ns.v8_diag, ns.sv_diag = vals(saved.v_diag), tok(saved.v_diag)
+        ns.kcap = saved.k_cap.transpose(0, 1).float().contiguous()
+    return ns
+
+
+def _inputs(lengths, Hq, Hkv, D, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lengths)
+    return [torch.randn(T, h, D, generator=g, device=DEV).to(torch.bfloat16)
+            for h in (Hq, Hkv, Hkv, Hq)]
+
+
+def _truth(q, k, v, do, cu, causal):
+    """float64 gradients of exact attention."""
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    o = R.attention_exact(q64, k64, v64, cu, causal)
+    o.backward(do.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def _fa_rule(name, g, emu, ref, frac=2e-3):
+    emu = emu.to(g.dtype)
+    err = (g.double() - ref).abs().max().item() if g.numel() else 0.0
+    err_emu = (emu.double() - ref).abs().max().item() if g.numel() else 0.0
+    atol = frac * (ref.abs().max().item() if ref.numel() else 0.0) + 1e-6
+    assert err <= 2 * err_emu + atol, f"{name}: max err {err:.3e} vs emulation {err_emu:.3e}"
+    return err, err_emu
+
+
+def _forward(q, k, v, cu, causal):
+    out, lse, saved = R.forward(q, k, v, cu, RECIPE, causal)
+    return out.to(torch.bfloat16), lse.float().contiguous(), saved
+
+
+def _kernel(do, out, lse, saved, cu, causal, deterministic=True):
+    qkv = qkv_from_saved(saved, cu, causal)
+    _poison()
+    return attention_backward_sm90_fp8(do, out, lse, saved.row_max.float().contiguous(), qkv, cu,
+                                       causal, deterministic=deterministic)
+
+
+def _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=True, truth=True):
+    q, k, v, do = _inputs(lengths, Hq, Hkv, D, seed)
+    cu = cu_seqlens_from_lengths(lengths, device=DEV)
+    out, lse, saved = _forward(q, k, v, cu, causal)
+    got = _kernel(do, out, lse, saved, cu, causal, deterministic)
+    emu = R.backward(do, out, lse, saved, cu, RECIPE, causal)
+    ref = _truth(q, k, v, do, cu, causal) if truth else emu
+    errs = []
+    for name, x, e, r in zip(("dq", "dk", "dv"), got, emu, ref):
+        assert torch.isfinite(x).all(), f"{name}: unwritten or non-finite"
+        if truth:
+            errs.append(_fa_rule(f"{lengths} {Hq}/{Hkv} D={D} causal={causal} {name}", x, e, r))
+    return (q, k, v, do, out, lse, saved, cu), got, errs
+
+
+@pytest.mark.parametrize("D", (64, 128))
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("heads", ((8, 2), (4, 4), (6, 1)))
+def test_accuracy(D, causal, heads):
+    _, _, errs = _run_case([700, 0, 1, 2, 513, 129, 64, 300], *heads, D, causal,
+                           seed=D + heads[0] + causal)
+    print(f"D={D} causal={causal} heads={heads} (kernel, emulation) max errors:",
+          [f"{a:.2e}/{b:.2e}" for a, b in errs])
+
+
+@pytest.mark.parametrize("D", (64, 128))
+def test_deterministic_bitwise(D):
+    (q, k, v, do, out, lse, saved, cu), a, _ = _run_case([2048, 1, 900], 8, 2, D, True, seed=3)
+    b = _kernel(do, out, lse, saved, cu, True, deterministic=True)
+    c = _kernel(do, out, lse, saved, cu, True, deterministic=False)
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(z.float(), x.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("D", (64, 128))
+def test_p1_gradients_after_t_zero(D):
+    """dO zero after t: every gradient row after t is exactly zero (dK, dV of keys > t; dQ of
+    queries > t)."""
+    lengths = [1000]
+    q, k, v, do = _inputs(lengths, 4, 2, D, seed=11)
+    cu = cu_seqlens_from_lengths(lengths, device=DEV)
+    out, lse, saved = _forward(q, k, v, cu, True)
+    t = 437
+    do[t + 1:] = 0
+    dq, dk, dv = _kernel(do, out, lse, saved, cu, True)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.count_nonzero(g[t + 1:]) == 0, name
+        assert torch.count_nonzero(g[:t + 1]) > 0, name
+
+
+@pytest.mark.parametrize("D", (64, 128))
+def test_p2_bitwise(D):
+    """A document's gradients do not depend on its neighbours (deterministic mode)."""
+    lengths = [300, 700, 129]
+    q, k, v, do = _inputs(lengths, 8, 2, D, seed=5)
+    cu = cu_seqlens_from_lengths(lengths, device=DEV)
+    out, lse, saved = _forward(q, k, v, cu, True)
+    a = _kernel(do, out, lse, saved, cu, True)
+    q2, k2, v2, do2 = (x.clone() for x in (q, k, v, do))
+    for x in (q2, k2, v2, do2):
+        x[:300] = torch.randn_like(x[:300]) * 4
+        x[1000:] = torch.randn_like(x[1000:]) * 4
+    out2, lse2, saved2 = _forward(q2, k2, v2, cu, True)
+    b = _kernel(do2, out2, lse2, saved2, cu, True)
+    for x, y in zip(a, b):
+        assert torch.equal(x[300:1000], y[300:1000])
+
+
+def test_fuzz():
+    rng = random.Random(FUZZ_SEED)
+    t0 = time.time()
+    print(f"fuzz: {FUZZ_CASES} cases, seed {FUZZ_SEED}")
+    for case in range(FUZZ_CASES):
+        n_docs = rng.randint(1, 6)
+        lengths = [rng.choice([0, 1, 2, rng.randint(3, 200), rng.randint(200, 900)])
+                   for _ in range(n_docs)]
+        if sum(lengths) == 0:
+            lengths.append(5)
+        Hkv = rng.choice([1, 2, 4])
+        Hq = Hkv * rng.choice([1, 2, 4, 8])
+        D = rng.choice([64, 128])
+        causal = rng.random() < 0.8
+        try:
+            _run_case(lengths, Hq, Hkv, D, causal, seed=case)
+        except AssertionError as e:
+            raise AssertionError(f"fuzz case {case} (seed {FUZZ_SEED}): {e}") from e
+    print(f"fuzz: {FUZZ_CASES} cases passed in {time.time() - t0:.0f} s")

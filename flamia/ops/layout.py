@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The recipes with token-block scaling ("kvblock128", flamia.recipes)
+KVBLOCK_RECIPES = ("fp8_block", "fp8_block_mixed")
+KV_BLOCK = 128          # tokens per K/V scale block (flamia.reference.KV_BLOCK)
+
 
 @dataclass
 class QuantizedQKV:
@@ -19,13 +23,41 @@ class QuantizedQKV:
     sq: torch.Tensor | None       # (Hq, T)  fp32 powers of two (or 0 for an all-zero token)
     sk: torch.Tensor | None       # (Hkv, T)
     sv: torch.Tensor | None       # (Hkv, T)
-    vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document
+    vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document (the
+                                  #   visible max for token-block scaling)
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
     vt8: torch.Tensor | None = None   # optional (Hkv, D, T_pad) K-major V copy for the PV GEMM
+                                      #   (token-block scaling: (Hkv, D, Tp), padded layout)
     # vt8_mma_order: in each 16-column group of vt8, column c holds token mma_order16(c) of the
     # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
     # FP8 wgmma A operand; False: column = token.
     vt8_mma_order: bool = False
+    # Token-block scaling (recipes fp8_block, fp8_block_mixed; reference.py "Token-block
+    # scaling"); None for the other recipes. k8 / v8 / sk / sv are then the BLOCK copies (one
+    # scale per document-local 128-token block and head, sk / sv broadcast to the block's tokens)
+    # and vcap is the visible max of the V scales (reference._visible_max).
+    k8_diag: torch.Tensor | None = None   # (T, Hkv, D) per-token copies for the diagonal pairs
+    v8_diag: torch.Tensor | None = None   #   (causal only: the fp8 recipe's bytes)
+    sk_diag: torch.Tensor | None = None   # (Hkv, T) their per-token scales (causal only)
+    sv_diag: torch.Tensor | None = None
+    kcap: torch.Tensor | None = None      # (Hkv, T) max of sk_diag over the row's block up to
+                                          #   the row (causal only)
+    vnorm: torch.Tensor | None = None     # (Hkv, T) visible max of the 2-norms of V's
+                                          #   dequantized copies (the backward's bound)
+    # The forward's column layout of the K-major copies: document d occupies columns
+    # [kv_pcu[d], kv_pcu[d] + len_d) of vt8 / vt8_diag / scale_cols (flamia.ops.kmajor's padded
+    # layout: every document starts at a multiple of 16, so tiles at document-local multiples of
+    # 16 are TMA-legal); vt8_mma_order applies within its 16-column groups.
+    kv_pcu: torch.Tensor | None = None    # (n_docs + 1,) int32
+    vt8_diag: torch.Tensor | None = None  # (Hkv, D, Tp) K-major copy of v8_diag (causal only)
+    # (n, Hkv, Tp) fp32: sk, sv (n = 2), then sk_diag, sv_diag (causal: n = 4), in the padded
+    # columns (pads 0): the Gluon forward's TMA boxes of scales
+    scale_cols: torch.Tensor | None = None
+
+    @property
+    def kvblock(self) -> bool:
+        """Token-block scaling (block copies plus per-token diagonal copies)?"""
+        return self.recipe in KVBLOCK_RECIPES
 
     @property
     def shape(self):

@@ -27,7 +27,7 @@ import triton.language as tl
 from . import interpreting
 from .config import FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
-from .layout import QuantizedQKV
+from .layout import KV_BLOCK, QuantizedQKV
 from .schedule import Schedule, work_list
 
 if interpreting():
@@ -43,15 +43,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
+def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi,
                 K, V, SK, SV, stride_kt, stride_vn, stride_vd,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr):
+                FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
+                K_ALIGNED: tl.constexpr):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
-    FP8 reads V from the K-major copy vt8; V_MMA_ORDER: row p of a V tile is key mma_order16(p)
-    of the tile (tiles start at 16-aligned tokens), and P is passed to the PV wgmma in that key
-    order too."""
+    FP8 reads V from the K-major copy vt8, whose column vcol0 + n holds the document's key n
+    (vcol0 + lo a multiple of 16); V_MMA_ORDER: row p of a V tile is key mma_order16(p) of the
+    tile, and P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a
+    multiple of 16 too (the token-block grid starts tiles at document-local offsets)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     if V_MMA_ORDER:
@@ -61,10 +63,14 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         offs_n = start_n + offs_n0
         col_ok = (offs_n >= 0) & (offs_n < L)
-        row0 = tl.multiple_of((tok0 + start_n).to(tl.int32), 16)    # absolute, 16-aligned
+        vrow0 = tl.multiple_of((vcol0 + start_n).to(tl.int32), 16)   # vt8 column, 16-aligned
+        if K_ALIGNED:
+            krow0 = tl.multiple_of((tok0 + start_n).to(tl.int32), 16)
+        else:
+            krow0 = (tok0 + start_n).to(tl.int32)
         # ---- S = Q K^T (fp32 accumulate) ----
         if USE_TMA:
-            kt = K.load([row0, kvh * D]).T
+            kt = K.load([krow0, kvh * D]).T
         else:
             k_ptrs = K + (tok0 + offs_n)[None, :] * stride_kt + kvh * D + offs_d[:, None]
             if MASKED:
@@ -115,13 +121,13 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
         v_ok = (offs_v >= 0) & (offs_v < L)
         if USE_TMA:
             if FP8:
-                v = V.load([kvh * D, row0]).T
+                v = V.load([kvh * D, vrow0]).T
             else:
-                v = V.load([row0, kvh * D])
+                v = V.load([krow0, kvh * D])
             if MASKED:   # rows past the document end belong to the next one: never let a NaN in
                 v = tl.where(v_ok[:, None], v, 0.0)
         else:
-            v_ptrs = V + (tok0 + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            v_ptrs = V + (vcol0 + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
             if MASKED:
                 v = tl.load(v_ptrs, mask=v_ok[:, None], other=0.0)
             else:
@@ -132,13 +138,17 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, lo, hi,
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
+def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, SVD, PCU, RMAX,
                      stride_qt, stride_kt, stride_vn, stride_vd, stride_vh, stride_ot, stride_oh,
                      T, N_ITEMS, HQ, GROUP, qk_scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr):
+                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
+                     KVBLOCK: tl.constexpr, ROW_MAX: tl.constexpr):
+    """One (query block, head) of the work list. KVBLOCK: the token-block scaling, K, V (vt8),
+    SK, SV the block copies and KD, VD (vt8_diag), SKD, SVD the token copies (causal), vt8's
+    columns in the padded layout (PCU). ROW_MAX: the row max m (natural log) into RMAX too."""
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -181,34 +191,73 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
     SVh = SV + kvh * T + tok0
     if USE_TMA:
         Vh = V
+        VDh = VD
     else:
         Vh = V + kvh * stride_vh
-    # KV tiles start at absolute token rows that are multiples of 16 (TMA needs 16-byte aligned
-    # coordinates along vt8's token axis), so in doc-local keys tile j is [j*BN - shift, ...):
-    #   a head tile holding `shift` keys of the previous document (masked), if shift > 0;
-    #   full tiles left of the diagonal (no mask); the diagonal / document-end tiles (masked).
-    shift = start % 16
-    if CAUSAL:
-        limit = q_lo                            # keys < q_lo are visible to every row
-        hi = tl.minimum(q_lo + BLOCK_M, L)
+        VDh = VD + kvh * stride_vh
+    if KVBLOCK:
+        # Key tiles at document-local multiples of BLOCK_N, which divides the 128-token K/V block
+        # (as BLOCK_M does), so every tile lies in one block. Causal: the tiles of the query
+        # block's own 128-block use the token copies (KD, VD, SKD, SVD), the earlier ones the
+        # block copies; not causal: the block copies everywhere. vt8's columns are the padded
+        # layout's (the document starts at column PCU[doc], a multiple of 16).
+        vcol0 = tl.load(PCU + doc).to(tl.int64)
+        if CAUSAL:
+            d0 = (q_lo // 128) * 128              # keys < d0: off-diagonal, all visible
+            hi = tl.minimum(q_lo + BLOCK_M, L)
+            n_full = d0 + ((q_lo - d0) // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
+                                        0, d0, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                        D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
+                                        FULL_STAGES, V_MMA_ORDER, False)
+            SKDh = SKD + kvh * T + tok0
+            SVDh = SVD + kvh * T + tok0
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
+                                        d0, n_full, KD, VDh, SKDh, SVDh, stride_kt, stride_vn,
+                                        stride_vd, D, BLOCK_N, CAUSAL, False, FP8, USE_TMA,
+                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
+                                        n_full, hi, KD, VDh, SKDh, SVDh, stride_kt, stride_vn,
+                                        stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
+                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
+        else:
+            n_full = (L // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
+                                        0, n_full, K, Vh, SKh, SVh, stride_kt, stride_vn,
+                                        stride_vd, D, BLOCK_N, CAUSAL, False, FP8, USE_TMA,
+                                        FOLD_LR, FULL_STAGES, V_MMA_ORDER, False)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
+                                        n_full, L, K, Vh, SKh, SVh, stride_kt, stride_vn,
+                                        stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
+                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
     else:
-        limit = L
-        hi = L
-    head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, -shift, head_hi,
-                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
-                                MASKED_STAGES, V_MMA_ORDER)
-    n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
-    n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_lo, n_full,
-                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
-                                FULL_STAGES, V_MMA_ORDER)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, kvh, n_full, hi,
-                                K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
-                                D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
-                                MASKED_STAGES, V_MMA_ORDER)
+        # KV tiles start at absolute token rows that are multiples of 16 (TMA needs 16-byte
+        # aligned coordinates along vt8's token axis), so in doc-local keys tile j is
+        # [j*BN - shift, ...): a head tile holding `shift` keys of the previous document
+        # (masked), if shift > 0; full tiles left of the diagonal (no mask); the diagonal /
+        # document-end tiles (masked).
+        shift = start % 16
+        if CAUSAL:
+            limit = q_lo                            # keys < q_lo are visible to every row
+            hi = tl.minimum(q_lo + BLOCK_M, L)
+        else:
+            limit = L
+            hi = L
+        head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
+                                    -shift, head_hi, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                    D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
+                                    MASKED_STAGES, V_MMA_ORDER, True)
+        n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
+        n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
+                                    n_lo, n_full, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                    D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
+                                    FULL_STAGES, V_MMA_ORDER, True)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
+                                    n_full, hi, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                    D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
+                                    MASKED_STAGES, V_MMA_ORDER, True)
     # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
@@ -216,6 +265,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU,
              out.to(O.dtype.element_ty), mask=row_ok[:, None])
     lse = (m_i + tl.math.log2(l_i) - lr) * 0.6931471805599453
     tl.store(LSE + head * T + rows, lse, mask=row_ok)
+    if ROW_MAX:
+        tl.store(RMAX + head * T + rows, m_i * 0.6931471805599453, mask=row_ok)
 
 
 def _descriptor(x: torch.Tensor, shape, strides, block_shape):
@@ -226,8 +277,15 @@ def _descriptor(x: torch.Tensor, shape, strides, block_shape):
 def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
                       causal: bool, softmax_scale: float | None, out_dtype, *,
                       config: FwdConfig | PersistentFwdConfig | None = None,
-                      schedule: Schedule | None = None, poison: bool = False):
-    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores).
+                      schedule: Schedule | None = None, poison: bool = False,
+                      return_row_max: bool = False):
+    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores);
+    with return_row_max=True (out, lse, row_max), row_max (Hq, T) fp32 the row max m of the
+    softmax-scaled scores (natural log: the largest normalised P of a row is exp(m - lse)).
+
+    Token-block scaling (qkv.kvblock: fp8_block, fp8_block_mixed): key tiles at
+    document-local multiples of block_n, which must divide 128 (and so must block_m); off the
+    diagonal 128-block the block copies, on it the token copies (reference._forward_kvblock).
 
     The work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths).
     config: the kernel and its tiles, config.forward_config(D, recipe, device) by default (a
@@ -244,7 +302,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         from . import forward_gluon
         return forward_gluon.attention_forward_gluon(
             qkv, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype, config=config,
-            schedule=schedule, poison=poison)
+            schedule=schedule, poison=poison, return_row_max=return_row_max)
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     if fp8 and qkv.vt8 is None:
@@ -253,11 +311,16 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     use_tma = bool(config.use_tma and TensorDescriptor is not None)
     alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
         (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
+    kvblock = qkv.kvblock
     out = alloc((T, Hq, D), out_dtype)
     lse = alloc((Hq, T), torch.float32)
+    row_max = alloc((Hq, T), torch.float32) if return_row_max else None
+    result = (out, lse, row_max) if return_row_max else (out, lse)
     if T == 0:
-        return out, lse
+        return result
     BM, BN = config.block_m, config.block_n
+    if kvblock:
+        check_kvblock_tiles(qkv, causal, BM, BN)
     schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
 
     q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
@@ -285,17 +348,42 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     sk = qkv.sk if fp8 else dummy
     sv = qkv.sv if fp8 else dummy
     vcap = qkv.vcap if fp8 else dummy
+    # the token copies (token-block scaling, causal); placeholders of the same kind otherwise
+    KDa, VDa, skd, svd = Ka, Va, sk, sv
+    if kvblock and causal:
+        skd, svd = qkv.sk_diag, qkv.sv_diag
+        if use_tma:
+            KDa = _descriptor(qkv.k8_diag, (T, Hkv * D), (qkv.k8_diag.stride(0), 1), (BN, D))
+            VDa = _descriptor(qkv.vt8_diag, (Hkv * D, qkv.vt8_diag.shape[2]),
+                              (qkv.vt8_diag.stride(1), 1), (D, BN))
+        else:
+            KDa, VDa = qkv.k8_diag, qkv.vt8_diag
+    pcu = qkv.kv_pcu if kvblock else schedule.items
     n_items = schedule.items.shape[1]
     grid = (n_items * Hq,)
     _attn_fwd_kernel[grid](
-        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens,
+        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens, KDa, VDa, skd, svd,
+        pcu, row_max if return_row_max else dummy,
         q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order),
+        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order), KVBLOCK=kvblock,
+        ROW_MAX=bool(return_row_max),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
-    return out, lse
+    return result
+
+
+def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: int) -> None:
+    """The token-block forward's rules (both kernels): tiles inside the 128-token K/V blocks and
+    16-aligned in vt8's padded columns, and the operands quantize_qkv makes for it."""
+    if KV_BLOCK % block_m or KV_BLOCK % block_n or block_n % 16:
+        raise ValueError(f"token-block scaling needs block_m and block_n dividing {KV_BLOCK} "
+                         f"and block_n a multiple of 16, got {block_m} x {block_n}")
+    if qkv.kv_pcu is None or qkv.vt8 is None or (causal and (
+            qkv.k8_diag is None or qkv.vt8_diag is None or qkv.sk_diag is None)):
+        raise ValueError(f"recipe {qkv.recipe}: the forward needs quantize_qkv's block and "
+                         f"(causal) token copies; quantize with causal={causal}")

@@ -297,8 +297,8 @@ def _fake_capability(monkeypatch, cap):
 
 
 def test_backward_selection(monkeypatch):
-    """Which backward a call runs (config.backward_config, CUDA faked): bf16 with bf16 inputs
-    at D=64/128 the one-pass sm90 kernel; the fp8 recipes the split backward with the Gluon
+    """Which backward a call runs (config.backward_config, CUDA faked): bf16 with bf16 or fp16
+    inputs at D=64/128 the one-pass sm90 kernel; the fp8 recipes the split backward with the Gluon
     dK/dV and dQ kernels (their configs per head dim); everything else the Triton kernels."""
     from flamia.ops import config as C
     from flamia.ops.backward_sm90 import Sm90BwdConfig
@@ -308,7 +308,8 @@ def test_backward_selection(monkeypatch):
         pytest.skip("triton.experimental.gluon not available")
     assert isinstance(C.backward_config(128, "bf16", cuda, 4096), Sm90BwdConfig)
     assert isinstance(C.backward_config(64, "bf16", cuda, 4096), Sm90BwdConfig)
-    for args in ((128, "bf16", cuda, 4096, torch.float16), (96, "bf16", cuda, 4096)):
+    assert isinstance(C.backward_config(128, "bf16", cuda, 4096, torch.float16), Sm90BwdConfig)
+    for args in ((96, "bf16", cuda, 4096),):
         cfg = C.backward_config(*args)
         assert isinstance(cfg, BwdConfig) and cfg.dkdv is None and cfg.dq is None, args
     for D in (64, 128):

@@ -287,9 +287,10 @@ def uses_gluon_backward(head_dim: int, recipe, device) -> bool:
 
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
     """The bf16 recipe's backward runs the one-pass Hopper kernel (backward_sm90) on an sm_90
-    GPU at head dims 64 and 128 for bf16 inputs (fp16 inputs keep the split kernels until the
-    one-pass kernel is tested with them on the GPU)."""
-    if _recipe_name(recipe) != "bf16" or dtype != torch.bfloat16 or head_dim not in (64, 128):
+    GPU at head dims 64 and 128, for bf16 and fp16 inputs (P and dS feed its GEMMs in the
+    inputs' dtype, as the split kernels do)."""
+    if (_recipe_name(recipe) != "bf16" or dtype not in (torch.bfloat16, torch.float16)
+            or head_dim not in (64, 128)):
         return False
     return is_sm90(torch.device(device))
 

@@ -115,8 +115,6 @@ def test_accuracy(D, causal, heads):
 @pytest.mark.parametrize("D", (64, 128))
 @pytest.mark.parametrize("causal", (True, False))
 def test_accuracy_fp16(D, causal):
-    """The kernel on fp16 inputs (the library routes fp16 to the split kernels until this has
-    passed on the GPU)."""
     q, *_, got = _run_case([700, 0, 1, 2, 513, 129, 64], 8, 2, D, causal, seed=7 + D,
                            dtype=torch.float16)
     assert all(x.dtype == torch.float16 for x in got)

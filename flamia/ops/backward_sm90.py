@@ -50,6 +50,7 @@ if HAVE_GLUON:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     from .gluon_common import descriptor_2d, tma_reduce_add, wgmma_layout
+    from .kmajor import mma_key_order_gluon
 
 LOG2E = 1.4426950408889634
 
@@ -483,7 +484,8 @@ if HAVE_GLUON:
 # and, causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. The preprocess adds
 # dO quantized per 64-row block (do8, token layout) and K-major copies in the 128-aligned padded
 # layout (columns = padded rows, zeros between documents): dO^T and Q^T (Hq, D, QR) for
-# dV += P^T dO and dK += dS^T Q, K^T and K_diag^T (Hkv, D, QR) for dQ = dS K (Hopper's FP8
+# dV += P^T dO and dK += dS^T Q, their columns in wgmma order within 16 (flamia.ops.kmajor: the
+# accumulators of X^T and Y^T are then the A operands as they are, in-thread byte moves only), K^T and K_diag^T (Hkv, D, QR) for dQ = dS K (Hopper's FP8
 # wgmma reads both operands K-major).
 #
 # Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row
@@ -858,7 +860,7 @@ if HAVE_GLUON:
                     yt = xt * (dpt * (vh * svb) - ve)
                 if masked:   # dP^T of keys past the document end may be NaN
                     yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
-                xa = gl.convert_layout(xt.to(f8), a_layout)
+                xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
                 if CAUSAL:
@@ -872,7 +874,7 @@ if HAVE_GLUON:
                     ds_smem.permute((1, 0)).store(y8)
                 fence_async_shared()
                 gl.thread_barrier()
-                ya = gl.convert_layout(y8, a_layout)
+                ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
                 mbarrier.wait(kt_ready, (switch & (i >= GROUP * n_diag)).to(gl.int32))
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
@@ -1041,31 +1043,32 @@ def _hadamard_signs_bf16(D: int, device) -> torch.Tensor:
 _HADAMARD: dict = {}
 
 
-def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
-                                softmax_scale=None, grad_dtype=None, deterministic=False,
-                                config: Sm90BwdConfig | None = None):
-    """(dq, dk, dv) of the fp8_block recipe (scaling kvblock128) from the forward's quantized
-    operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
-    lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
+@dataclass
+class Fp8Prep:
+    """The fp8 backward's buffers after its preprocess (fp8_prepare), before the kernel."""
+    kb: KeyBlocks
+    ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
+    do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
+    vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E, kcap per padded row
+    bpt: torch.Tensor       # (Hq, QR / 64) block maxima of the row bounds
+    bds: torch.Tensor
+    cpt: torch.Tensor       # (n_items,) the CTA scales c_pt, c_ds per work-list column
+    cds: torch.Tensor
+    qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
+    dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
+    kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
+    ktd8: torch.Tensor      # (Hkv, D, QR) K-major K, diagonal copy (kt8 when not causal)
+    BM: int
 
-    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
-    launch for dO^T, Q^T and K^T (and one for K_diag^T when causal), the CTA scales, the kernel,
-    the post pass (dQ and dK out of their units and rotated back).
-    """
+
+def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> Fp8Prep:
+    """The preprocess (dO quantized, delta, per-row vectors and bounds), the K-major copies and
+    the CTA scales."""
     from .kmajor import kmajor_copies
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    cfg = config or select_config(D, "fp8_block")
-    BM, BN = cfg.block_m, BLOCK_N
+    BN = BLOCK_N
     dev = dout.device
-    grad_dtype = grad_dtype or dout.dtype
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    dout, out = dout.contiguous(), out.contiguous()
-    dq = torch.empty((T, Hq, D), dtype=grad_dtype, device=dev)
-    dk = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
-    dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
-    if T == 0:
-        return dq, dk, dv
     group = Hq // Hkv
     kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
                         lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv, pad=FP8_PAD))
@@ -1086,7 +1089,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
-    kmajor_copies([(do8, dot8, False), (qkv.q8, qt8, False), (qkv.k8, kt8, False)], ptok)
+    kmajor_copies([(do8, dot8, True), (qkv.q8, qt8, True), (qkv.k8, kt8, False)], ptok)
     if causal:
         ktd8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
         kmajor_copies([(qkv.k8_diag, ktd8, False)], ptok)
@@ -1096,6 +1099,17 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, ktd8, BM)
+
+
+def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
+    """The kernel: (dq_acc (QR, Hq, D) fp32 in dQ's units, dk32 (T, Hkv, D) fp32 rotated);
+    writes dv."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    BM, BN, kb = prep.BM, BLOCK_N, prep.kb
+    QR = kb.q_rows
+    dev = qkv.q8.device
     dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
     dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
     k8d = qkv.k8_diag if causal else qkv.k8
@@ -1104,28 +1118,56 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     svd = qkv.sv_diag if causal else qkv.sv
     descs = (
         descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(qt8, Hq * D, QR, QR, [D, BM]),
-        descriptor_2d(do8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(dot8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
         descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(kt8, Hkv * D, QR, QR, [D, BN]),
-        descriptor_2d(ktd8, Hkv * D, QR, QR, [D, BN]),
-        descriptor_2d(vec, N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.ktd8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
         descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
     sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
            else kb.items)      # (never read when not deterministic)
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
-        *descs, dk32, dv, sem, kb.items, kb.n_items, group, Hq, QR // BM, cpt, cds, qkv.sk,
-        qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
+        *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
+        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
         CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
+    return dq_acc, dk32
+
+
+def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
+                                softmax_scale=None, grad_dtype=None, deterministic=False,
+                                config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of the fp8_block recipe (scaling kvblock128) from the forward's quantized
+    operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
+    lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
+
+    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
+    launch for dO^T, Q^T and K^T (and one for K_diag^T when causal), the CTA scales, the kernel,
+    the post pass (dQ and dK out of their units and rotated back).
+    """
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    cfg = config or select_config(D, "fp8_block")
+    dev = dout.device
+    grad_dtype = grad_dtype or dout.dtype
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dout, out = dout.contiguous(), out.contiguous()
+    dq = torch.empty((T, Hq, D), dtype=grad_dtype, device=dev)
+    dk = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    if T == 0:
+        return dq, dk, dv
+    prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
+    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
     grid_t = (triton.cdiv(T, PRE_BT), Hq + Hkv)
-    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, kb.prow, qkv.sq, _hadamard_signs_bf16(D, dev), dq,
-                                 dk, T, Hq, scale, ROTATE=bool(qkv.rotated), D=D, BT=PRE_BT,
+    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq, _hadamard_signs_bf16(D, dev),
+                                 dq, dk, T, Hq, scale, ROTATE=bool(qkv.rotated), D=D, BT=PRE_BT,
                                  num_warps=4)
     return dq, dk, dv
 

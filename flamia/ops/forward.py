@@ -27,7 +27,7 @@ import triton.language as tl
 from . import interpreting
 from .config import FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
-from .layout import KV_BLOCK, QuantizedQKV
+from .layout import QuantizedQKV, check_kvblock_tiles
 from .schedule import Schedule, work_list
 
 if interpreting():
@@ -376,14 +376,3 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return result
 
-
-def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: int) -> None:
-    """The token-block forward's rules (both kernels): tiles inside the 128-token K/V blocks and
-    16-aligned in vt8's padded columns, and the operands quantize_qkv makes for it."""
-    if KV_BLOCK % block_m or KV_BLOCK % block_n or block_n % 16:
-        raise ValueError(f"token-block scaling needs block_m and block_n dividing {KV_BLOCK} "
-                         f"and block_n a multiple of 16, got {block_m} x {block_n}")
-    if qkv.kv_pcu is None or qkv.vt8 is None or (causal and (
-            qkv.k8_diag is None or qkv.vt8_diag is None or qkv.sk_diag is None)):
-        raise ValueError(f"recipe {qkv.recipe}: the forward needs quantize_qkv's block and "
-                         f"(causal) token copies; quantize with causal={causal}")

@@ -47,7 +47,7 @@ except Exception:   # pragma: no cover - older triton
 
 from .config import PersistentFwdConfig
 from .gluon_common import shared_layout
-from .layout import QuantizedQKV
+from .layout import QuantizedQKV, check_kvblock_tiles
 from .schedule import Schedule, persistent_grid, work_list
 
 if HAVE_GLUON:
@@ -116,6 +116,19 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st))
         tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st))
         tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st))
+
+    @gluon.jit
+    def _load_k_cols(k_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st, krow, col, kvh,
+                     srow_k, srow_v):
+        """The token-block scaling's _load_k_at: the K tile at absolute token row krow (any
+        row), its sk / sv from rows srow_k / srow_v of the padded-column scales (scale_cols) at
+        column col (a multiple of 16)."""
+        D: gl.constexpr = k_smem.type.shape[2]
+        bk = k_ready.index(st)
+        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [krow, kvh * D], bk, k_smem.index(st))
+        tma.async_copy_global_to_shared(sc_desc, [srow_k, col], bk, sk_smem.index(st))
+        tma.async_copy_global_to_shared(sc_desc, [srow_v, col], bk, sv_smem.index(st))
 
     @gluon.jit
     def _load_v_at(v_desc, v_smem, v_ready, st, row, kvh):
@@ -228,10 +241,10 @@ if HAVE_GLUON:
             _zero_v_outside(v_smem.index(st), n0, L, num_warps)
 
     @gluon.jit
-    def _store_out(acc, m_i, l_i, lr, O, LSE, stride_ot, stride_oh, T, tok0, q_lo, rows, row_ok,
-                   L, head):
+    def _store_out(acc, m_i, l_i, lr, O, LSE, RMAX, stride_ot, stride_oh, T, tok0, q_lo, rows,
+                   row_ok, L, head, ROW_MAX: gl.constexpr):
         """Epilogue of query rows [q_lo, q_lo + BM): O = acc / l' and
-        lse = ln2 * (m + log2 l' - lr)."""
+        lse = ln2 * (m + log2 l' - lr); ROW_MAX: the row max ln2 * m into RMAX too."""
         BM: gl.constexpr = acc.type.shape[0]
         D: gl.constexpr = acc.type.shape[1]
         inv_l = 1.0 / l_i
@@ -243,6 +256,9 @@ if HAVE_GLUON:
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
         lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
         gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
+        if ROW_MAX:
+            gl.store(RMAX + head.to(gl.int64) * T + tok0 + rows, m_i * 0.6931471805599453,
+                     mask=row_ok)
 
 
     @gluon.jit
@@ -256,10 +272,15 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
-                       sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
-                       N_ITEMS, HQ, GROUP, W, BM: gl.constexpr, BN: gl.constexpr,
-                       CAUSAL: gl.constexpr, QBUF: gl.constexpr):
+    def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc, q_smem,
+                       k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel,
+                       ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM: gl.constexpr, BN: gl.constexpr,
+                       CAUSAL: gl.constexpr, QBUF: gl.constexpr, KVBLOCK: gl.constexpr):
+        """Every TMA load. KVBLOCK (token-block scaling): tile t of an item holds the
+        document's keys [t BN, (t + 1) BN) (no shift), from the token copies (kd_desc, vd_desc,
+        scale_cols rows 2-3) on the query block's own 128-block when causal, else from the block
+        copies (k_desc, v_desc, scale_cols rows 0-1; sk_desc is scale_cols); V^T and the scales
+        at the padded column PCU[doc] + t BN."""
         STAGES: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[2]
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
@@ -268,7 +289,16 @@ if HAVE_GLUON:
             doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w)
             if doc >= 0:
                 q_lo = blk * BM
-                shift = start % 16
+                if KVBLOCK:
+                    shift = 0
+                    pcol = gl.load(PCU + doc)
+                    if CAUSAL:     # keys from d0 on: the query block's own 128-block
+                        d0 = (q_lo // 128) * 128
+                    else:          # (no diagonal pairs)
+                        d0 = L
+                    hkv = HQ // GROUP
+                else:
+                    shift = start % 16
                 _, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
                 qb = it % QBUF
                 mbarrier.wait(q_free.index(qb), ((it // QBUF) + 1) & 1, pred=it >= QBUF)
@@ -282,11 +312,27 @@ if HAVE_GLUON:
                     # (V_{g-STAGES} read), which K_{g+1} needs anyway. Re-waiting r_{g+1-STAGES}
                     # at the next tile is safe: its barrier cannot complete again before K_{g+1}.
                     mbarrier.wait(rel.index(st), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                    _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, st,
-                               row, kvh)
+                    if KVBLOCK:
+                        n0 = t * BN
+                        col = pcol + n0
+                        if n0 >= d0:
+                            _load_k_cols(kd_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                                         start + n0, col, kvh, 2 * hkv + kvh, 3 * hkv + kvh)
+                        else:
+                            _load_k_cols(k_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                                         start + n0, col, kvh, kvh, hkv + kvh)
+                    else:
+                        _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready,
+                                   st, row, kvh)
                     mbarrier.wait(rel.index((g + 1) % STAGES), (((g + 1) // STAGES) + 1) & 1,
                                   pred=g + 1 >= STAGES)
-                    _load_v_at(v_desc, v_smem, v_ready, st, row, kvh)
+                    if KVBLOCK:
+                        if n0 >= d0:
+                            _load_v_at(vd_desc, v_smem, v_ready, st, col, kvh)
+                        else:
+                            _load_v_at(v_desc, v_smem, v_ready, st, col, kvh)
+                    else:
+                        _load_v_at(v_desc, v_smem, v_ready, st, row, kvh)
                     row += BN
                     g += 1
                 it += 1
@@ -369,10 +415,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
-                       v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
+                       v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE, RMAX,
                        stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
-                       QBUF: gl.constexpr):
+                       QBUF: gl.constexpr, KVBLOCK: gl.constexpr, ROW_MAX: gl.constexpr):
         """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
         Q buffer (every QK^T of the item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
@@ -393,7 +439,10 @@ if HAVE_GLUON:
             doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
             if c_doc >= 0:
                 q_lo = c_blk * BM
-                shift = c_start % 16
+                if KVBLOCK:
+                    shift = 0                        # tiles at document-local multiples of BN
+                else:
+                    shift = c_start % 16
                 full_end, n_tiles = _kv_tiles(q_lo, c_L, shift, BM, BN, CAUSAL)
                 m_i = gl.full_like(c_row_f, float("-inf"))
                 l_i = gl.zeros_like(c_row_f)
@@ -410,20 +459,25 @@ if HAVE_GLUON:
                 tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
                                                             blk * BM, L, head, kvh, BM,
                                                             s_layout)
-                _store_out(acc, m_i, l_i, c_lr, O, LSE, stride_ot, stride_oh, T, c_tok0, q_lo,
-                           c_rows, c_row_ok, c_L, c_head)
+                _store_out(acc, m_i, l_i, c_lr, O, LSE, RMAX, stride_ot, stride_oh, T, c_tok0,
+                           q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
                 it += 1
             else:
                 tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
                                                             blk * BM, L, head, kvh, BM, s_layout)
 
     @gluon.jit
-    def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, VCAP, O,
-                                          LSE, ITEMS, CU, stride_ot, stride_oh, T, N_ITEMS, HQ,
-                                          GROUP, qk_scale, D: gl.constexpr, BM: gl.constexpr,
-                                          BN: gl.constexpr, STAGES: gl.constexpr,
-                                          CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                          QBUF: gl.constexpr, num_warps: gl.constexpr):
+    def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc,
+                                          vd_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS, CU,
+                                          stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
+                                          D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                                          STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                          PRODUCER_REGS: gl.constexpr, QBUF: gl.constexpr,
+                                          KVBLOCK: gl.constexpr, ROW_MAX: gl.constexpr,
+                                          num_warps: gl.constexpr):
+        """KVBLOCK: the token-block scaling (kd_desc, vd_desc: the token copies; sk_desc =
+        sv_desc: scale_cols; PCU: the padded columns' document starts; _pers_producer).
+        ROW_MAX: the row max m into RMAX too."""
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
@@ -443,11 +497,12 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                               v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
-                              stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, QBUF)),
-            (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem,
-                              sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel, ITEMS,
-                              N_ITEMS, HQ, GROUP, W, BM, BN, CAUSAL, QBUF)),
+                              RMAX, stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
+                              num_warps, QBUF, KVBLOCK, ROW_MAX)),
+            (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc,
+                              q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
+                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
+                              CAUSAL, QBUF, KVBLOCK)),
         ], [1], [PRODUCER_REGS])
         for i in gl.static_range(QBUF):
             mbarrier.invalidate(q_ready.index(i))
@@ -479,7 +534,9 @@ def _scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
-    """Host TMA descriptors (plain Python objects; the launcher encodes them at launch)."""
+    """Host TMA descriptors (plain Python objects; the launcher encodes them at launch): q, k,
+    V^T, sk, sv, and the token copies' k and V^T (token-block scaling, causal; k's and V^T's
+    otherwise, unused). Token-block scaling: sk and sv are both scale_cols (n * Hkv, Tp)."""
     T, Hq, Hkv, D = qkv.shape
     q8, k8, vt = qkv.q8, qkv.k8, qkv.vt8
     # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix; vt8 (Hkv, D, Tp) is (Hkv*D, Tp).
@@ -489,20 +546,36 @@ def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
                                _layout([D, BN]))
     # Scales as (Hkv, T) with box (1, BN): tile j's box starts at the same 16-aligned token as
     # K's; the true T bounds it (zeros past the end), the stride may be padded.
+    if qkv.kvblock:
+        # scale_cols (n, Hkv, Tp) as an (n * Hkv, Tp) matrix: box (1, BN) at 16-aligned columns
+        sc = qkv.scale_cols
+        n, _, tp = sc.shape
+        scd = GluonTensorDescriptor(sc, [n * Hkv, tp], [tp, 1], [1, BN],
+                                    _layout([1, BN], gl.float32))
+        kdd, vdd = kd, vd
+        if qkv.k8_diag is not None:
+            k8d, vt8d = qkv.k8_diag, qkv.vt8_diag
+            kdd = GluonTensorDescriptor(k8d, [T, Hkv * D], [k8d.stride(0), 1], [BN, D],
+                                        _layout([BN, D]))
+            vdd = GluonTensorDescriptor(vt8d, [Hkv * D, vt8d.shape[2]], [vt8d.stride(1), 1],
+                                        [D, BN], _layout([D, BN]))
+        return qd, kd, vd, scd, scd, kdd, vdd
     sc = []
     for x in (qkv.sk, qkv.sv):
         xs, stride = _scale_rows(x)
         sc.append(GluonTensorDescriptor(xs, [Hkv, T], [stride, 1], [1, BN],
                                         _layout([1, BN], gl.float32)))
-    return qd, kd, vd, sc[0], sc[1]
+    return qd, kd, vd, sc[0], sc[1], kd, vd
 
 
 def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
                             causal: bool, softmax_scale: float | None, out_dtype, *,
                             config: PersistentFwdConfig | None = None,
-                            schedule: Schedule | None = None, poison: bool = False):
-    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32: forward.attention_forward for the fp8
-    recipes (fp8, fp8_mixed: the same forward) on an sm_90 GPU, reading V^T in token order
+                            schedule: Schedule | None = None, poison: bool = False,
+                            return_row_max: bool = False):
+    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (and row_max with return_row_max):
+    forward.attention_forward for the fp8 recipes (fp8, fp8_mixed: the same forward; fp8_block,
+    fp8_block_mixed: the token-block scaling) on an sm_90 GPU, reading V^T in token order
     (quantize_qkv(vt_mma_order=False)). Raises NotImplementedError for bf16 or without Gluon."""
     if not HAVE_GLUON:
         raise NotImplementedError("triton.experimental.gluon is not available")
@@ -528,15 +601,21 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
         (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
     out = alloc((T, Hq, D), out_dtype)
     lse = alloc((Hq, T), torch.float32)
+    row_max = alloc((Hq, T), torch.float32) if return_row_max else None
+    result = (out, lse, row_max) if return_row_max else (out, lse)
     if T == 0:
-        return out, lse
+        return result
     BM, BN = cfg.block_m, cfg.block_n
+    if qkv.kvblock:
+        check_kvblock_tiles(qkv, causal, BM, BN)
     schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
     n_items = schedule.items.shape[1]
     grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, dev)
     _attn_fwd_gluon_persistent_kernel[grid](
-        *_descriptors(qkv, BM, BN), qkv.sq, qkv.vcap, out, lse, schedule.items, cu_seqlens,
-        out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E,
-        D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
-        PRODUCER_REGS=cfg.producer_regs, QBUF=cfg.q_buffers, num_warps=4, maxnreg=cfg.maxnreg)
-    return out, lse
+        *_descriptors(qkv, BM, BN), qkv.sq, qkv.vcap, out, lse,
+        row_max if return_row_max else lse, qkv.kv_pcu if qkv.kvblock else schedule.items,
+        schedule.items, cu_seqlens, out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv,
+        scale * LOG2E, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
+        PRODUCER_REGS=cfg.producer_regs, QBUF=cfg.q_buffers, KVBLOCK=qkv.kvblock,
+        ROW_MAX=bool(return_row_max), num_warps=4, maxnreg=cfg.maxnreg)
+    return result

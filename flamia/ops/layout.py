@@ -62,3 +62,15 @@ class QuantizedQKV:
     @property
     def shape(self):
         return self.q8.shape[0], self.q8.shape[1], self.k8.shape[1], self.q8.shape[2]
+
+
+def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: int) -> None:
+    """The token-block forward's rules (both kernels): tiles inside the 128-token K/V blocks and
+    16-aligned in vt8's padded columns, and the operands quantize_qkv makes for it."""
+    if KV_BLOCK % block_m or KV_BLOCK % block_n or block_n % 16:
+        raise ValueError(f"token-block scaling needs block_m and block_n dividing {KV_BLOCK} "
+                         f"and block_n a multiple of 16, got {block_m} x {block_n}")
+    if qkv.kv_pcu is None or qkv.vt8 is None or (causal and (
+            qkv.k8_diag is None or qkv.vt8_diag is None or qkv.sk_diag is None)):
+        raise ValueError(f"recipe {qkv.recipe}: the forward needs quantize_qkv's block and "
+                         f"(causal) token copies; quantize with causal={causal}")

@@ -23,6 +23,7 @@ import functools  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from _sm90 import compile_report  # noqa: E402
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths, make_qkv, rel_err  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
@@ -299,3 +300,50 @@ def test_p2_document_isolation_bitwise(causal):
     assert torch.equal(base[0][other], pert[0][other])
     assert torch.equal(base[1][:, other], pert[1][:, other])
     assert torch.equal(base[2][:, other], pert[2][:, other])
+
+
+# ------------------------------------------------------------------------------------------ sm_90a
+
+_COMPILE_SCRIPT = r"""
+import json, torch
+from benchmarks.tools.compile import compile_only, cu_seqlens, report
+from flamia.inputs import make_qkv
+from flamia.ops.config import PersistentFwdConfig, triton_forward_config
+from flamia.ops.forward import attention_forward
+from flamia.ops.forward_gluon import attention_forward_gluon
+from flamia.ops.quantize import quantize_qkv
+lengths = [1000, 3000, 128, 1]
+cu = cu_seqlens(lengths)
+out = []
+for D, causal in ((128, True), (128, False), (64, True)):
+    q, k, v, _ = make_qkv(lengths, 8, 2, D)
+    with compile_only() as built:   # outputs unwritten: compile only
+        x = quantize_qkv(q, k, v, cu, "fp8_block", causal, vt_mma_order=False)
+        attention_forward_gluon(x, cu, 3000, causal, None, torch.bfloat16,
+                                config=PersistentFwdConfig(), return_row_max=True)
+        xm = quantize_qkv(q, k, v, cu, "fp8_block", causal, vt_mma_order=True)
+        attention_forward(xm, cu, 3000, causal, None, torch.bfloat16,
+                          config=triton_forward_config(D, True, torch.device("cuda")),
+                          return_row_max=True)
+    for name, kern in built:
+        out.append(report(kern) | {"D": D, "causal": causal, "name": name})
+print("REPORT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90a():
+    """The token-block quantize kernels, the Triton forward at the GPU's tiles and the Gluon
+    persistent forward compile for sm_90a: no spills, no serialized wgmma (ptxas C7515); the
+    Gluon kernel keeps its register split and two CTAs per SM."""
+    reports = compile_report(_COMPILE_SCRIPT)
+    names = {u["name"] for u in reports}
+    assert names == {"_quantize_kvblock_kernel", "_kvblock_cols_kernel", "_attn_fwd_kernel",
+                     "_attn_fwd_gluon_persistent_kernel"}, names
+    for u in reports:
+        tag = f"{u['name']} D={u['D']} causal={u['causal']}"
+        assert (u["spill_stores"] or 0) == 0 and u["local"] == 0, tag
+        assert not u["wgmma_serialized"], tag
+        if u["name"] == "_attn_fwd_gluon_persistent_kernel":
+            assert u["regs"] <= 128 and 24 in u["partition_regs"], tag
+            assert max(u["partition_regs"]) >= 232 and 2 * u["shared"] <= 227 * 1024, tag

@@ -1,0 +1,255 @@
+"""The token-block scaling's forward half (fp8_block, fp8_block_mixed) on the H200: quantize_qkv,
+the Triton forward and the persistent Gluon forward (skipped without CUDA).
+
+    python -m pytest -q tests/gpu/test_forward_kvblock_gpu.py
+
+Same checks as tests/test_forward_kvblock.py at larger shapes: quantized operands equal the
+reference's (bitwise up to the rotation's rounding ties), out / lse / row_max match
+reference.forward(recipe="fp8_block") by the FlashAttention rule against float64, every output
+written (NaN poison), P1 / P2 bitwise for both kernels, the Gluon and Triton kernels agree, and
+a small fuzz over random document splits.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from flamia import reference as R  # noqa: E402
+from flamia.inputs import make_qkv, rel_err  # noqa: E402
+from flamia.ops.config import FwdConfig, PersistentFwdConfig, triton_forward_config  # noqa: E402
+from flamia.ops.forward import attention_forward  # noqa: E402
+from flamia.ops.forward_gluon import HAVE_GLUON, attention_forward_gluon  # noqa: E402
+from flamia.ops.kmajor import kmajor_layout, mma_order16_host  # noqa: E402
+from flamia.ops.quantize import quantize_qkv  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV = 8, 2
+DOCS = (1000, 3000, 128, 1)
+ODD = (1000, 0, 3000, 1, 2, 128, 129, 77, 1)     # empty, 1- and 2-token, unaligned starts
+
+
+def _gluon_ok():
+    return HAVE_GLUON and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _run(kernel, q, k, v, cu, causal, recipe="fp8_block", cfg=None):
+    """(out, lse, row_max) of one kernel ("triton" or "gluon"), outputs poisoned first."""
+    L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    D = q.shape[2]
+    if kernel == "gluon":
+        x = quantize_qkv(q, k, v, cu, recipe, causal, poison=True, vt_mma_order=False)
+        return attention_forward_gluon(x, cu, L, causal, None, q.dtype,
+                                       config=cfg or PersistentFwdConfig(), poison=True,
+                                       return_row_max=True)
+    x = quantize_qkv(q, k, v, cu, recipe, causal, poison=True, vt_mma_order=True)
+    return attention_forward(x, cu, L, causal, None, q.dtype,
+                             config=cfg or triton_forward_config(D, True, torch.device(DEV)),
+                             poison=True, return_row_max=True)
+
+
+KERNELS = ["triton", pytest.param("gluon", marks=pytest.mark.skipif(
+    not _gluon_ok(), reason="needs Gluon and sm_90"))]
+
+
+def _row_max_exact(q, k, cu, causal):
+    out = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64, device=q.device)
+    g = q.shape[1] // k.shape[1]
+    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        if b > a:
+            s = torch.einsum("ihd,jhd->hij", q[a:b].double(),
+                             k[a:b].double().repeat_interleave(g, 1))
+            if causal:
+                s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device)
+                                  .triu(1), -float("inf"))
+            out[:, a:b] = s.amax(-1) * q.shape[2] ** -0.5
+    return out
+
+
+def _references(q, k, v, cu, causal):
+    """(emulation out as the user gets it, its lse and row max, and the float64 out, lse and
+    row max of the unquantized inputs)."""
+    out, lse, saved = R.forward(q, k, v, cu, "fp8_block", causal)
+    return ((out.to(q.dtype).double(), lse.float(), saved.row_max.float()),
+            (R.attention_exact(q, k, v, cu, causal), R.lse_exact(q, k, cu, causal),
+             _row_max_exact(q, k, cu, causal)))
+
+
+def _fa_rule(got, emul, exact, name, out_eps=0.0):
+    """|got - exact| <= 2 |emul - exact| + atol elementwise, for all but 1e-5 of the elements,
+    and the max error within twice the emulation's (tests/gpu/test_forward_gpu.py's rule:
+    out_eps for results rounded to bf16, 4 fp32 ulps of |exact| for fp32 ones: the FP8 wgmma
+    sums q8 . k8 with fewer bits than the emulation's fp32)."""
+    err, err_ref = (got.double() - exact).abs(), (emul.double() - exact).abs()
+    assert err.max() <= 2 * err_ref.max() + 1e-5, (name, err.max().item(), err_ref.max().item())
+    atol = (4 * err_ref.pow(2).mean().sqrt().item() + 1e-5 + 1.5 * out_eps * exact.abs()
+            + 4 * 2.0 ** -23 * exact.abs())
+    frac = (err > 2 * err_ref + atol).double().mean().item()
+    assert frac <= 1e-5, (name, frac)
+
+
+def _check(got, refs):
+    (out, lse, rm), ((emul, emul_lse, emul_rm), (exact, exact_lse, exact_rm)) = got, refs
+    assert not out.isnan().any() and not lse.isnan().any() and not rm.isnan().any(), \
+        "unwritten (NaN-poisoned) output"
+    _fa_rule(out, emul, exact, "out", torch.finfo(out.dtype).eps)
+    r, r_ref = rel_err(out, exact), rel_err(emul, exact)
+    assert r <= 1.1 * r_ref + 1e-4, (r, r_ref)
+    _fa_rule(lse, emul_lse, exact_lse, "lse")
+    _fa_rule(rm, emul_rm, exact_rm, "row_max")
+    return r, r_ref
+
+
+# ------------------------------------------------------------------------------------------ quantize
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_quantize_matches_reference(D, causal):
+    q, k, v, cu = make_qkv(ODD, HQ, HKV, D, "outliers", device=DEV, seed=D)
+    T = q.shape[0]
+    x = quantize_qkv(q, k, v, cu, "fp8_block", causal, poison=True, vt_mma_order=True)
+    fp8 = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
+    H = R.hadamard(D, torch.float32, DEV)
+    kc = k.float() @ H
+    kb = R.quantize_token_blocks(kc, "e4m3", cu, R.KV_BLOCK)
+    vb = R.quantize_token_blocks(v.float(), "e4m3", cu, R.KV_BLOCK)
+    assert torch.equal(x.q8.view(torch.uint8), fp8.q8.view(torch.uint8)) and torch.equal(x.sq, fp8.sq)
+    # K: the rotation's fp32 summation order may move a value on an e4m3 rounding tie
+    assert (x.k8.float() != kb.values).sum().item() <= x.k8.numel() // 10000
+    assert (x.sk.t() != kb.scale[..., 0]).sum().item() <= x.sk.numel() // 10000
+    assert torch.equal(x.v8.float(), vb.values) and torch.equal(x.sv.t(), vb.scale[..., 0])
+    if causal:   # the per-token copies: the fp8 recipe's bytes and scales
+        for a, b in ((x.k8_diag, fp8.k8), (x.v8_diag, fp8.v8)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(x.sk_diag, fp8.sk) and torch.equal(x.sv_diag, fp8.sv)
+        svt, skt = x.sv_diag.t(), x.sk_diag.t()
+        kcap = R._per_document(cu, lambda d: R._visible_max(torch.zeros_like(d), d, True), skt)
+        assert torch.equal(x.kcap.t(), kcap)
+        vnt = (x.v8_diag.float() * x.sv_diag.t()[..., None]).norm(dim=-1)
+    else:
+        assert x.k8_diag is None and x.kcap is None
+        svt = x.sv.t()
+    vmax = lambda o, d: R._per_document(cu, lambda a, b: R._visible_max(a, b, causal), o, d)  # noqa: E731
+    assert torch.equal(x.vcap.t(), vmax(x.sv.t(), svt))
+    vnb = (x.v8.float() * x.sv.t()[..., None]).norm(dim=-1)
+    torch.testing.assert_close(x.vnorm.t(), vmax(vnb, vnt if causal else vnb), rtol=2e-6, atol=0)
+    pcu, tok_of_col, Tp = kmajor_layout(cu, T)
+    assert torch.equal(x.kv_pcu, pcu)
+    tok = tok_of_col[mma_order16_host(torch.arange(Tp, device=DEV))].long()
+    ok = tok >= 0
+    for vt8, v8 in [(x.vt8, x.v8)] + ([(x.vt8_diag, x.v8_diag)] if causal else []):
+        b = vt8.view(torch.uint8)
+        assert torch.equal(b[:, :, ok], v8.view(torch.uint8)[tok[ok]].permute(1, 2, 0))
+        assert (b[:, :, ~ok] == 0).all()
+    plain = tok_of_col.long()
+    for i, s in enumerate([x.sk, x.sv] + ([x.sk_diag, x.sv_diag] if causal else [])):
+        assert torch.equal(x.scale_cols[i][:, plain >= 0], s[:, plain[plain >= 0]])
+        assert (x.scale_cols[i][:, plain < 0] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("family", ["mild", "outliers"])
+def test_forward_matches_reference(kernel, D, causal, family):
+    q, k, v, cu = make_qkv(DOCS, HQ, HKV, D, family, device=DEV, seed=1)
+    refs = _references(q, k, v, cu, causal)
+    r, r_ref = _check(_run(kernel, q, k, v, cu, causal), refs)
+    print(f"{kernel} D={D} causal={causal} {family}: rel err {r:.4e} (reference {r_ref:.4e})")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_forward_odd_documents_and_tiles(kernel):
+    """Empty, 1- and 2-token documents at unaligned starts; for the Triton kernel also other
+    tiles (128 x 64, 32 x 32 by pointer loads); fp8_block_mixed's forward is fp8_block's."""
+    q, k, v, cu = make_qkv(ODD, HQ, HKV, 128, "outliers", device=DEV, seed=2)
+    refs = _references(q, k, v, cu, True)
+    got = _run(kernel, q, k, v, cu, True)
+    _check(got, refs)
+    mixed = _run(kernel, q, k, v, cu, True, recipe="fp8_block_mixed")
+    assert all(torch.equal(a, b) for a, b in zip(got, mixed))
+    if kernel == "triton":
+        for cfg in (FwdConfig(128, 64, 8, 2), FwdConfig(32, 32, 4, 2, use_tma=False)):
+            _check(_run(kernel, q, k, v, cu, True, cfg=cfg), refs)
+
+
+@pytest.mark.skipif(not _gluon_ok(), reason="needs Gluon and sm_90")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_agrees_with_triton(causal):
+    """The two kernels on the same quantized values (V^T in each one's column order): LSE and
+    the row max within fp32 rounding of the same scores, O within bf16 rounding noise."""
+    q, k, v, cu = make_qkv(ODD, HQ, HKV, 128, "mild", device=DEV, seed=3)
+    g = _run("gluon", q, k, v, cu, causal)
+    t = _run("triton", q, k, v, cu, causal)
+    assert rel_err(g[0], t[0]) <= 5e-3
+    assert (g[1] - t[1]).abs().max().item() <= 1e-3 and (g[2] - t[2]).abs().max().item() <= 1e-3
+
+
+def test_fuzz_document_splits():
+    """Random splits of ~2500 tokens (empty, 1-token and block-sized documents likely), random
+    causal / kernel / D: the FlashAttention rule against the reference every time."""
+    rng = random.Random(0)
+    for case in range(8):
+        lengths = []
+        while sum(lengths) < 2500:
+            lengths.append(rng.choice([0, 1, 2, 127, 128, 129, rng.randrange(1, 700)]))
+        causal = rng.random() < 0.7
+        D = rng.choice([64, 128])
+        kernel = "gluon" if (_gluon_ok() and rng.random() < 0.5) else "triton"
+        q, k, v, cu = make_qkv(lengths, 4, rng.choice([1, 2, 4]), D, rng.choice(["mild", "outliers"]),
+                               device=DEV, seed=100 + case)
+        _check(_run(kernel, q, k, v, cu, causal), _references(q, k, v, cu, causal))
+
+
+# ------------------------------------------------------------------------------------------ P1 / P2
+
+def _fresh(x, seed):
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    return (torch.randn(x.shape, generator=g, device=x.device) * 16).to(x.dtype)
+
+
+def _perturbed(xs, where, seed):
+    return [torch.where(where[:, None, None], _fresh(x, seed + i), x) for i, x in enumerate(xs)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_p1_prefix_invariance_bitwise(kernel):
+    """q, k, v perturbed after t: out, lse and row_max at <= t bitwise unchanged, for t inside a
+    block, at a block's last and next-first token, in a 2-token and in a 129-token document."""
+    q, k, v, cu = make_qkv(ODD, HQ, HKV, 128, "outliers", device=DEV, seed=4)
+    c = cu.tolist()
+    base = _run(kernel, q, k, v, cu, True)
+    pos = torch.arange(q.shape[0], device=DEV)
+    for n, t in enumerate((c[0] + 500, c[2] + 1023, c[2] + 1024, c[4], c[6] + 128, c[7] + 40)):
+        pert = _run(kernel, *_perturbed((q, k, v), pos > t, 10 * n), cu, True)
+        assert torch.equal(base[0][:t + 1], pert[0][:t + 1]), (kernel, t)
+        for a, b in zip(base[1:], pert[1:]):
+            assert torch.equal(a[:, :t + 1], b[:, :t + 1]), (kernel, t)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_p2_document_isolation_bitwise(kernel, causal):
+    q, k, v, cu = make_qkv(ODD, HQ, HKV, 128, "outliers", device=DEV, seed=5)
+    c = cu.tolist()
+    base = _run(kernel, q, k, v, cu, causal)
+    for doc in (2, 3, 6):
+        inside = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
+        inside[c[doc]:c[doc + 1]] = True
+        pert = _run(kernel, *_perturbed((q, k, v), inside, 50 + doc), cu, causal)
+        other = ~inside
+        assert torch.equal(base[0][other], pert[0][other]), (kernel, doc)
+        for a, b in zip(base[1:], pert[1:]):
+            assert torch.equal(a[:, other], b[:, other]), (kernel, doc)
+
+
+def test_empty_input():
+    q, k, v, cu = make_qkv((0,), HQ, HKV, 128, device=DEV)
+    out, lse, rm = _run("triton", q, k, v, cu, True)
+    assert out.shape == (0, HQ, 128) and lse.shape == (HQ, 0) and rm.shape == (HQ, 0)

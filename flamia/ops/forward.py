@@ -17,6 +17,16 @@ matches the reference emulation by the FlashAttention rule, not bitwise. lr_i is
 l' cannot overflow; that only matters for V whose amax is below ~1e-26 (cap < 2^-92).
 
 bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16.
+
+Token-block scaling (fp8_block, fp8_block_mixed; reference._forward_kvblock): the same
+arithmetic, with cap_i = vcap (the visible max of the pairs' V scales) and a key-tile grid at
+document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the 128-token K/V block): the
+tiles of the query block's own 128-block (causal) read the per-token copies k8_diag / vt8_diag
+with their per-token scales, every other tile the block copies k8 / vt8 (one K and one V scale
+per tile, still folded per element here). vt8 is then in kmajor's padded column layout
+(document d from column kv_pcu[d], a multiple of 16), so every tile's V^T box starts at a
+16-aligned column; K tiles are read at any token row. return_row_max also stores the row max
+m (natural log), which the backward's bound needs (Saved.row_max).
 """
 from __future__ import annotations
 
@@ -245,7 +255,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
             hi = L
         head_hi = tl.where(shift > 0, tl.minimum(BLOCK_N - shift, hi), -shift)
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
-                                    -shift, head_hi, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
+                                    -shift, head_hi, K, Vh, SKh, SVh, stride_kt, stride_vn,
+                                    stride_vd,
                                     D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
                                     MASKED_STAGES, V_MMA_ORDER, True)
         n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)

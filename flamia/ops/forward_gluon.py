@@ -29,6 +29,13 @@ and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES
 buffered (item i's Q goes to buffer i % 2 after the consumer's q_free of item i - 2), so the
 next item's Q loads while this one computes.
 
+Token-block scaling (fp8_block, fp8_block_mixed): the Triton kernel's tile grid for it (tiles at
+document-local multiples of BN, no shift; forward.py's docstring): the producer loads tile t of
+an item from the per-token copies (k8_diag, vt8_diag, scale_cols rows 2-3) when it lies in the
+query block's own 128-block (causal), else from the block copies (k8, vt8, scale_cols rows
+0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN; the consumer is unchanged
+but for shift = 0. return_row_max stores the row max too.
+
 bf16 recipe: not implemented here (the Triton kernel runs it).
 """
 from __future__ import annotations

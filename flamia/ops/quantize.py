@@ -199,8 +199,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     None: the order of the forward kernel this device runs (config.vt_mma_order). bf16: the
     inputs themselves (bf16; fp16 inputs are rounded to bf16 as the reference does), no
     scales. block_t / sub / num_warps: launch tiling (tokens per block, blocks per program; the
-    values do not depend on them; block_t divides 128 for the token-block recipes). poison=True fills outputs
-    with NaN first (tests: every element written).
+    values do not depend on them; block_t divides 128 for the token-block recipes).
+    poison=True fills outputs with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
     T, Hq, D = q.shape
@@ -391,7 +391,8 @@ def _visible_max_doc(OFF, DIAG, OUT, start, end, CAUSAL: tl.constexpr, HAS_OFF: 
     else:
         for t0 in range(start, end, KVB):
             offs = t0 + tl.arange(0, KVB)
-            carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=offs < end, other=0.0), axis=0))
+            x = tl.load(OFF + offs, mask=offs < end, other=0.0)
+            carry = tl.maximum(carry, tl.max(x, axis=0))
         for t0 in range(start, end, KVB):
             offs = t0 + tl.arange(0, KVB)
             tl.store(OUT + offs, tl.zeros([KVB], tl.float32) + carry, mask=offs < end)

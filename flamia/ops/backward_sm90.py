@@ -863,15 +863,19 @@ if HAVE_GLUON:
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
+                # dS for dQ, stored transposed (keys contiguous) as bytes: a transposed store of
+                # the fp8 tensor itself came out with wrong bytes in odd query rows on the H200
+                ds_bytes = ds_smem._reinterpret(gl.uint8, [BM, BN], ds_smem.type.layout)
                 if CAUSAL:
                     if diag:
                         kc = gl.expand_dims(_column_vector(vec_smem, s * NV + 4, col_l), 0)
                         rk = gl.where(kc > 0.0, 1.0 / kc, 0.0)
-                        ds_smem.permute((1, 0)).store((yt * skt * rk).to(f8))
+                        y2 = (yt * skt * rk).to(f8)
+                        ds_bytes.permute((1, 0)).store(y2.to(gl.uint8, bitcast=True))
                     else:
-                        ds_smem.permute((1, 0)).store(y8)
+                        ds_bytes.permute((1, 0)).store(y8.to(gl.uint8, bitcast=True))
                 else:
-                    ds_smem.permute((1, 0)).store(y8)
+                    ds_bytes.permute((1, 0)).store(y8.to(gl.uint8, bitcast=True))
                 fence_async_shared()
                 gl.thread_barrier()
                 ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)

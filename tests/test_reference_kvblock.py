@@ -120,7 +120,8 @@ def test_p1_forward_bitwise(odd_case, recipe):
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
 def test_p1_backward_after_t_zero_and_prefix(odd_case, recipe):
     """dO zero after t: gradients after t exactly zero; the prefix change is below the recipe's
-    own error vs float64 (the relaxed rule) and in fact zero (this spec keeps it bitwise)."""
+    own error vs float64 (the relaxed rule), and zero for dK and dV (only dQ reads a scale that
+    spans t: K's block copy)."""
     q, k, v, cu, do = odd_case
     c = _doc_starts(ODD)
     for n, t in enumerate((c[0] + 200, c[9] + 130)):
@@ -134,7 +135,8 @@ def test_p1_backward_after_t_zero_and_prefix(odd_case, recipe):
             assert torch.all(a[t + 1:] == 0) and torch.all(b[t + 1:] == 0), f"{name} after {t}"
             change, own = rel_err(b[:t + 1], a[:t + 1]), rel_err(a[:t + 1], r[:t + 1])
             assert change < own, f"{recipe} {name}: prefix change {change:.2e} vs own error {own:.2e}"
-            assert torch.equal(a[:t + 1], b[:t + 1]), f"{recipe} {name}: prefix not bitwise"
+            if name != "dq":
+                assert torch.equal(a[:t + 1], b[:t + 1]), f"{recipe} {name}: prefix not bitwise"
 
 
 @pytest.mark.parametrize("recipe", BLOCK_RECIPES)
@@ -163,9 +165,12 @@ def test_audit_on_odd_documents(recipe):
     report = audit(audit.recipe_fn(recipe), doc_lengths=ODD, heads_q=hq, heads_kv=hkv, head_dim=d)
     assert report.passed, str(report)
     p1b = report["P1 backward"]
-    assert p1b.rule == "relaxed" and p1b.n_changed == 0
+    assert p1b.rule == "relaxed"
     assert set(p1b.rel_change) == {"dq", "dk", "dv"}
-    assert all(p1b.rel_change[n] == 0 and p1b.own_error[n] > 0 for n in p1b.rel_change)
+    assert all(p1b.own_error[n] > 0 for n in p1b.rel_change)
+    # only dQ reads a scale spanning t (K's block copy); dK and dV stay bitwise
+    assert p1b.rel_change["dk"] == 0 and p1b.rel_change["dv"] == 0
+    assert p1b.rel_change["dq"] < p1b.own_error["dq"]
     assert "relaxed rule" in str(report)
 
 

@@ -485,8 +485,9 @@ if HAVE_GLUON:
 # dO quantized per 64-row block (do8, token layout) and K-major copies in the 128-aligned padded
 # layout (columns = padded rows, zeros between documents): dO^T and Q^T (Hq, D, QR) for
 # dV += P^T dO and dK += dS^T Q, their columns in wgmma order within 16 (flamia.ops.kmajor: the
-# accumulators of X^T and Y^T are then the A operands as they are, in-thread byte moves only), K^T and K_diag^T (Hkv, D, QR) for dQ = dS K (Hopper's FP8
-# wgmma reads both operands K-major).
+# accumulators of X^T and Y^T are then the A operands as they are, in-thread byte moves only),
+# and K^T of the block copy (Hkv, D, QR) for dQ = dS K (Hopper's FP8 wgmma reads both operands
+# K-major).
 #
 # Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row
 # vectors A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row),
@@ -495,16 +496,15 @@ if HAVE_GLUON:
 #     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
-# Diagonal steps (the query block inside the key block) use the token copies: skt_j, svt_j
-# multiply S^T and dP^T per key row, and dQ takes the second copy Y2 = Y skt_j / kcap_i against
-# K_diag, in units c_ds kcap_i. They run first (every head of the group), so one K^T buffer
-# holds K_diag^T for them and is then reloaded with the block copy's K^T. Epilogue:
+# Diagonal steps (the query block inside the key block; they run first, every head of the group)
+# recompute S^T and dP^T from the token copies, as the forward did: skt_j, svt_j multiply them
+# per key row. dQ reads the block copy on every step (reference.py). Epilogue:
 # dV = c_pt acc, dK = scale c_ds acc (fp32, rotated); the post pass divides dQ by sqf, multiplies
 # by the softmax scale and rotates dQ and dK back.
 
 FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
 DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
-N_VEC = 5               # per-row vectors A, B, Hv, E, kcap
+N_VEC = 4               # per-row vectors A, B, Hv, E
 N_VEC_C = tl.constexpr(N_VEC)
 
 
@@ -529,12 +529,11 @@ def _log2_exact(s):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, KCAP, PTOK, DO8, VEC, BPT, BDS, T, QR,
-                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr,
-                        CAUSAL: tl.constexpr):
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, T, QR, GROUP,
+                        qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
-    block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E, kcap
-    and the block's maxima of the per-row bounds (reference.backward_scales):
+    block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
+    the block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse)."""
     h = tl.program_id(1)
     blk = tl.program_id(0)
@@ -570,9 +569,6 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, KCAP, PTOK, DO8, VEC, BPT, 
              tl.where(live, lse * 1.4426950408889634 - _log2_exact(sdo), float("inf")))
     tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
     tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
-    if CAUSAL:   # kcap of the row's token (the diagonal steps' second dS copy)
-        kc = tl.load(KCAP + (h // GROUP).to(tl.int64) * T + t, mask=ok, other=0.0)
-        tl.store(VEC + 4 * HQ * QR + vrow, kc)
     nb = QR // BT
     tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
     tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
@@ -685,8 +681,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
-                    kt_desc, ktd_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
-                    v_smem, kt_smem, vec_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready,
+                    kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+                    v_smem, kt_smem, vec_smem, kv_ready, kt_ready, q_ready, do_ready,
                     q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -697,7 +693,6 @@ if HAVE_GLUON:
         if doc >= 0:
             k0 = blk * BN
             n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
-            switch = (n_diag > 0) & (n_off > 0)      # K^T reloaded after the diagonal steps
             KV_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
             if CAUSAL:
                 mbarrier.expect(kv_ready, 2 * KV_BYTES)
@@ -710,10 +705,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready, k_smem.index(0))
             tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem.index(0))
             mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
-            if n_diag > 0:      # (only when causal)
-                tma.async_copy_global_to_shared(ktd_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
-            else:
-                tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
+            tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
             for i in range(GROUP * (n_diag + n_off)):
                 h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
                 s = i % STAGES
@@ -729,20 +721,13 @@ if HAVE_GLUON:
                                                 vec_smem.index(s * NV + 1))
                 db = do_ready.index(s)
                 mbarrier.expect(db, do_desc.block_type.nbytes + dot_desc.block_type.nbytes
-                                + 3 * vec_desc.block_type.nbytes)
+                                + 2 * vec_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
                 tma.async_copy_global_to_shared(dot_desc, [h * D, pq + q0], db, dot_smem.index(s))
                 tma.async_copy_global_to_shared(vec_desc, [2 * HQ + h, pq + q0], db,
                                                 vec_smem.index(s * NV + 2))
                 tma.async_copy_global_to_shared(vec_desc, [3 * HQ + h, pq + q0], db,
                                                 vec_smem.index(s * NV + 3))
-                tma.async_copy_global_to_shared(vec_desc, [4 * HQ + h, pq + q0], db,
-                                                vec_smem.index(s * NV + 4))
-                if switch & (i == GROUP * n_diag):
-                    # the diagonal steps' dQ GEMMs are done with K_diag^T: the block copy's K^T
-                    mbarrier.wait(kt_free, 0)
-                    mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
 
     @gluon.jit
     def _fp8_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS,
@@ -773,7 +758,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                     ds_smem, dq_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready, q_free,
+                     ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
                      DK32, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
                      num_warps: gl.constexpr):
@@ -792,14 +777,12 @@ if HAVE_GLUON:
         a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 4)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        dqrow_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
 
         item = gl.program_id(0)
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
             n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
-            switch = (n_diag > 0) & (n_off > 0)      # (n_diag == 0 when not causal)
             # CTA scalars
             c_pt = gl.load(CPT + item)
             c_ds = gl.load(CDS + item)
@@ -863,38 +846,17 @@ if HAVE_GLUON:
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
-                # dS for dQ, stored transposed (keys contiguous) as bytes: a transposed store of
-                # the fp8 tensor itself came out with wrong bytes in odd query rows on the H200
-                ds_bytes = ds_smem._reinterpret(gl.uint8, [BM, BN], ds_smem.type.layout)
-                if CAUSAL:
-                    if diag:
-                        kc = gl.expand_dims(_column_vector(vec_smem, s * NV + 4, col_l), 0)
-                        rk = gl.where(kc > 0.0, 1.0 / kc, 0.0)
-                        y2 = (yt * skt * rk).to(f8)
-                        ds_bytes.permute((1, 0)).store(y2.to(gl.uint8, bitcast=True))
-                    else:
-                        ds_bytes.permute((1, 0)).store(y8.to(gl.uint8, bitcast=True))
-                else:
-                    ds_bytes.permute((1, 0)).store(y8.to(gl.uint8, bitcast=True))
+                ds_smem.permute((1, 0)).store(y8)        # dS for dQ: keys contiguous
                 fence_async_shared()
                 gl.thread_barrier()
                 ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
-                mbarrier.wait(kt_ready, (switch & (i >= GROUP * n_diag)).to(gl.int32))
+                mbarrier.wait(kt_ready, 0)
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
                 dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-                if switch & (i == GROUP * n_diag - 1):
-                    mbarrier.arrive(kt_free, count=1)
-                if CAUSAL:
-                    if diag:
-                        kq = _column_vector(vec_smem, s * NV + 4, dqrow_l)
-                        dq = dq * gl.expand_dims(c_ds * kq, 1)
-                    else:
-                        dq = dq * u_off
-                else:
-                    dq = dq * u_off
+                dq = dq * u_off
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
@@ -912,7 +874,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
-                                  vd_desc, kt_desc, ktd_desc, vec_desc, dq_desc, DK32, DV, SEM,
+                                  vd_desc, kt_desc, vec_desc, dq_desc, DK32, DV, SEM,
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
                                   T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
@@ -934,7 +896,6 @@ if HAVE_GLUON:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kt_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kt_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -942,7 +903,6 @@ if HAVE_GLUON:
         dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(kt_ready, count=1)
-        mbarrier.init(kt_free, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
@@ -952,19 +912,18 @@ if HAVE_GLUON:
             mbarrier.init(dq_free.index(i), count=1)
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                            ds_smem, dq_smem, kv_ready, kt_ready, kt_free, q_ready, do_ready,
+                            ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                             q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
                             SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
-                           kt_desc, ktd_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
-                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready, kt_free,
+                           kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
                            q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
             (_fp8_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                               QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
         mbarrier.invalidate(kt_ready)
-        mbarrier.invalidate(kt_free)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_ready.index(i))
             mbarrier.invalidate(do_ready.index(i))
@@ -1053,7 +1012,7 @@ class Fp8Prep:
     kb: KeyBlocks
     ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
     do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
-    vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E, kcap per padded row
+    vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E per padded row
     bpt: torch.Tensor       # (Hq, QR / 64) block maxima of the row bounds
     bds: torch.Tensor
     cpt: torch.Tensor       # (n_items,) the CTA scales c_pt, c_ds per work-list column
@@ -1061,7 +1020,6 @@ class Fp8Prep:
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
-    ktd8: torch.Tensor      # (Hkv, D, QR) K-major K, diagonal copy (kt8 when not causal)
     BM: int
 
 
@@ -1085,25 +1043,18 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     nb = QR // DO_BLOCK
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
-    kcap = qkv.kcap if causal else vec
     _bwd_preprocess_fp8[(nb, Hq)](
-        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, kcap, ptok, do8, vec,
-        bpt, bds, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, CAUSAL=bool(causal),
-        num_warps=4)
+        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
+        bds, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, num_warps=4)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
     kmajor_copies([(do8, dot8, True), (qkv.q8, qt8, True), (qkv.k8, kt8, False)], ptok)
-    if causal:
-        ktd8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
-        kmajor_copies([(qkv.k8_diag, ktd8, False)], ptok)
-    else:
-        ktd8 = kt8
     cpt = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, ktd8, BM)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, BM)
 
 
 def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
@@ -1130,7 +1081,6 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
         descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
-        descriptor_2d(prep.ktd8, Hkv * D, QR, QR, [D, BN]),
         descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
         descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
@@ -1152,7 +1102,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
 
     Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
-    launch for dO^T, Q^T and K^T (and one for K_diag^T when causal), the CTA scales, the kernel,
+    launch for dO^T, Q^T and K^T, the CTA scales, the kernel,
     the post pass (dQ and dK out of their units and rotated back).
     """
     T, Hq, D = qkv.q8.shape

@@ -71,11 +71,15 @@ def _truth(q, k, v, do, cu, causal):
     return q64.grad, k64.grad, v64.grad
 
 
-def _fa_rule(name, g, emu, ref, frac=2e-3):
+def _fa_rule(name, g, emu, ref, scale_ref, frac=2e-3):
+    """|g - ref| <= 2 |emu - ref| + atol (max over the tensor), atol relative to the case's
+    gradient scale max|dV| (scale_ref): dQ and dK of a one-token document are exactly zero in
+    float64 but a cancellation dP - delta in FP8, whose rounding the kernel and the emulation
+    need not share (the emulation's summation order happens to cancel exactly)."""
     emu = emu.to(g.dtype)
     err = (g.double() - ref).abs().max().item() if g.numel() else 0.0
     err_emu = (emu.double() - ref).abs().max().item() if g.numel() else 0.0
-    atol = frac * (ref.abs().max().item() if ref.numel() else 0.0) + 1e-6
+    atol = frac * (scale_ref.abs().max().item() if scale_ref.numel() else 0.0) + 1e-6
     assert err <= 2 * err_emu + atol, f"{name}: max err {err:.3e} vs emulation {err_emu:.3e}"
     return err, err_emu
 
@@ -103,7 +107,8 @@ def _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=True, truth=True)
     for name, x, e, r in zip(("dq", "dk", "dv"), got, emu, ref):
         assert torch.isfinite(x).all(), f"{name}: unwritten or non-finite"
         if truth:
-            errs.append(_fa_rule(f"{lengths} {Hq}/{Hkv} D={D} causal={causal} {name}", x, e, r))
+            errs.append(_fa_rule(f"{lengths} {Hq}/{Hkv} D={D} causal={causal} {name}", x, e, r,
+                                 ref[2]))
     return (q, k, v, do, out, lse, saved, cu), got, errs
 
 

@@ -20,7 +20,7 @@ from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.quant import pow2_scale  # noqa: E402
-from tests.gpu.test_backward_sm90_fp8_gpu import qkv_from_saved  # noqa: E402
+from tests._kvblock import qkv_from_saved  # noqa: E402
 
 
 f8 = torch.float8_e4m3fn

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -23,6 +21,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops.backward_sm90 import attention_backward_sm90_fp8  # noqa: E402
+from tests._kvblock import qkv_from_saved  # noqa: E402
 
 DEV = "cuda"
 RECIPE = "fp8_block"
@@ -33,27 +32,6 @@ FUZZ_SEED = int(os.environ.get("FLAMIA_FUZZ_SEED", "20261203"))
 def _poison():
     x = torch.full((64 << 20,), float("nan"), device=DEV)
     del x
-
-
-def qkv_from_saved(saved: R.Saved, cu: torch.Tensor, causal: bool) -> SimpleNamespace:
-    """The kernel's operands (layout.QuantizedQKV's fp8_block fields) from the reference
-    forward's: the same bytes and scales, (H, T) scale vectors, Vn the visible max of the V
-    copies' 2-norms (reference.backward_scales)."""
-    f8 = torch.float8_e4m3fn
-    vals = lambda op: op.values.to(f8).contiguous()                          # noqa: E731
-    tok = lambda op: op.token_scale().transpose(0, 1).float().contiguous()  # noqa: E731
-    vnb = saved.v.dequant().norm(dim=-1)
-    vnt = saved.v_diag.dequant().norm(dim=-1) if causal else vnb
-    vn = R._per_document(cu, lambda o, d: R._visible_max(o, d, causal), vnb, vnt)
-    ns = SimpleNamespace(q8=vals(saved.q), sq=tok(saved.q), k8=vals(saved.k), sk=tok(saved.k),
-                         v8=vals(saved.v), sv=tok(saved.v), vnorm=vn.transpose(0, 1).float().contiguous(),
-                         rotated=saved.rotation is not None, recipe=RECIPE,
-                         k8_diag=None, v8_diag=None, sk_diag=None, sv_diag=None, kcap=None)
-    if causal:
-        ns.k8_diag, ns.sk_diag = vals(saved.k_diag), tok(saved.k_diag)
-        ns.v8_diag, ns.sv_diag = vals(saved.v_diag), tok(saved.v_diag)
-        ns.kcap = saved.k_cap.transpose(0, 1).float().contiguous()
-    return ns
 
 
 def _inputs(lengths, Hq, Hkv, D, seed):

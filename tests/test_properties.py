@@ -108,8 +108,17 @@ def test_p1_p2_direct(problem):
         keep = slice(0, t + 1)
         assert torch.equal(out0[keep], out1[keep]), "P1 forward: out changed"
         assert torch.equal(lse0[:, keep], lse1[:, keep]), "P1 forward: lse changed"
+        relaxed = flamia.get_recipe(recipe).shared_backward_scale
+        if relaxed:   # the relaxed backward rule: dQ's prefix may move, below its own error
+            x64 = [x.double().requires_grad_() for x in (q, k, v)]
+            attention_exact(*x64, cu).backward(do1.double())
+            exact_dq = x64[0].grad
         for name, a, b in zip(("dq", "dk", "dv"), g0, g1):
-            assert torch.equal(a[keep], b[keep]), f"P1 backward: {name} at <= t changed"
+            if relaxed and name == "dq":
+                change, own = rel_err(b[keep], a[keep]), rel_err(a[keep], exact_dq[keep])
+                assert change == 0 or change < own, f"P1 backward (relaxed): dq {change} vs {own}"
+            else:
+                assert torch.equal(a[keep], b[keep]), f"P1 backward: {name} at <= t changed"
             assert torch.all(a[t + 1:] == 0) and torch.all(b[t + 1:] == 0), f"P1 backward: {name} after t"
 
         # P2: perturb one whole document (q, k, v and dO).

@@ -40,8 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from .gluon_common import HAVE_GLUON
+from .numerics import hadamard_signs, log2_pow2, pow2_scale_bits
 from .schedule import per_cu_seqlens
+
+if interpreting():   # the Triton pre- and post-passes on the CPU: the GPU's float casts
+    from . import interpreter
+    interpreter.install()
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -510,22 +516,8 @@ N_VEC_C = tl.constexpr(N_VEC)
 
 @triton.jit
 def _pow2_bound(amax):
-    """(scale, 1 / scale) with scale = 2^ceil(log2(amax / 448)) (quant.pow2_scale: exponent
-    clamped to [-126, 127]); amax == 0 -> (0, 0)."""
-    ratio = tl.math.div_rn(amax, 448.0)
-    bits = ratio.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -126), 127)
-    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    zero = amax == 0.0
-    return tl.where(zero, 0.0, scale), tl.where(zero, 0.0, inv)
-
-
-@triton.jit
-def _log2_exact(s):
-    """log2 of a power of two from its exponent bits (exact)."""
-    return (((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(tl.float32)
+    """numerics.pow2_scale_bits of a finite bound (a NaN one gives a NaN scale)."""
+    return pow2_scale_bits(amax, amax != amax)
 
 
 @triton.jit
@@ -566,7 +558,7 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, T
     HQ = tl.num_programs(1)
     tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
     tl.store(VEC + HQ * QR + vrow,
-             tl.where(live, lse * 1.4426950408889634 - _log2_exact(sdo), float("inf")))
+             tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo), float("inf")))
     tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
     tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
     nb = QR // BT
@@ -991,21 +983,6 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     return dq, dk, dv
 
 
-def _hadamard_signs_bf16(D: int, device) -> torch.Tensor:
-    """The +-1 Sylvester matrix of size D in bf16 (exact), memoized per device."""
-    key = (D, str(device))
-    h = _HADAMARD.get(key)
-    if h is None:
-        h = torch.ones(1, 1)
-        while h.shape[0] < D:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        h = _HADAMARD[key] = h.to(device=device, dtype=torch.bfloat16).contiguous()
-    return h
-
-
-_HADAMARD: dict = {}
-
-
 @dataclass
 class Fp8Prep:
     """The fp8 backward's buffers after its preprocess (fp8_prepare), before the kernel."""
@@ -1120,7 +1097,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
     dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
     grid_t = (triton.cdiv(T, PRE_BT), Hq + Hkv)
-    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq, _hadamard_signs_bf16(D, dev),
+    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq, hadamard_signs(D, torch.bfloat16, dev),
                                  dq, dk, T, Hq, scale, ROTATE=bool(qkv.rotated), D=D, BT=PRE_BT,
                                  num_warps=4)
     return dq, dk, dv

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .numerics import log2_pow2
+
 ALIGN = 16      # tokens; TMA needs 16-byte aligned coordinates along the contiguous axis
 
 
@@ -271,15 +273,6 @@ class _CopiesPlan:
 
 
 @triton.jit
-def _log2_pow2(s):
-    """log2 of a power of two (or 0, NaN) from its exponent bits: exact, like torch.log2 of
-    one; 0 -> -inf, NaN stays NaN (the pow2 scales are normal floats, 0 or NaN)."""
-    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    lg = tl.where(s > 0, e.to(tl.float32), float("-inf"))
-    return tl.where(s == s, lg, s)
-
-
-@triton.jit
 def _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB, h,
                  NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr, INTERLEAVE_A: tl.constexpr,
                  FOLD0_A: tl.constexpr, NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
@@ -316,7 +309,7 @@ def _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, h,
     if FILL0_INF:
         x = tl.where(ok, x, float("inf"))
     if FOLD0:
-        x = x * 1.4426950408889634 - _log2_pow2(tl.load(src3 + src_off, mask=ok,
+        x = x * 1.4426950408889634 - log2_pow2(tl.load(src3 + src_off, mask=ok,
                                                          other=0.0).to(tl.float32))
     tl.store(out, x, mask=c_ok)
     if NV > 1:

@@ -38,8 +38,8 @@ import triton.language as tl
 from . import config, interpreting
 from .kmajor import check_copy, copy_columns, kmajor_layout
 from .layout import KV_BLOCK, KVBLOCK_RECIPES, QuantizedQKV
+from .numerics import hadamard_signs, pow2_scale_bits
 from .schedule import per_cu_seqlens, work_list
-from ..quant import hadamard
 from ..recipes import Recipe, get_recipe
 
 if interpreting():
@@ -48,26 +48,6 @@ if interpreting():
 
 E4M3_MAX = 448.0
 T_ALIGN = 16          # vt8's token stride is a multiple of 16 bytes (TMA descriptor rule)
-
-
-@triton.jit
-def _pow2_scale(amax, bad):
-    """(scale, 1/scale) with scale = 2^ceil(log2(amax / 448)), exponent clamped to [-126, 127].
-
-    Integer arithmetic on the quotient's bits gives the exact ceil(log2) that the reference's
-    torch.log2/ceil computes. amax == 0 -> (0, 0); non-finite rows (bad) -> (NaN, 0).
-    """
-    ratio = tl.math.div_rn(amax, 448.0)
-    bits = ratio.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -126), 127)
-    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)   # exact; e <= 120 for 16-bit inputs
-    zero = amax == 0.0
-    scale = tl.where(zero, 0.0, scale)
-    inv = tl.where(zero | bad, 0.0, inv)
-    scale = tl.where(bad, float("nan"), scale)
-    return scale, inv
 
 
 @triton.jit
@@ -92,7 +72,7 @@ def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
         amax = tl.max(ax, axis=1)
         # NaN/Inf anywhere in the row (a NaN comparison is false); tl.max may drop NaNs.
         bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
-        scale, inv = _pow2_scale(amax, bad)
+        scale, inv = pow2_scale_bits(amax, bad)
         y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
         tl.store(Y + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
         tl.store(S + offs_t, scale, mask=tmask)
@@ -167,17 +147,6 @@ def _vcap_doc(SV, VCAP, CU, T, doc, h, CAUSAL: tl.constexpr, BLOCK: tl.constexpr
             tl.store(dst + offs, tl.zeros([BLOCK], tl.float32) + carry, mask=offs < end)
 
 
-_HAD_CACHE: dict = {}
-
-
-def _hadamard_signs(D: int, dtype, device) -> torch.Tensor:
-    key = (D, dtype, str(device))
-    if key not in _HAD_CACHE:
-        signs = hadamard(D, torch.float64) * math.sqrt(D)          # exactly ±1
-        _HAD_CACHE[key] = signs.round().to(dtype=dtype, device=device).contiguous()
-    return _HAD_CACHE[key]
-
-
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) with unit stride over D (a copy only when that is not already so)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -239,7 +208,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
         return QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=rec.rotate_qk, vt8=vt8,
                             vt8_mma_order=vt_mma_order)
     rotate = bool(rec.rotate_qk)
-    had = _hadamard_signs(D, q.dtype, dev) if rotate else q   # placeholder pointer when unused
+    had = hadamard_signs(D, q.dtype, dev) if rotate else q   # placeholder pointer when unused
     tokens_per_prog = block_t * sub
     grid = (Hq + 2 * Hkv, triton.cdiv(T, tokens_per_prog))
     _quantize_qkv_kernel[grid](
@@ -307,7 +276,7 @@ def _quantize_block(X, stride_xt, YB, YT, stride_yt, SB, ST, NB, NT, HAD, rot_sc
         amax = tl.max(ax, axis=1)
         bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
         if TOKEN_COPY:
-            scale, inv = _pow2_scale(amax, bad)
+            scale, inv = pow2_scale_bits(amax, bad)
             y = (xf * inv[:, None]).to(tl.float8e4nv)
             tl.store(YT + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
             tl.store(ST + offs_t, scale, mask=tmask)
@@ -318,7 +287,7 @@ def _quantize_block(X, stride_xt, YB, YT, stride_yt, SB, ST, NB, NT, HAD, rot_sc
         blk_amax = tl.maximum(blk_amax, tl.max(amax, axis=0))
         blk_bad = tl.maximum(blk_bad, tl.max(bad.to(tl.int32), axis=0))
     # pow2 is monotone: the block's scale is also the max of its tokens' scales
-    sb, invb = _pow2_scale(blk_amax, blk_bad != 0)
+    sb, invb = pow2_scale_bits(blk_amax, blk_bad != 0)
     for i in tl.static_range(KVB // BLOCK_T):
         offs_t = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < hi
@@ -478,7 +447,7 @@ def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_ord
     if T == 0:
         return out
     rotate = bool(rec.rotate_qk)
-    had = _hadamard_signs(D, q.dtype, dev) if rotate else q
+    had = hadamard_signs(D, q.dtype, dev) if rotate else q
     if KV_BLOCK % block_t:
         raise ValueError(f"block_t={block_t} must divide the K/V block of {KV_BLOCK} tokens")
     items = work_list(cu_seqlens, T, KV_BLOCK, KV_BLOCK, False).items    # the K/V blocks

@@ -1,0 +1,70 @@
+"""The fp8_block backward's preprocess on the CPU (Triton interpreter): everything before the
+Gluon kernel (backward_sm90.fp8_prepare: dO per 64-row block, the per-row vectors and bounds,
+the K-major copies, the CTA scales) against flamia.reference.backward_scales and torch, on
+operands built from the reference forward. The kernel itself runs on the H200
+(tests/gpu/test_backward_sm90_fp8_gpu.py)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (tests/conftest.py too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flamia import reference as R  # noqa: E402
+from flamia.inputs import make_qkv  # noqa: E402
+from flamia.ops import interpreting  # noqa: E402
+from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.kmajor import mma_order16_host  # noqa: E402
+from tests._kvblock import qkv_from_saved  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter")
+
+LENGTHS = (150, 0, 1, 2, 133, 37)
+LOG2E = 1.4426950408889634
+
+
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("D", (64, 128))
+def test_prepare_matches_reference(D, causal):
+    Hq, Hkv = 4, 2
+    q, k, v, cu = make_qkv(LENGTHS, Hq, Hkv, D, "outliers", seed=5)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    do[40:70] = 0                                                  # all-zero dO rows
+    out, lse, saved = R.forward(q, k, v, cu, "fp8_block", causal)
+    out, lse = out.to(torch.bfloat16), lse.float().contiguous()
+    qkv = qkv_from_saved(saved, cu, causal)
+    scale = D ** -0.5
+    prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
+                         B.select_config(D, "fp8_block").block_m)
+    prow = prep.kb.prow.long()
+    doo = R.quantize_token_blocks(do.float(), "e4m3", cu, R.DO_BLOCK)
+    assert torch.equal(prep.do8.view(torch.uint8), doo.values.to(torch.float8_e4m3fn).view(torch.uint8))
+    sc = R.backward_scales(doo, doo.dequant(), out.float(), lse, saved, cu, causal)
+    live = sc.sdo > 0
+    one = torch.ones_like(sc.sdo)
+    A, Bv, Hv, E = (prep.vec[i][:, prow] for i in range(B.N_VEC))
+    assert torch.equal(A, scale * LOG2E * qkv.sq)
+    torch.testing.assert_close(Bv[live], (lse * LOG2E - torch.log2(torch.where(live, sc.sdo, one)))[live])
+    assert torch.isinf(Bv[~live]).all() and (Bv[~live] > 0).all()
+    assert torch.equal(Hv, torch.where(live, sc.sqf, 0 * one))
+    torch.testing.assert_close(E, torch.where(live, sc.delta * sc.sqf / torch.where(live, sc.sdo, one), 0 * one))
+    # the CTA scales, per work-list column, against the reference's per (KV head, block)
+    base = torch.tensor([0] + [-(-n // 128) for n in LENGTHS]).cumsum(0).tolist()
+    items = prep.kb.items
+    for c in range(items.shape[1]):
+        d, blk, kvh = int(items[0, c]), int(items[1, c]), int(items[5, c])
+        if d >= 0:
+            assert prep.cpt[c].item() == sc.pt[kvh, base[d] + blk].item(), (c, d, blk, kvh)
+            assert prep.cds[c].item() == sc.ds[kvh, base[d] + blk].item(), (c, d, blk, kvh)
+    # the K-major copies: column c of the padded layout holds the token of row c (wgmma order
+    # within 16 for dO^T and Q^T), zeros on pad columns
+    cols = torch.arange(prep.kb.q_rows)
+    for x8, xT, order in ((prep.do8, prep.dot8, True), (qkv.q8, prep.qt8, True),
+                          (qkv.k8, prep.kt8, False)):
+        tok = prep.ptok.long()[mma_order16_host(cols) if order else cols]
+        ok = tok >= 0
+        want = torch.zeros_like(xT.view(torch.uint8))
+        want[:, :, ok] = x8.view(torch.uint8)[tok[ok]].permute(1, 2, 0)
+        assert torch.equal(xT.view(torch.uint8), want)

@@ -11,8 +11,8 @@ the same line on the GPU and here.
 
 Also fixes tl.dot on bf16 operands (the interpreter multiplies their raw uint16 storage).
 
-Called by flamia.ops.quantize / forward / backward / backward_sm90 at import time, only when interpreting
-(TRITON_INTERPRET=1). Idempotent.
+Called by flamia.ops.quantize / forward / backward / backward_sm90 at import time, only when
+interpreting (TRITON_INTERPRET=1). Idempotent.
 """
 from __future__ import annotations
 

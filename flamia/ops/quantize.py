@@ -51,6 +51,21 @@ T_ALIGN = 16          # vt8's token stride is a multiple of 16 bytes (TMA descri
 
 
 @triton.jit
+def _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D: tl.constexpr,
+                   ROTATE: tl.constexpr):
+    """Tokens offs_t (rows, masked by tmask: zeros) of one head as fp32, Hadamard-rotated when
+    ROTATE (had: the +-1 matrix; exact products, fp32 sums)."""
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+                mask=tmask[:, None], other=0.0)
+    if ROTATE:
+        xf = tl.dot(x, had) * rot_scale
+    else:
+        xf = x.to(tl.float32)
+    return xf
+
+
+@triton.jit
 def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
                    D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
                    ROTATE: tl.constexpr):
@@ -59,15 +74,13 @@ def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
     if ROTATE:
         # Loaded once per program and reused for SUB token blocks (it is D*D*2 bytes of L2 traffic).
         had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
+    else:
+        had = rot_scale                          # (unused without the rotation)
     for i in tl.static_range(SUB):
         offs_t = t_base + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < T
         rows = offs_t.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        if ROTATE:
-            xf = tl.dot(x, had) * rot_scale      # ±1 entries: exact products, fp32 sums
-        else:
-            xf = x.to(tl.float32)
+        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
         ax = tl.abs(xf)
         amax = tl.max(ax, axis=1)
         # NaN/Inf anywhere in the row (a NaN comparison is false); tl.max may drop NaNs.
@@ -261,17 +274,15 @@ def _quantize_block(X, stride_xt, YB, YT, stride_yt, SB, ST, NB, NT, HAD, rot_sc
     offs_d = tl.arange(0, D)
     if ROTATE:
         had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
+    else:
+        had = rot_scale                          # (unused without the rotation)
     blk_amax = tl.max(tl.zeros([BLOCK_T], tl.float32), axis=0)
     blk_bad = tl.max(tl.zeros([BLOCK_T], tl.int32), axis=0)
     for i in tl.static_range(KVB // BLOCK_T):
         offs_t = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < hi
         rows = offs_t.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        if ROTATE:
-            xf = tl.dot(x, had) * rot_scale
-        else:
-            xf = x.to(tl.float32)
+        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
         ax = tl.abs(xf)
         amax = tl.max(ax, axis=1)
         bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
@@ -292,11 +303,7 @@ def _quantize_block(X, stride_xt, YB, YT, stride_yt, SB, ST, NB, NT, HAD, rot_sc
         offs_t = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = offs_t < hi
         rows = offs_t.to(tl.int64)
-        x = tl.load(X + rows[:, None] * stride_xt + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        if ROTATE:
-            xf = tl.dot(x, had) * rot_scale
-        else:
-            xf = x.to(tl.float32)
+        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
         y = (xf * invb).to(tl.float8e4nv)
         tl.store(YB + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
         tl.store(SB + offs_t, tl.zeros([BLOCK_T], tl.float32) + sb, mask=tmask)

@@ -41,7 +41,7 @@ def fake_fp8_qkv(T=1024, Hq=8, Hkv=2, D=128):
     return SimpleNamespace(
         q8=z(T, Hq, D).to(f8), k8=z(T, Hkv, D).to(f8), v8=z(T, Hkv, D).to(f8),
         k8_diag=z(T, Hkv, D).to(f8), v8_diag=z(T, Hkv, D).to(f8), sq=z(Hq, T), sk=z(Hkv, T),
-        sv=z(Hkv, T), sk_diag=z(Hkv, T), sv_diag=z(Hkv, T), kcap=z(Hkv, T), vnorm=z(Hkv, T),
+        sv=z(Hkv, T), sk_diag=z(Hkv, T), sv_diag=z(Hkv, T), vnorm=z(Hkv, T),
         rotated=True, recipe="fp8_block")
 
 

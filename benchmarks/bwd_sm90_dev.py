@@ -165,7 +165,7 @@ def fp8_block_timing_inputs(q, k, v, cu, causal):
     qkv = quantize_qkv(q, k, v, cu, "fp8", causal)
     blk = SimpleNamespace(q8=qkv.q8, sq=qkv.sq, k8=qkv.k8, sk=qkv.sk, v8=qkv.v8, sv=qkv.sv,
                           k8_diag=qkv.k8, v8_diag=qkv.v8, sk_diag=qkv.sk, sv_diag=qkv.sv,
-                          kcap=qkv.sk, vnorm=torch.ones_like(qkv.sk) * 11.0, rotated=True,
+                          vnorm=torch.ones_like(qkv.sk) * 11.0, rotated=True,
                           recipe="fp8_block")
     return qkv, blk
 

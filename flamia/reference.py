@@ -209,11 +209,10 @@ class Saved:
     row_max: torch.Tensor       # (Hq, T) final row max m: lets the P3 check rebuild forward's P
     causal: bool
     # Token-block scaling only (None otherwise): the per-token copies of K and V used on diagonal
-    # pairs (causal), and per token (T, Hkv): v_cap = cap_i, k_cap = kcap_i (module docstring).
+    # pairs (causal), and per token (T, Hkv): v_cap = cap_i (module docstring).
     k_diag: Operand | None = None
     v_diag: Operand | None = None
     v_cap: torch.Tensor | None = None
-    k_cap: torch.Tensor | None = None
 
 
 def forward(q, k, v, cu_seqlens, recipe: "str | Recipe" = "fp8", causal: bool = True,
@@ -525,8 +524,6 @@ def _forward_kvblock(q, k, v, cu_seqlens, recipe: Recipe, causal, softmax_scale,
         svt = vt.token_scale() if causal else None
         v_cap = _per_document(cu_seqlens, lambda o, d: _visible_max(o, d, causal),
                               vo.token_scale(), svt if causal else vo.token_scale())
-        k_cap = (_per_document(cu_seqlens, lambda d: _visible_max(torch.zeros_like(d), d, True),
-                               kt.token_scale()) if causal else None)
 
     outs, lses, row_max = [], [], []
     for a, b in _doc_bounds(cu_seqlens):
@@ -574,7 +571,7 @@ def _forward_kvblock(q, k, v, cu_seqlens, recipe: Recipe, causal, softmax_scale,
     m_all = torch.zeros(Hq, T, dtype=compute_dtype, device=q.device)
     if outs:
         out, lse, m_all = torch.cat(outs, 0), torch.cat(lses, 1), torch.cat(row_max, 1).detach()
-    return out, lse, Saved(qo, ko, vo, rotation, m_all, causal, kt, vt, v_cap, k_cap)
+    return out, lse, Saved(qo, ko, vo, rotation, m_all, causal, kt, vt, v_cap)
 
 
 @dataclass

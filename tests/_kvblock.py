@@ -25,9 +25,8 @@ def qkv_from_saved(saved: R.Saved, cu: torch.Tensor, causal: bool) -> SimpleName
     ns = SimpleNamespace(q8=vals(saved.q), sq=tok(saved.q), k8=vals(saved.k), sk=tok(saved.k),
                          v8=vals(saved.v), sv=tok(saved.v), vnorm=vn.transpose(0, 1).float().contiguous(),
                          rotated=saved.rotation is not None, recipe=RECIPE,
-                         k8_diag=None, v8_diag=None, sk_diag=None, sv_diag=None, kcap=None)
+                         k8_diag=None, v8_diag=None, sk_diag=None, sv_diag=None)
     if causal:
         ns.k8_diag, ns.sk_diag = vals(saved.k_diag), tok(saved.k_diag)
         ns.v8_diag, ns.sv_diag = vals(saved.v_diag), tok(saved.v_diag)
-        ns.kcap = saved.k_cap.transpose(0, 1).float().contiguous()
     return ns

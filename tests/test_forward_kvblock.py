@@ -3,7 +3,7 @@
 
 - quantize_qkv: the block copies (k8, v8, sk, sv) bitwise reference.quantize_token_blocks, the
   token copies (k8_diag, v8_diag, sk_diag, sv_diag; causal) bitwise the fp8 recipe's and
-  reference.quantize_operand, q as fp8; vcap, kcap bitwise reference._visible_max, vnorm within
+  reference.quantize_operand, q as fp8; vcap bitwise reference._visible_max, vnorm within
   fp32 rounding of it; the K-major copies and scale_cols in kmajor's padded column layout;
   every output written (NaN poison).
 - attention_forward: out / lse / row_max against reference.forward(recipe="fp8_block") by the
@@ -113,12 +113,10 @@ def test_quantize_matches_reference(D, causal):
             _assert_values(x8, op.values, rot, name)
             assert torch.equal(s.t(), op.scale[..., 0]), name
         svt = vt.token_scale()
-        kcap = _per_doc_visible_max(cu, torch.zeros_like(svt), kt.token_scale(), True)
-        assert torch.equal(x.kcap.t(), kcap)
         vnt = (x.v8_diag.float() * x.sv_diag.t()[..., None]).norm(dim=-1)
     else:
         assert x.k8_diag is None and x.v8_diag is None and x.sk_diag is None
-        assert x.kcap is None and x.vt8_diag is None
+        assert x.vt8_diag is None
         svt = svb
     assert torch.equal(x.vcap.t(), _per_doc_visible_max(cu, svb, svt, causal))
     # vnorm: the visible max of the 2-norms of the dequantized copies (reference.backward_scales)
@@ -157,7 +155,7 @@ def test_quantize_block_mixed_is_fp8_block_and_tiling_free():
     assert y.recipe == "fp8_block_mixed"
     for name in ("q8", "k8", "v8", "k8_diag", "v8_diag", "vt8", "vt8_diag"):
         assert torch.equal(getattr(x, name).view(torch.uint8), getattr(y, name).view(torch.uint8)), name
-    for name in ("sq", "sk", "sv", "sk_diag", "sv_diag", "vcap", "kcap", "vnorm", "scale_cols"):
+    for name in ("sq", "sk", "sv", "sk_diag", "sv_diag", "vcap", "vnorm", "scale_cols"):
         assert torch.equal(getattr(x, name), getattr(y, name)), name
 
 

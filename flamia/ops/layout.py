@@ -40,8 +40,6 @@ class QuantizedQKV:
     v8_diag: torch.Tensor | None = None   #   (causal only: the fp8 recipe's bytes)
     sk_diag: torch.Tensor | None = None   # (Hkv, T) their per-token scales (causal only)
     sv_diag: torch.Tensor | None = None
-    kcap: torch.Tensor | None = None      # (Hkv, T) max of sk_diag over the row's block up to
-                                          #   the row (causal only)
     vnorm: torch.Tensor | None = None     # (Hkv, T) visible max of the 2-norms of V's
                                           #   dequantized copies (the backward's bound)
     # The forward's column layout of the K-major copies: document d occupies columns

@@ -24,8 +24,8 @@ block copy with the block's scale (broadcast to its tokens) and the block copy's
 block scale is pow2(max amax) over the block's tokens and heads' values, as
 reference.quantize_token_blocks. The second (_kvblock_cols_kernel) writes the K-major V copies
 (block and, causal, token) in kmajor's padded column layout, the scales in the same columns
-(scale_cols, for the Gluon forward's TMA) and, per document, the visible maxima vcap, kcap and
-vnorm (reference._visible_max).
+(scale_cols, for the Gluon forward's TMA) and, per document, the visible maxima vcap and vnorm
+(reference._visible_max).
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     and vcap. fp8_block / fp8_block_mixed (token-block scaling; their forward is the same): q
     as fp8; k8 / v8 / sk / sv the block copies (a scale per document-local 128-token block and
     head, broadcast to its tokens); causal, the per-token copies k8_diag / v8_diag / sk_diag /
-    sv_diag (fp8's bytes and scales) and kcap; vcap and vnorm the visible maxima
+    sv_diag (fp8's bytes and scales); vcap and vnorm the visible maxima
     (reference._visible_max); vt8 (and vt8_diag) in kmajor's padded column layout (kv_pcu),
     scale_cols the scales in those columns (module docstring). vt8's columns are in wgmma key
     order within 16-token groups (flamia.ops.kmajor) or in token order (vt_mma_order=False);
@@ -349,11 +349,10 @@ def _quantize_kvblock_kernel(Q, K, V, Q8, K8, V8, K8D, V8D, SQ, SK, SV, SKD, SVD
 
 
 @triton.jit
-def _visible_max_doc(OFF, DIAG, OUT, start, end, CAUSAL: tl.constexpr, HAS_OFF: tl.constexpr,
-                     KVB: tl.constexpr):
+def _visible_max_doc(OFF, DIAG, OUT, start, end, CAUSAL: tl.constexpr, KVB: tl.constexpr):
     """reference._visible_max of one document [start, end) of (T,) rows: causal, per row the max
     of OFF over the document's blocks before the row's block and of DIAG over the row's block up
-    to the row (HAS_OFF False: OFF counts as 0); otherwise the document's max of OFF. One
+    to the row; otherwise the document's max of OFF. One
     KVB-token block per step (steps start at the document's first token)."""
     carry = tl.max(tl.zeros([KVB], tl.float32), axis=0)          # the quantities are >= 0
     if CAUSAL:
@@ -362,8 +361,7 @@ def _visible_max_doc(OFF, DIAG, OUT, start, end, CAUSAL: tl.constexpr, HAS_OFF: 
             m = offs < end
             d = tl.load(DIAG + offs, mask=m, other=0.0)
             tl.store(OUT + offs, tl.maximum(tl.associative_scan(d, 0, _max_combine), carry), mask=m)
-            if HAS_OFF:
-                carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=m, other=0.0), axis=0))
+            carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=m, other=0.0), axis=0))
     else:
         for t0 in range(start, end, KVB):
             offs = t0 + tl.arange(0, KVB)
@@ -394,14 +392,14 @@ def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.conste
 
 
 @triton.jit
-def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, KCAP, VNORM,
+def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
                          TOK_OF_COL, CU, T, Tp, stride_t, HKV, N_COL_BLOCKS, N_DOCS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
                          CAUSAL: tl.constexpr, KVB: tl.constexpr):
     """After _quantize_kvblock_kernel, one launch: grid axis 1 < HKV copies the block copy of V
     into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
-    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap, kcap (causal)
-    and vnorm of document axis 0 (_visible_max_doc)."""
+    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of
+    document axis 0 (_visible_max_doc)."""
     i = tl.program_id(0)
     j = tl.program_id(1)
     if j < HKV:
@@ -418,11 +416,9 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
         h = (j - 2 * HKV).to(tl.int64)
         start = tl.load(CU + i)
         end = tl.load(CU + i + 1)
-        _visible_max_doc(SV + h * T, SVD + h * T, VCAP + h * T, start, end, CAUSAL, True, KVB)
+        _visible_max_doc(SV + h * T, SVD + h * T, VCAP + h * T, start, end, CAUSAL, KVB)
         _visible_max_doc(NORMS + h * T, NORMS + (HKV + h) * T, VNORM + h * T, start, end, CAUSAL,
-                         True, KVB)
-        if CAUSAL:
-            _visible_max_doc(SKD + h * T, SKD + h * T, KCAP + h * T, start, end, True, False, KVB)
+                         KVB)
 
 
 def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_order: bool,
@@ -443,13 +439,13 @@ def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_ord
     norms = torch.empty((2, Hkv, T), dtype=f32, device=dev)   # block copy's, token copy's
     if causal:
         k8d, v8d = fill((T, Hkv, D), f8), fill((T, Hkv, D), f8)
-        skd, svd, kcap = fill((Hkv, T), f32), fill((Hkv, T), f32), fill((Hkv, T), f32)
+        skd, svd = fill((Hkv, T), f32), fill((Hkv, T), f32)
         vt8d = fill((Hkv, D, Tp), f8)
     else:
-        k8d = v8d = skd = svd = kcap = vt8d = None
+        k8d = v8d = skd = svd = vt8d = None
     out = QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=bool(rec.rotate_qk),
                        vt8=vt8, vt8_mma_order=bool(vt_mma_order), k8_diag=k8d, v8_diag=v8d,
-                       sk_diag=skd, sv_diag=svd, kcap=kcap, vnorm=vnorm, kv_pcu=pcu,
+                       sk_diag=skd, sv_diag=svd, vnorm=vnorm, kv_pcu=pcu,
                        vt8_diag=vt8d, scale_cols=scale_cols)
     if T == 0:
         return out
@@ -474,7 +470,7 @@ def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_ord
     _kvblock_cols_kernel[(max(n_cols, n_docs), 3 * Hkv)](
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
-        kcap if causal else vcap, vnorm, tok_of_col, cu_seqlens, T, Tp, v8.stride(0), Hkv,
+        vnorm, tok_of_col, cu_seqlens, T, Tp, v8.stride(0), Hkv,
         n_cols, n_docs, D=D, BLOCK_C=block_c, MMA_ORDER=bool(vt_mma_order),
         CAUSAL=bool(causal), KVB=KV_BLOCK, num_warps=4)
     return out

@@ -6,9 +6,11 @@
 #
 # Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd, tests-sm90
 # (the one-pass Hopper backward and its fuzz), tests-fp8 (its fp8_block kernel; FP8_TESTS: extra
-# pytest args), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
+# pytest args), tests-kvblock (fp8_block through the public API: emulation, audit, fuzz of
+# FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_block_long_check.py: kernels vs float64 at 32k
+# tokens), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
 # baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
-# every baseline), bench-fp8 (fp8 rows + fastest baselines only), graphs
+# every baseline; BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
 # --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant (quantize_qkv's
 # knobs QUANT_CONFIGS, benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia
@@ -82,6 +84,9 @@ for spec in "$@"; do
     tests-bwd) run_stage "$name" "$secs" python -m pytest -q -x tests/gpu/test_backward_gpu.py ;;
     tests-sm90) run_stage "$name" "$secs" python -m pytest -q -s tests/gpu/test_backward_sm90_gpu.py ;;
     tests-fp8) run_stage "$name" "$secs" python -m pytest -q -s -x tests/gpu/test_backward_sm90_fp8_gpu.py ${FP8_TESTS:-} ;;
+    tests-kvblock) run_stage "$name" "$secs" python -m pytest -q -s -x \
+             tests/gpu/test_kvblock_kernels_gpu.py ;;
+    long-check) run_stage "$name" "$secs" python benchmarks/fp8_block_long_check.py ${LONG_ARGS:-} ;;
     dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
@@ -91,7 +96,8 @@ for spec in "$@"; do
     graphs) run_stage "$name" "$secs" python benchmarks/graph_timing.py ${GRAPH_ARGS:-} ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
-             --recipes fp8,fp8_mixed,bf16 --baselines all --out "$OUT" ;;
+             --recipes "${BENCH_RECIPES:-fp8_block,fp8,fp8_mixed,bf16}" \
+             --baselines "${BENCH_BASELINES:-all}" --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn,fa4 \
              --no-accuracy --out "$OUT" ;;

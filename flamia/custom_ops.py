@@ -10,8 +10,10 @@ registration: _OpAttention, an autograd.Function that dynamo traces, is their au
 
 What the forward keeps for the backward travels as op outputs, as a custom op requires:
 out, lse and the quantized operands (fp8: q8, k8, v8 and the per-token scales sq, sk, sv,
-vcap). The bf16 recipe's operands are q, k, v themselves (the op's inputs: an output may not
-alias them), so its forward returns empty placeholders and the backward gets q, k, v.
+vcap; fp8_block adds its per-token diagonal copies k8_diag, v8_diag, sk_diag, sv_diag (causal),
+vnorm and the forward's row max). A field a recipe does not have travels as an empty
+placeholder. The bf16 recipe's operands are q, k, v themselves (the op's inputs: an output may
+not alias them), so its forward returns placeholders and the backward gets q, k, v.
 
 The value checks of flamia.validate (cu_seqlens against T and max_seqlen, NaN / Inf) read
 tensor values; under torch.compile they run inside the forward op (check_values), where
@@ -28,6 +30,8 @@ from .recipes import get_recipe
 from .validate import check_values
 
 _FP8_SAVED = ("q8", "k8", "v8", "sq", "sk", "sv", "vcap")
+_KVBLOCK_SAVED = ("k8_diag", "v8_diag", "sk_diag", "sv_diag", "vnorm", "row_max")
+_SAVED = _FP8_SAVED + _KVBLOCK_SAVED
 
 
 def resolve_cu_seqlens(cu_seqlens, q, seqlen: int):
@@ -52,9 +56,8 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 @torch.library.custom_op("flamia::fwd", mutates_args=(), tags=_TAGS)
 def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k: Tensor | None,
         max_seqlen_q: int, max_seqlen_k: int, recipe: str, causal: bool, softmax_scale: float,
-        deterministic: bool, check_content: bool
-        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, q8, k8, v8, sq, sk, sv, vcap) of the kernel forward. cu_seqlens None: a dense
+        deterministic: bool, check_content: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """(out, lse, [the _SAVED fields]) of the kernel forward. cu_seqlens None: a dense
     call of documents of max_seqlen_q tokens (see resolve_cu_seqlens); cu_seqlens_k: checked
     against cu_seqlens (None: the same tensor; autograd.Function.apply under dynamo refuses one tensor
     passed twice); deterministic: for the backward (every launch is deterministic by default);
@@ -63,9 +66,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor | None, cu_seqlens_k
                  cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse, qkv = kernel_forward(q, k, v, resolve_cu_seqlens(cu_seqlens, q, max_seqlen_q),
                                    max(max_seqlen_q, max_seqlen_k), recipe, causal, softmax_scale)
-    if recipe == "bf16":
-        return (out, lse) + tuple(q.new_empty(0, dtype=torch.float32) for _ in _FP8_SAVED)
-    return (out, lse) + tuple(getattr(qkv, name) for name in _FP8_SAVED)
+    saved = [None] * len(_SAVED) if recipe == "bf16" else [getattr(qkv, n) for n in _SAVED]
+    return out, lse, [q.new_empty(0, dtype=torch.float32) if x is None else x for x in saved]
 
 
 @fwd.register_fake
@@ -73,38 +75,45 @@ def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rec
               softmax_scale, deterministic, check_content):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    out = q.new_empty(q.shape)
-    lse = q.new_empty((Hq, T), dtype=torch.float32)
-    if recipe == "bf16":
-        return (out, lse) + tuple(q.new_empty(0, dtype=torch.float32) for _ in _FP8_SAVED)
     f8, f32 = torch.float8_e4m3fn, torch.float32
-    return (out, lse, q.new_empty((T, Hq, D), dtype=f8), q.new_empty((T, Hkv, D), dtype=f8),
-            q.new_empty((T, Hkv, D), dtype=f8), q.new_empty((Hq, T), dtype=f32),
-            *(q.new_empty((Hkv, T), dtype=f32) for _ in range(3)))
+    shapes = {}          # field -> (shape, dtype); the rest are placeholders
+    if recipe != "bf16":
+        shapes.update(q8=((T, Hq, D), f8), k8=((T, Hkv, D), f8), v8=((T, Hkv, D), f8),
+                      sq=((Hq, T), f32), sk=((Hkv, T), f32), sv=((Hkv, T), f32),
+                      vcap=((Hkv, T), f32))
+    if get_recipe(recipe).scaling == "kvblock128":
+        shapes.update(vnorm=((Hkv, T), f32), row_max=((Hq, T), f32))
+        if causal:
+            shapes.update(k8_diag=((T, Hkv, D), f8), v8_diag=((T, Hkv, D), f8),
+                          sk_diag=((Hkv, T), f32), sv_diag=((Hkv, T), f32))
+    saved = [q.new_empty(shapes[n][0], dtype=shapes[n][1]) if n in shapes
+             else q.new_empty(0, dtype=f32)
+             for n in _SAVED]
+    return q.new_empty(q.shape), q.new_empty((Hq, T), dtype=f32), saved
 
 
 @torch.library.custom_op("flamia::bwd", mutates_args=(), tags=_TAGS)
-def bwd(dout: Tensor, out: Tensor, lse: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, sq: Tensor,
-        sk: Tensor, sv: Tensor, vcap: Tensor, cu_seqlens: Tensor | None, max_seqlen: int,
-        recipe: str, causal: bool, softmax_scale: float, deterministic: bool
+def bwd(dout: Tensor, out: Tensor, lse: Tensor, saved: list[Tensor], cu_seqlens: Tensor | None,
+        max_seqlen: int, recipe: str, causal: bool, softmax_scale: float, deterministic: bool
         ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in dout's dtype. bf16: q8, k8, v8 are the forward's q, k, v and the scales
-    are placeholders (flamia::fwd)."""
+    """(dq, dk, dv) in dout's dtype from flamia::fwd's saved list. bf16: its first three entries
+    are the forward's q, k, v and the rest placeholders."""
     if recipe == "bf16":
-        qkv = QuantizedQKV("bf16", *(x.to(torch.bfloat16) for x in (q8, k8, v8)), None, None,
+        qkv = QuantizedQKV("bf16", *(x.to(torch.bfloat16) for x in saved[:3]), None, None,
                            None, None, rotated=False)
     else:
-        qkv = QuantizedQKV(recipe, q8, k8, v8, sq, sk, sv, vcap,
-                           rotated=bool(get_recipe(recipe).rotate_qk))
+        fields = {n: (x if x.numel() or n in _FP8_SAVED else None) for n, x in zip(_SAVED, saved)}
+        qkv = QuantizedQKV(recipe, rotated=bool(get_recipe(recipe).rotate_qk), **fields)
     return kernel_backward(dout, out, lse, qkv, resolve_cu_seqlens(cu_seqlens, dout, max_seqlen),
                            max_seqlen, causal, softmax_scale, deterministic)
 
 
 @bwd.register_fake
-def _bwd_fake(dout, out, lse, q8, k8, v8, sq, sk, sv, vcap, cu_seqlens, max_seqlen, recipe,
-              causal, softmax_scale, deterministic):
+def _bwd_fake(dout, out, lse, saved, cu_seqlens, max_seqlen, recipe, causal, softmax_scale,
+              deterministic):
+    k8 = saved[1]
     return (dout.new_empty(dout.shape), dout.new_empty(k8.shape, dtype=dout.dtype),
-            dout.new_empty(v8.shape, dtype=dout.dtype))
+            dout.new_empty(k8.shape, dtype=dout.dtype))
 
 
 class _OpAttention(torch.autograd.Function):
@@ -116,8 +125,8 @@ class _OpAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
                 softmax_scale, deterministic, check_content):
-        out, lse, *saved = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
-                               softmax_scale, deterministic, check_content)
+        out, lse, saved = fwd(q, k, v, cu_seqlens, cu_seqlens_k, max_q, max_k, recipe, causal,
+                              softmax_scale, deterministic, check_content)
         if recipe == "bf16":
             saved = (q, k, v, *saved[3:])
         ctx.save_for_backward(out, lse, *saved)
@@ -133,8 +142,8 @@ class _OpAttention(torch.autograd.Function):
             return (None,) * 12
         out, lse, *saved = ctx.saved_tensors
         max_seqlen, recipe, causal, softmax_scale, deterministic = ctx.cfg
-        dq, dk, dv = bwd(dout.contiguous(), out, lse, *saved, ctx.cu_seqlens, max_seqlen, recipe,
-                         causal, softmax_scale, deterministic)
+        dq, dk, dv = bwd(dout.contiguous(), out, lse, list(saved), ctx.cu_seqlens, max_seqlen,
+                         recipe, causal, softmax_scale, deterministic)
         return (dq, dk, dv) + (None,) * 9
 
 

@@ -130,15 +130,18 @@ def recipe_path(device, head_dim: int, name: str) -> str:
     probe = torch.empty(1, 1, head_dim, device=device)
     rec = RECIPES[name]
     if backend(probe, name) == "kernels":
-        if probe.is_cuda:
-            return ("kernels: Triton and Gluon (sm_90)" if ops.is_sm90(probe.device)
-                    else "kernels: Triton (not sm_90: no Gluon kernels)")
-        return "kernels: Triton under its interpreter (TRITON_INTERPRET=1 FLAMIA_KERNELS=1)"
+        if probe.is_cuda and ops.is_sm90(probe.device):
+            return "kernels: Triton and Gluon (sm_90)"
+        where = ("Triton (not sm_90: no Gluon kernels)" if probe.is_cuda
+                 else "Triton under its interpreter (TRITON_INTERPRET=1 FLAMIA_KERNELS=1)")
+        if rec.scaling == "kvblock128":     # its backward kernel is sm_90 Gluon only
+            where += "; the backward on the reference (its kernel needs sm_90)"
+        return f"kernels: {where}"
     ref = "reference emulation (flamia/reference.py, fp32)"
     if name not in ops.KERNEL_RECIPES:
         why = ("the leaky control has no kernel" if rec.leaky
                else "emulated Blackwell format, no Hopper kernel" if rec.emulated and rec.scaling == "block"
-               else "the spec the kernels adopt next (issue 27), no kernel yet" if rec.emulated
+               else "a spec ahead of its kernels, no kernel yet" if rec.emulated
                else "no kernel for this recipe")
     elif os.environ.get("FLAMIA_KERNELS", "") == "0":
         why = "FLAMIA_KERNELS=0"

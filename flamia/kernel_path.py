@@ -33,9 +33,15 @@ def kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe: str, causal, softmax
     quantize_qkv, attention_forward, _ = kernel_entry_points()[0]
     # (V^T in the key order of the forward kernel this device runs: ops.config.vt_mma_order)
     qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal)
+    if qkv.kvblock:   # the token-block backward bounds P^T with the forward's row max
+        out, lse, row_max = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale,
+                                              q.dtype, return_row_max=True)
+        return out, lse, dataclasses.replace(qkv, vt8=None, vt8_diag=None, scale_cols=None,
+                                             kv_pcu=None, row_max=row_max)
     out, lse = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, q.dtype)
     # vt8 (the PV GEMM's K-major V) is the forward's alone: the backward reads v8. Not kept,
-    # so what waits for the backward is Hkv * D bytes per token smaller.
+    # so what waits for the backward is Hkv * D bytes per token smaller (token-block scaling:
+    # vt8_diag and the padded scale columns too).
     return out, lse, dataclasses.replace(qkv, vt8=None)
 
 

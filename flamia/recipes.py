@@ -94,10 +94,10 @@ FP8_TENSORWISE = Recipe(
 
 FP8_BLOCK = Recipe(
     "fp8_block", qk="e4m3", v="e4m3", p="e4m3", do="e4m3", dp="fp8", ds="e4m3",
-    scaling="kvblock128", rotate_qk=True, emulated=True,
-    description="the reference spec of issue 27 (scales v2) that the fp8 kernels adopt next: "
-                "K/V scales per 128-token block with per-token copies on diagonal pairs, dO per "
-                "64-token block, P^T and dS scaled by a per-CTA bound; q, k Hadamard-rotated")
+    scaling="kvblock128", rotate_qk=True,
+    description="every attention GEMM in FP8 e4m3 with token-block scales: K/V per 128-token "
+                "block with per-token copies on diagonal pairs, dO per 64-token block, P^T and dS "
+                "scaled by a per-CTA bound; q, k Hadamard-rotated")
 
 FP8_BLOCK_MIXED = Recipe(
     "fp8_block_mixed", qk="e4m3", v="e4m3", p="e4m3", do="e4m3", dp="bf16", ds="bf16",

@@ -35,7 +35,7 @@ def _run(fn, q, k, v, dout, *args):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8", "bf16", "fp8_block"])
 def test_varlen_compiles_to_one_graph_bitwise_eager(recipe):
     """Packed documents (one empty), GQA: no graph break, outputs and gradients bitwise eager."""
     q, k, v, cu, dout = _packed([40, 0, 23])
@@ -95,7 +95,7 @@ def test_value_checks_still_raise_under_compile():
     assert out[:16].isnan().any() and not out[16:].isnan().any()   # the first document only
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8", "bf16", "fp8_block"])
 def test_custom_ops_opcheck(recipe):
     """torch.library.opcheck: the fake implementations against the real outputs (shapes,
     dtypes, devices), both ops. (Its schema test compares fp8 tensors with ops the CPU lacks
@@ -105,10 +105,10 @@ def test_custom_ops_opcheck(recipe):
     args = (q, k, v, cu, cu, 20, 20, recipe, True, D ** -0.5, False, True)
     torch.library.opcheck(custom_ops.fwd, args,
                           test_utils=("test_faketensor",))
-    out, lse, *saved = custom_ops.fwd(*args)
+    out, lse, saved = custom_ops.fwd(*args)
     if recipe == "bf16":
         saved[:3] = q.detach(), k.detach(), v.detach()
-    torch.library.opcheck(custom_ops.bwd, (dout, out.detach(), lse, *saved, cu, 20, recipe, True,
+    torch.library.opcheck(custom_ops.bwd, (dout, out.detach(), lse, saved, cu, 20, recipe, True,
                                            D ** -0.5, False),
                           test_utils=("test_faketensor",))
 

@@ -332,6 +332,27 @@ def test_backward_selection(monkeypatch):
     assert sel.backward == cfg and isinstance(sel.forward, C.FwdConfig) and sel.vt_mma_order
 
 
+def test_fp8_block_backward_selection(monkeypatch):
+    """fp8_block: the one-pass kernel on sm_90 (64-row steps at both head dims), the reference
+    backward on the kernel operands elsewhere (the CPU interpreter, other GPUs); never the split
+    kernels. Its forward is the persistent Gluon kernel at D=128 on sm_90, as fp8's."""
+    from flamia.ops import config as C
+    from flamia.ops.backward_sm90 import Sm90BwdConfig
+    cuda = torch.device("cuda")
+    assert isinstance(C.backward_config(128, "fp8_block", torch.device("cpu")),
+                      C.ReferenceBwdConfig)
+    _fake_capability(monkeypatch, (9, 0))
+    if not C.HAVE_GLUON:
+        pytest.skip("triton.experimental.gluon not available")
+    for D in (64, 128):
+        cfg = C.backward_config(D, "fp8_block", cuda, 8192)
+        assert isinstance(cfg, Sm90BwdConfig) and cfg.block_m == 64, (D, cfg)
+    assert isinstance(C.forward_config(128, "fp8_block", cuda), C.PersistentFwdConfig)
+    assert isinstance(C.forward_config(64, "fp8_block", cuda), C.FwdConfig)
+    _fake_capability(monkeypatch, (10, 0))                 # not Hopper
+    assert isinstance(C.backward_config(128, "fp8_block", cuda), C.ReferenceBwdConfig)
+
+
 def test_split_backward_routing(monkeypatch):
     """launch_dkdv / launch_dq run the kernel the state's config names (the Gluon launchers
     faked: routing only)."""

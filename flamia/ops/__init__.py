@@ -15,11 +15,16 @@ Entry points (quantize.py / forward.py / backward.py; config.py says which kerne
       the PV GEMM) in the column order the device's forward kernel reads (config.vt_mma_order)
   attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
       -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32): the persistent Gluon kernel
-      (forward_gluon) for the fp8 recipes at D=128 on sm_90, the Triton kernel otherwise
+      (forward_gluon) for the fp8 recipes at D=128 on sm_90, the Triton kernel otherwise;
+      return_row_max=True adds the row max (Hq, T), which fp8_block's backward needs (qkv.row_max)
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
                      back to the input space: the one-pass Hopper kernel (backward_sm90) for
-                     bf16 on sm_90, the split kernels (backward, backward_gluon) otherwise
+                     bf16 and fp8_block on sm_90, the split kernels (backward, backward_gluon)
+                     for fp8 / fp8_mixed (and bf16 elsewhere), the reference for fp8_block
+                     elsewhere
+fp8_block (token-block scaling, recipes.py) adds to QuantizedQKV the block copies' per-token
+diagonal copies, vnorm and the padded K-major copies of V (layout.py).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import functools
 import os
 
 # Recipes the kernels implement; anything else runs on the reference (flamia/reference.py).
-KERNEL_RECIPES = ("fp8", "fp8_mixed", "bf16")
+KERNEL_RECIPES = ("fp8", "fp8_mixed", "bf16", "fp8_block")
 
 
 def interpreting() -> bool:

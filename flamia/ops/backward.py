@@ -1,8 +1,9 @@
 """The split backward: dQ, dK, dV from the forward's quantized operands and LSE.
 
 Numerics: `flamia.reference.backward` (module docstring, point 4), recipes fp8, fp8_mixed, bf16.
-attention_backward runs, per config.backward_config, either the one-pass Hopper kernel
-(backward_sm90: the bf16 recipe on sm_90) or the three launches here, deterministic by
+attention_backward runs, per config.backward_config, the one-pass Hopper kernel (backward_sm90:
+the bf16 and fp8_block recipes on sm_90), fp8_block's reference backward elsewhere, or the three
+launches here (fp8, fp8_mixed; bf16 off sm_90), deterministic by
 construction (no atomics), so `deterministic=True` costs nothing. On sm_90 the dK/dV and dQ
 launches of the fp8 recipes are backward_gluon's Gluon kernels; elsewhere (other GPUs, the CPU
 interpreter, fp16 inputs of the bf16 recipe) the Triton kernels below:
@@ -66,9 +67,10 @@ import triton.language as tl
 
 from . import interpreting
 from .config import (RECIPE_IDS, BwdConfig, GluonDkdvConfig, GluonDqConfig, MixedDkdvConfig,
-                     MixedDqConfig, backward_config, split_backward_config, uses_gluon_backward)
+                     MixedDqConfig, ReferenceBwdConfig, backward_config, split_backward_config,
+                     uses_gluon_backward)
 from .kmajor import kmajor_copies, kmajor_copies_and_rows, kmajor_layout, padded_columns
-from .layout import QuantizedQKV
+from .layout import QuantizedQKV, reference_saved
 from .schedule import per_cu_seqlens
 
 try:
@@ -728,13 +730,25 @@ def attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen
 
     config: config.backward_config(D, recipe, device, max_seqlen, dtype) by default; a
     backward_sm90.Sm90BwdConfig runs the one-pass Hopper kernel (its dQ adds are unordered
-    unless deterministic=True), a BwdConfig the split kernels here (deterministic either way).
+    unless deterministic=True; qkv.row_max is required for fp8_block), a BwdConfig the split
+    kernels here (deterministic either way), ReferenceBwdConfig flamia.reference.backward on
+    qkv's operands (fp8_block off sm_90).
     cu_seqlens[-1] must be T (no padding tokens).
     """
     D = qkv.shape[3]
     cfg = config or backward_config(D, qkv.recipe, dout.device, max_seqlen, qkv.q8.dtype)
+    if isinstance(cfg, ReferenceBwdConfig):
+        from ..reference import backward
+        dq, dk, dv = backward(dout, out, lse, reference_saved(qkv, causal), cu_seqlens,
+                              qkv.recipe, causal, softmax_scale)
+        dt = grad_dtype or dout.dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt)
     if not isinstance(cfg, BwdConfig):
-        from .backward_sm90 import attention_backward_sm90
+        from .backward_sm90 import attention_backward_sm90, attention_backward_sm90_fp8
+        if qkv.kvblock:
+            return attention_backward_sm90_fp8(dout, out, lse, qkv.row_max, qkv, cu_seqlens,
+                                               causal, softmax_scale, grad_dtype, deterministic,
+                                               config=cfg)
         return attention_backward_sm90(dout, out, lse, qkv.q8, qkv.k8, qkv.v8, cu_seqlens, causal,
                                        softmax_scale, grad_dtype, deterministic, config=cfg)
     st = make_state(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal, softmax_scale, cfg,

@@ -9,8 +9,10 @@ document, never on a switch. Tile shapes were measured on the H200 (benchmarks/N
     forward   fp8 / fp8_mixed at D=128 on sm_90: the persistent Gluon kernel (forward_gluon),
               PersistentFwdConfig, V^T quantized in token order
               otherwise: the Triton kernel (forward), FwdConfig, V^T in wgmma key order (fp8)
-    backward  bf16 (bf16 inputs) at D=64/128 on sm_90: the one-pass kernel (backward_sm90,
-              which picks its own tiles: backward_sm90.select_config)
+    backward  bf16 (bf16 or fp16 inputs) and fp8_block at D=64/128 on sm_90: the one-pass kernel
+              (backward_sm90, which picks its own tiles: backward_sm90.select_config)
+              fp8_block elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the
+              reference backward on the kernel forward's operands (no split kernel for it)
               fp8 / fp8_mixed on sm_90: preprocess + the Gluon dK/dV and dQ kernels
               (backward_gluon), BwdConfig with Gluon*Config / Mixed*Config
               otherwise (other GPUs, fp16 bf16-recipe inputs, the CPU interpreter): the Triton
@@ -27,6 +29,9 @@ from . import interpreting, is_sm90
 from .gluon_common import HAVE_GLUON
 
 FP8_RECIPES = ("fp8", "fp8_mixed")
+# The token-block recipe with kernels in both directions (its forward is the fp8 forward kernels'
+# token-block mode; its backward the one-pass kernel's fp8 mode)
+KVBLOCK_KERNEL_RECIPE = "fp8_block"
 # The kernels' recipe ids (their RECIPE constexpr; BwdState.recipe)
 RECIPE_IDS = {"fp8": 0, "fp8_mixed": 1, "bf16": 2}
 
@@ -108,7 +113,8 @@ def uses_persistent_forward(head_dim: int, recipe, device) -> bool:
     Triton -> persistent: doc512_x64 0.599 -> 0.485, doc2k_x16 1.117 -> 1.039, longtail 2.886 ->
     2.827, doc32k 12.88 -> 12.77, doc8k_x4 3.283 -> 3.344. At D=64 it is 9 % slower
     (d64_doc8k_x4 2.507 -> 2.736): D=64 keeps the Triton kernel."""
-    if interpreting() or _recipe_name(recipe) not in FP8_RECIPES or head_dim != 128:
+    if (interpreting() or _recipe_name(recipe) not in (*FP8_RECIPES, KVBLOCK_KERNEL_RECIPE)
+            or head_dim != 128):
         return False
     return is_sm90(torch.device(device)) and HAVE_GLUON
 
@@ -286,22 +292,36 @@ def uses_gluon_backward(head_dim: int, recipe, device) -> bool:
 
 
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
-    """The bf16 recipe's backward runs the one-pass Hopper kernel (backward_sm90) on an sm_90
-    GPU at head dims 64 and 128, for bf16 and fp16 inputs (P and dS feed its GEMMs in the
-    inputs' dtype, as the split kernels do)."""
-    if (_recipe_name(recipe) != "bf16" or dtype not in (torch.bfloat16, torch.float16)
-            or head_dim not in (64, 128)):
+    """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (bf16 and
+    fp16 inputs: P and dS feed its GEMMs in the inputs' dtype, as the split kernels do) and of
+    fp8_block, on an sm_90 GPU at head dims 64 and 128."""
+    name = _recipe_name(recipe)
+    if head_dim not in (64, 128) or interpreting() or not HAVE_GLUON:
+        return False
+    if name == "bf16" and dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if name not in ("bf16", KVBLOCK_KERNEL_RECIPE):
         return False
     return is_sm90(torch.device(device))
+
+
+@dataclass(frozen=True)
+class ReferenceBwdConfig:
+    """fp8_block's backward where the one-pass kernel does not run (other GPUs, the CPU
+    interpreter): flamia.reference.backward in fp32 on the kernel forward's operands
+    (layout.reference_saved). The same function as the kernel's, not its speed."""
 
 
 def backward_config(head_dim: int, recipe, device, max_seqlen: int | None = None,
                     dtype=torch.bfloat16):
     """The config of the backward a call runs: backward_sm90's Sm90BwdConfig (the one-pass
-    kernel, which picks its own tiles) or the split backward's BwdConfig."""
+    kernel, which picks its own tiles), ReferenceBwdConfig (fp8_block off sm_90) or the split
+    backward's BwdConfig."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
         from .backward_sm90 import select_config
-        return select_config(head_dim)
+        return select_config(head_dim, _recipe_name(recipe))
+    if _recipe_name(recipe) == KVBLOCK_KERNEL_RECIPE:
+        return ReferenceBwdConfig()
     return split_backward_config(head_dim, recipe, max_seqlen,
                                  gluon=uses_gluon_backward(head_dim, recipe, device))
 
@@ -311,7 +331,7 @@ class Selection:
     """What one call runs (select)."""
     vt_mma_order: bool          # the V^T column order quantize_qkv writes for the forward
     forward: FwdConfig | PersistentFwdConfig
-    backward: object            # BwdConfig, or backward_sm90.Sm90BwdConfig
+    backward: object            # BwdConfig, backward_sm90.Sm90BwdConfig or ReferenceBwdConfig
 
 
 def select(head_dim: int, recipe, device, max_seqlen: int | None = None,

@@ -51,6 +51,9 @@ class QuantizedQKV:
     # (n, Hkv, Tp) fp32: sk, sv (n = 2), then sk_diag, sv_diag (causal: n = 4), in the padded
     # columns (pads 0): the Gluon forward's TMA boxes of scales
     scale_cols: torch.Tensor | None = None
+    # The forward's row max m (Hq, T) fp32 of the softmax-scaled scores (token-block scaling: the
+    # backward bounds P^T by exp(m - lse)); set by the kernel path after the forward, None before
+    row_max: torch.Tensor | None = None
 
     @property
     def kvblock(self) -> bool:
@@ -72,3 +75,28 @@ def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: 
             qkv.k8_diag is None or qkv.vt8_diag is None or qkv.sk_diag is None)):
         raise ValueError(f"recipe {qkv.recipe}: the forward needs quantize_qkv's block and "
                          f"(causal) token copies; quantize with causal={causal}")
+
+
+def reference_saved(qkv: QuantizedQKV, causal: bool):
+    """The reference's Saved (flamia.reference) holding exactly the kernel forward's quantized
+    operands of a token-block recipe, with its row max: what reference.backward differentiates
+    when no backward kernel runs for the recipe on this device (ops.config.backward_config)."""
+    from ..quant import hadamard
+    from ..reference import Operand, Saved
+    if not qkv.kvblock or qkv.row_max is None:
+        raise ValueError("reference_saved needs a token-block recipe's operands with the "
+                         "forward's row_max (kernel_path.kernel_forward)")
+    f32 = torch.float32
+    T, Hq, Hkv, D = qkv.shape
+
+    def op(values, scale, granularity):       # (T, H, D) values, (H, T) scales
+        return Operand(values.to(f32), scale.transpose(0, 1).to(f32)[..., None], granularity)
+
+    saved = Saved(op(qkv.q8, qkv.sq, "token"), op(qkv.k8, qkv.sk, "tokenblock"),
+                  op(qkv.v8, qkv.sv, "tokenblock"),
+                  hadamard(D, f32, qkv.q8.device) if qkv.rotated else None,
+                  qkv.row_max.to(f32), causal, v_cap=qkv.vcap.transpose(0, 1).to(f32))
+    if causal:
+        saved.k_diag = op(qkv.k8_diag, qkv.sk_diag, "token")
+        saved.v_diag = op(qkv.v8_diag, qkv.sv_diag, "token")
+    return saved

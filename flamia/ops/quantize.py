@@ -24,7 +24,7 @@ block copy with the block's scale (broadcast to its tokens) and the block copy's
 block scale is pow2(max amax) over the block's tokens and heads' values, as
 reference.quantize_token_blocks. The second (_kvblock_cols_kernel) writes the K-major V copies
 (block and, causal, token) in kmajor's padded column layout, the scales in the same columns
-(scale_cols, for the Gluon forward's TMA) and, per document, the visible maxima vcap and vnorm
+(scale_cols, for the Gluon forward's TMA) and, per K/V block, the visible maxima vcap and vnorm
 (reference._visible_max).
 """
 from __future__ import annotations
@@ -349,27 +349,25 @@ def _quantize_kvblock_kernel(Q, K, V, Q8, K8, V8, K8D, V8D, SQ, SK, SV, SKD, SVD
 
 
 @triton.jit
-def _visible_max_doc(OFF, DIAG, OUT, start, end, CAUSAL: tl.constexpr, KVB: tl.constexpr):
-    """reference._visible_max of one document [start, end) of (T,) rows: causal, per row the max
-    of OFF over the document's blocks before the row's block and of DIAG over the row's block up
-    to the row; otherwise the document's max of OFF. One
-    KVB-token block per step (steps start at the document's first token)."""
-    carry = tl.max(tl.zeros([KVB], tl.float32), axis=0)          # the quantities are >= 0
+def _visible_max_block(OFF, DIAG, OUT, start, lo, hi, end, CAUSAL: tl.constexpr,
+                       KVB: tl.constexpr, CHUNK: tl.constexpr):
+    """reference._visible_max on the rows [lo, hi) of one KVB-token block of the document
+    [start, end) of (T,) rows: causal, per row the max of OFF over the document's tokens before
+    the block and of DIAG over the block up to the row; otherwise the document's max of OFF.
+    The blocks of a document are independent programs: the carry is a max over the tokens
+    before the block in CHUNK-wide loads, not a scan through the document."""
+    carry = tl.max(tl.zeros([CHUNK], tl.float32), axis=0)        # the quantities are >= 0
+    lim = lo if CAUSAL else end
+    for t0 in range(start, lim, CHUNK):
+        offs = t0 + tl.arange(0, CHUNK)
+        carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=offs < lim, other=0.0), axis=0))
+    offs = lo + tl.arange(0, KVB)
+    m = offs < hi
     if CAUSAL:
-        for t0 in range(start, end, KVB):
-            offs = t0 + tl.arange(0, KVB)
-            m = offs < end
-            d = tl.load(DIAG + offs, mask=m, other=0.0)
-            tl.store(OUT + offs, tl.maximum(tl.associative_scan(d, 0, _max_combine), carry), mask=m)
-            carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=m, other=0.0), axis=0))
+        d = tl.load(DIAG + offs, mask=m, other=0.0)
+        tl.store(OUT + offs, tl.maximum(tl.associative_scan(d, 0, _max_combine), carry), mask=m)
     else:
-        for t0 in range(start, end, KVB):
-            offs = t0 + tl.arange(0, KVB)
-            x = tl.load(OFF + offs, mask=offs < end, other=0.0)
-            carry = tl.maximum(carry, tl.max(x, axis=0))
-        for t0 in range(start, end, KVB):
-            offs = t0 + tl.arange(0, KVB)
-            tl.store(OUT + offs, tl.zeros([KVB], tl.float32) + carry, mask=offs < end)
+        tl.store(OUT + offs, tl.zeros([KVB], tl.float32) + carry, mask=m)
 
 
 @triton.jit
@@ -393,13 +391,13 @@ def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.conste
 
 @triton.jit
 def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
-                         TOK_OF_COL, CU, T, Tp, stride_t, HKV, N_COL_BLOCKS, N_DOCS,
+                         TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
-                         CAUSAL: tl.constexpr, KVB: tl.constexpr):
+                         CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
     """After _quantize_kvblock_kernel, one launch: grid axis 1 < HKV copies the block copy of V
     into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
     HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of
-    document axis 0 (_visible_max_doc)."""
+    the K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
     i = tl.program_id(0)
     j = tl.program_id(1)
     if j < HKV:
@@ -412,13 +410,18 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
             if i < N_COL_BLOCKS:
                 copy_columns(V8D, VT8D, TOK_OF_COL, T, Tp, stride_t, j - HKV, D, BLOCK_C, False,
                              MMA_ORDER)
-    elif i < N_DOCS:
-        h = (j - 2 * HKV).to(tl.int64)
-        start = tl.load(CU + i)
-        end = tl.load(CU + i + 1)
-        _visible_max_doc(SV + h * T, SVD + h * T, VCAP + h * T, start, end, CAUSAL, KVB)
-        _visible_max_doc(NORMS + h * T, NORMS + (HKV + h) * T, VNORM + h * T, start, end, CAUSAL,
-                         KVB)
+    elif i < N_ITEMS:
+        if tl.load(ITEMS + i) >= 0:
+            h = (j - 2 * HKV).to(tl.int64)
+            blk = tl.load(ITEMS + N_ITEMS + i)
+            start = tl.load(ITEMS + 2 * N_ITEMS + i)
+            end = start + tl.load(ITEMS + 3 * N_ITEMS + i)
+            lo = start + blk * KVB
+            hi = tl.minimum(lo + KVB, end)
+            _visible_max_block(SV + h * T, SVD + h * T, VCAP + h * T, start, lo, hi, end, CAUSAL,
+                               KVB, CHUNK)
+            _visible_max_block(NORMS + h * T, NORMS + (HKV + h) * T, VNORM + h * T, start, lo, hi,
+                               end, CAUSAL, KVB, CHUNK)
 
 
 def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_order: bool,
@@ -428,7 +431,6 @@ def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_ord
     Hkv = k.shape[1]
     dev = q.device
     f8, f32 = torch.float8_e4m3fn, torch.float32
-    n_docs = cu_seqlens.numel() - 1
     pcu, tok_of_col, Tp = per_cu_seqlens(cu_seqlens, ("kmajor", T),
                                          lambda: kmajor_layout(cu_seqlens, T))
     q8, k8, v8 = fill((T, Hq, D), f8), fill((T, Hkv, D), f8), fill((T, Hkv, D), f8)
@@ -467,10 +469,10 @@ def _quantize_kvblock(q, k, v, cu_seqlens, rec: Recipe, causal: bool, vt_mma_ord
     check_copy(v8, vt8, vt_mma_order)
     block_c = 64
     n_cols = triton.cdiv(Tp, block_c)
-    _kvblock_cols_kernel[(max(n_cols, n_docs), 3 * Hkv)](
+    _kvblock_cols_kernel[(max(n_cols, n_items), 3 * Hkv)](
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
-        vnorm, tok_of_col, cu_seqlens, T, Tp, v8.stride(0), Hkv,
-        n_cols, n_docs, D=D, BLOCK_C=block_c, MMA_ORDER=bool(vt_mma_order),
-        CAUSAL=bool(causal), KVB=KV_BLOCK, num_warps=4)
+        vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,
+        BLOCK_C=block_c, MMA_ORDER=bool(vt_mma_order), CAUSAL=bool(causal), KVB=KV_BLOCK,
+        CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=4)
     return out

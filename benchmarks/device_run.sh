@@ -8,7 +8,8 @@
 # (the one-pass Hopper backward and its fuzz), tests-fp8 (its fp8_block kernel; FP8_TESTS: extra
 # pytest args), tests-kvblock (fp8_block through the public API: emulation, audit, fuzz of
 # FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_block_long_check.py: kernels vs float64 at 32k
-# tokens), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
+# tokens), passes (benchmarks/bwd_fp8_passes_dev.py: launch settings of the fp8 backward's
+# pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
 # baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
 # every baseline; BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
@@ -86,6 +87,7 @@ for spec in "$@"; do
     tests-fp8) run_stage "$name" "$secs" python -m pytest -q -s -x tests/gpu/test_backward_sm90_fp8_gpu.py ${FP8_TESTS:-} ;;
     tests-kvblock) run_stage "$name" "$secs" python -m pytest -q -s -x \
              tests/gpu/test_kvblock_kernels_gpu.py ;;
+    passes) run_stage "$name" "$secs" python benchmarks/bwd_fp8_passes_dev.py ${PASSES_ARGS:-} ;;
     long-check) run_stage "$name" "$secs" python benchmarks/fp8_block_long_check.py ${LONG_ARGS:-} ;;
     dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;

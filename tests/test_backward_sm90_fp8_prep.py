@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("D", (64, 128))
-def test_prepare_matches_reference(D, causal):
+def test_prepare_matches_reference(D, causal, monkeypatch):
     Hq, Hkv = 4, 2
     q, k, v, cu = make_qkv(LENGTHS, Hq, Hkv, D, "outliers", seed=5)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -36,9 +36,17 @@ def test_prepare_matches_reference(D, causal):
     out, lse = out.to(torch.bfloat16), lse.float().contiguous()
     qkv = qkv_from_saved(saved, cu, causal)
     scale = D ** -0.5
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):     # every fp32 buffer starts as NaN: unwritten shows
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.dtype == torch.float32 else x
+    monkeypatch.setattr(torch, "empty", poisoned)
     prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
                          B.select_config(D, "fp8_block").block_m)
+    monkeypatch.setattr(torch, "empty", empty)
     prow = prep.kb.prow.long()
+    assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D) and not prep.dq_acc.any()  # zeroed
     doo = R.quantize_token_blocks(do.float(), "e4m3", cu, R.DO_BLOCK)
     assert torch.equal(prep.do8.view(torch.uint8), doo.values.to(torch.float8_e4m3fn).view(torch.uint8))
     sc = R.backward_scales(doo, doo.dequant(), out.float(), lse, saved, cu, causal)

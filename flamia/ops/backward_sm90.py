@@ -521,12 +521,14 @@ def _pow2_bound(amax):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, T, QR, GROUP,
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, T, QR, GROUP,
                         qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
     block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
     the block's maxima of the per-row bounds (reference.backward_scales):
-        row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse)."""
+        row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
+    and zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
+    reduce-adds start from."""
     h = tl.program_id(1)
     blk = tl.program_id(0)
     r = blk * BT + tl.arange(0, BT)
@@ -534,6 +536,9 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, T
     ok = tok >= 0
     t = tl.where(ok, tok, 0).to(tl.int64)
     d = tl.arange(0, D)
+    HQ = tl.num_programs(1)
+    tl.store(DQA + (r.to(tl.int64)[:, None] * HQ + h) * D + d[None, :],
+             tl.zeros([BT, D], tl.float32))
     offs = t[:, None] * stride_t + h * D + d[None, :]
     o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -555,7 +560,6 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, T
     row_pt = tl.where(live, pmax * sdo, 0.0)
     row_ds = tl.where(ok, pmax * (nrm * vn + tl.abs(delta)) * sqf, 0.0)
     vrow = h.to(tl.int64) * QR + r
-    HQ = tl.num_programs(1)
     tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
     tl.store(VEC + HQ * QR + vrow,
              tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo), float("inf")))
@@ -930,6 +934,10 @@ if HAVE_GLUON:
 # ---------------------------------------------------------------------------------------------
 
 PRE_BT = 64
+# The fp8 path's passes: warps of the preprocess (64-row blocks), rows and warps of the post pass
+PRE_WARPS = 4
+POST_BT = 64
+POST_WARPS = 4
 
 
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
@@ -997,6 +1005,7 @@ class Fp8Prep:
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
+    dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
     BM: int
 
 
@@ -1020,9 +1029,10 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     nb = QR // DO_BLOCK
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
     _bwd_preprocess_fp8[(nb, Hq)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, num_warps=4)
+        bds, dq_acc, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, num_warps=PRE_WARPS)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
@@ -1031,7 +1041,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, BM)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, BM)
 
 
 def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
@@ -1042,7 +1052,7 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
     BM, BN, kb = prep.BM, BLOCK_N, prep.kb
     QR = kb.q_rows
     dev = qkv.q8.device
-    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    dq_acc = prep.dq_acc
     dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
     k8d = qkv.k8_diag if causal else qkv.k8
     v8d = qkv.v8_diag if causal else qkv.v8
@@ -1096,10 +1106,11 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         return dq, dk, dv
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
     dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
-    grid_t = (triton.cdiv(T, PRE_BT), Hq + Hkv)
-    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq, hadamard_signs(D, torch.bfloat16, dev),
-                                 dq, dk, T, Hq, scale, ROTATE=bool(qkv.rotated), D=D, BT=PRE_BT,
-                                 num_warps=4)
+    grid_t = (triton.cdiv(T, POST_BT), Hq + Hkv)
+    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq,
+                                 hadamard_signs(D, torch.bfloat16, dev), dq, dk, T, Hq, scale,
+                                 ROTATE=bool(qkv.rotated), D=D, BT=POST_BT,
+                                 num_warps=POST_WARPS)
     return dq, dk, dv
 
 

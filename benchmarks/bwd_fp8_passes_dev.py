@@ -1,0 +1,86 @@
+"""The fp8_block backward's passes around its kernel on the H200: GPU time per kernel (torch.profiler)
+of attention_backward_sm90_fp8 under launch settings of the preprocess and the post pass
+(backward_sm90.PRE_WARPS, POST_BT, POST_WARPS), one process, the shared/workloads.json shapes.
+
+    python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
+        [--settings 4:64:4,8:64:8,4:128:8]          # PRE_WARPS:POST_BT:POST_WARPS
+
+Every setting is checked bitwise against the first one (the launch sizes do not change values).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
+from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.forward import attention_forward  # noqa: E402
+from flamia.ops.quantize import quantize_qkv  # noqa: E402
+
+
+def kernel_ms(fn, calls=5):
+    """{kernel name: GPU ms per call} over `calls` calls after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key[:40]] += e.device_time_total / 1e3 / calls
+    return dict(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default="doc512_x64,doc32k,d64_doc8k_x4")
+    ap.add_argument("--settings", default="4:64:4,8:64:4,4:64:8,4:128:8,8:128:8,4:32:4")
+    args = ap.parse_args()
+    wl = {w["name"]: w for w in json.load(open(os.path.join(
+        os.path.dirname(__file__), "..", "flamia", "data", "workloads.json")))["workloads"]}
+    settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    rows = []
+    for name in args.workloads.split(","):
+        w = wl[name]
+        lengths, Hq, Hkv, D = w["doc_lengths"], w["heads_q"], w["heads_kv"], w["head_dim"]
+        T = sum(lengths)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, h, D, device="cuda", generator=g).to(torch.bfloat16)
+                       for h in (Hq, Hkv, Hkv, Hq))
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        qkv = quantize_qkv(q, k, v, cu, "fp8_block", True)
+        out, lse, rmax = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16,
+                                           return_row_max=True)
+        first = None
+        for pre_w, post_bt, post_w in settings:
+            B.PRE_WARPS, B.POST_BT, B.POST_WARPS = pre_w, post_bt, post_w
+            run = lambda: B.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu, True,  # noqa
+                                                        deterministic=True)
+            got = run()
+            if first is None:
+                first = got
+            same = all(torch.equal(a, b) for a, b in zip(got, first))
+            ms = kernel_ms(run)
+            pre = sum(t for k_, t in ms.items() if "preprocess" in k_)
+            post = sum(t for k_, t in ms.items() if "postprocess" in k_)
+            rows.append((name, f"{pre_w}:{post_bt}:{post_w}", pre, post, sum(ms.values()), same))
+            print(rows[-1], {k_: round(t, 3) for k_, t in ms.items()}, flush=True)
+    print("\n| workload | PRE_WARPS:POST_BT:POST_WARPS | preprocess ms | post ms | all kernels ms "
+          "| bitwise = first |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -502,8 +502,10 @@ if HAVE_GLUON:
 #     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
-# Diagonal steps (the query block inside the key block; they run first, every head of the group)
-# recompute S^T and dP^T from the token copies, as the forward did: skt_j, svt_j multiply them
+# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the
+# key block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared.
+# Diagonal steps (the query block inside the key block) recompute S^T and dP^T from the token
+# copies, as the forward did: skt_j, svt_j multiply them
 # per key row. dQ reads the block copy on every step (reference.py). Epilogue:
 # dV = c_pt acc, dK = scale c_ds acc (fp32, rotated); the post pass divides dQ by sqf, multiplies
 # by the softmax scale and rotates dQ and dK back.
@@ -645,37 +647,6 @@ def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE
 if HAVE_GLUON:
 
     @gluon.jit
-    def _fp8_steps(k0, L, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-        """(n_diag, n_off, off_lo): per query head, the diagonal steps (query blocks inside the
-        key block, causal only) and the later ones, which start at query row off_lo."""
-        nq = (L + BM - 1) // BM
-        if CAUSAL:
-            n_diag = (gl.minimum(BN, L - k0) + BM - 1) // BM
-            n_off = nq - k0 // BM - n_diag
-            off_lo = k0 + n_diag * BM
-        else:
-            n_diag = k0 * 0
-            n_off = nq
-            off_lo = k0 * 0
-        return n_diag, n_off, off_lo
-
-    @gluon.jit
-    def _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM: gl.constexpr):
-        """(query head, first query row, diagonal?) of step i: the diagonal steps of every head
-        of the GQA group first, then the later query blocks of every head."""
-        n_first = GROUP * n_diag
-        diag = i < n_first
-        if diag:
-            j = i
-            per = gl.maximum(n_diag, 1)
-            lo = k0
-        else:
-            j = i - n_first
-            per = gl.maximum(n_off, 1)
-            lo = off_lo
-        return kvh * GROUP + j // per, lo + (j % per) * BM, diag
-
-    @gluon.jit
     def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                     kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
                     v_smem, kt_smem, vec_smem, kv_ready, kt_ready, q_ready, do_ready,
@@ -688,7 +659,7 @@ if HAVE_GLUON:
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
-            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
             KV_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
             if CAUSAL:
                 mbarrier.expect(kv_ready, 2 * KV_BYTES)
@@ -702,8 +673,9 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem.index(0))
             mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
-            for i in range(GROUP * (n_diag + n_off)):
-                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
                 qb = q_ready.index(s)
@@ -724,33 +696,7 @@ if HAVE_GLUON:
                                                 vec_smem.index(s * NV + 2))
                 tma.async_copy_global_to_shared(vec_desc, [3 * HQ + h, pq + q0], db,
                                                 vec_smem.index(s * NV + 3))
-
-    @gluon.jit
-    def _fp8_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS,
-                       BN: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
-        """_bwd_dq_writer for the fp8 step order (_fp8_step)."""
-        BM: gl.constexpr = dq_smem.type.shape[1]
-        D: gl.constexpr = dq_smem.type.shape[2]
-        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
-        if doc >= 0:
-            k0 = blk * BN
-            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
-            for i in range(GROUP * (n_diag + n_off)):
-                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
-                b = i % 2
-                mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
-                if DETERMINISTIC:
-                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
-                    turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                    while turn != blk:
-                        turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
-                if DETERMINISTIC:
-                    _bulk_writes_done()
-                    gl.atomic_add(sem, 1, sem="release", scope="gpu")
-                else:
-                    tma.store_wait(0)
-                mbarrier.arrive(dq_free.index(b), count=1)
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
@@ -778,7 +724,7 @@ if HAVE_GLUON:
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
-            n_diag, n_off, off_lo = _fp8_steps(k0, L, BM, BN, CAUSAL)
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
             # CTA scalars
             c_pt = gl.load(CPT + item)
             c_ds = gl.load(CDS + item)
@@ -796,8 +742,12 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
-            for i in range(GROUP * (n_diag + n_off)):
-                h, q0, diag = _fp8_step(i, kvh, k0, n_diag, n_off, off_lo, GROUP, BM)
+            for i in range(GROUP * n_m):
+                q0 = (m_lo + i % n_m) * BM
+                if CAUSAL:    # the query block inside the key block: the token copies
+                    diag = q0 < k0 + BN
+                else:
+                    diag = q0 < 0
                 s = i % STAGES
                 ph = (i // STAGES) & 1
                 c = diag.to(gl.int32)
@@ -915,7 +865,7 @@ if HAVE_GLUON:
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
                            q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
-            (_fp8_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                               QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
@@ -935,7 +885,7 @@ if HAVE_GLUON:
 
 PRE_BT = 64
 # The fp8 path's passes: warps of the preprocess (64-row blocks), rows and warps of the post pass
-PRE_WARPS = 4
+PRE_WARPS = 8
 POST_BT = 64
 POST_WARPS = 4
 

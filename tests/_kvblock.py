@@ -30,3 +30,19 @@ def qkv_from_saved(saved: R.Saved, cu: torch.Tensor, causal: bool) -> SimpleName
         ns.k8_diag, ns.sk_diag = vals(saved.k_diag), tok(saved.k_diag)
         ns.v8_diag, ns.sv_diag = vals(saved.v_diag), tok(saved.v_diag)
     return ns
+
+
+def random_case(rng):
+    """(lengths, Hq, Hkv, D, causal) of one GPU fuzz case drawn from random.Random rng: 1-6
+    documents of 0, 1, 2, 3-200 or 200-900 tokens (never all empty), GQA groups 1/2/4/8 over 1,
+    2 or 4 KV heads, D 64 or 128, causal 4 times in 5."""
+    n_docs = rng.randint(1, 6)
+    lengths = [rng.choice([0, 1, 2, rng.randint(3, 200), rng.randint(200, 900)])
+               for _ in range(n_docs)]
+    if sum(lengths) == 0:
+        lengths.append(5)
+    Hkv = rng.choice([1, 2, 4])
+    Hq = Hkv * rng.choice([1, 2, 4, 8])
+    D = rng.choice([64, 128])
+    causal = rng.random() < 0.8
+    return lengths, Hq, Hkv, D, causal

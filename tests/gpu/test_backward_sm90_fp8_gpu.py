@@ -21,7 +21,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops.backward_sm90 import attention_backward_sm90_fp8  # noqa: E402
-from tests._kvblock import qkv_from_saved  # noqa: E402
+from tests._kvblock import qkv_from_saved, random_case  # noqa: E402
 
 DEV = "cuda"
 RECIPE = "fp8_block"
@@ -149,15 +149,7 @@ def test_fuzz():
     t0 = time.time()
     print(f"fuzz: {FUZZ_CASES} cases, seed {FUZZ_SEED}")
     for case in range(FUZZ_CASES):
-        n_docs = rng.randint(1, 6)
-        lengths = [rng.choice([0, 1, 2, rng.randint(3, 200), rng.randint(200, 900)])
-                   for _ in range(n_docs)]
-        if sum(lengths) == 0:
-            lengths.append(5)
-        Hkv = rng.choice([1, 2, 4])
-        Hq = Hkv * rng.choice([1, 2, 4, 8])
-        D = rng.choice([64, 128])
-        causal = rng.random() < 0.8
+        lengths, Hq, Hkv, D, causal = random_case(rng)
         try:
             _run_case(lengths, Hq, Hkv, D, causal, seed=case)
         except AssertionError as e:

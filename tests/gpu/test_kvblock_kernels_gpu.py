@@ -24,6 +24,7 @@ from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.interface import backend  # noqa: E402
 from flamia.ops.config import backward_config, forward_config  # noqa: E402
+from tests._kvblock import random_case  # noqa: E402
 
 DEV = "cuda"
 RECIPE = "fp8_block"
@@ -132,15 +133,7 @@ def test_fuzz():
     t0 = time.time()
     print(f"fuzz: {FUZZ_CASES} cases, seed {FUZZ_SEED}")
     for case in range(FUZZ_CASES):
-        n_docs = rng.randint(1, 6)
-        lengths = [rng.choice([0, 1, 2, rng.randint(3, 200), rng.randint(200, 900)])
-                   for _ in range(n_docs)]
-        if sum(lengths) == 0:
-            lengths.append(5)
-        Hkv = rng.choice([1, 2, 4])
-        Hq = Hkv * rng.choice([1, 2, 4, 8])
-        D = rng.choice([64, 128])
-        causal = rng.random() < 0.8
+        lengths, Hq, Hkv, D, causal = random_case(rng)
         try:
             (q, k, v, do, cu), got = _check_case(lengths, Hq, Hkv, D, causal, seed=case)
             j = rng.randrange(len(lengths))             # P2: replace document j

@@ -20,10 +20,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scales_v2_check32k import exact_chunked, run_block, size_label  # noqa: E402
+from scales_v2_check32k import case_and_truth, run_block, size_label  # noqa: E402
 
 from flamia import flamia_attn_varlen_func  # noqa: E402
-from flamia.inputs import make_qkv, rel_err  # noqa: E402
+from flamia.inputs import rel_err  # noqa: E402
 
 
 def run_api(q, k, v, cu, do, recipe):
@@ -56,10 +56,8 @@ def main(argv=None) -> int:
     for d in args.head_dims:
         for lname, lengths in layouts.items():
             for fam in args.families:
-                q, k, v, cu = make_qkv(lengths, hq, hkv, d, fam, torch.bfloat16, seed=0)
-                do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-                q, k, v, cu, do = (x.to(dev) for x in (q, k, v, cu, do))
-                ref = exact_chunked(q, k, v, cu, do, args.chunk)
+                (q, k, v, cu, do), ref = case_and_truth(lengths, hq, hkv, d, fam, dev,
+                                                        args.chunk)
                 runs = [(f"{r} kernels", lambda r=r: run_api(q, k, v, cu, do, r))
                         for r in args.kernels]
                 runs.append(("fp8_block emulation", lambda: run_block(q, k, v, cu, do, "fp8_block")))

@@ -89,6 +89,15 @@ def exact_chunked(q, k, v, cu, do, chunk):
     return o, dq, dk, dv
 
 
+def case_and_truth(lengths, hq, hkv, d, family, dev, chunk):
+    """The inputs of one case (seed 0, dO seed 1, bf16, on dev) and their float64 truth
+    (exact_chunked): ((q, k, v, cu, do), (o, dq, dk, dv))."""
+    q, k, v, cu = make_qkv(lengths, hq, hkv, d, family, torch.bfloat16, seed=0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    q, k, v, cu, do = (x.to(dev) for x in (q, k, v, cu, do))
+    return (q, k, v, cu, do), exact_chunked(q, k, v, cu, do, chunk)
+
+
 def run_block(q, k, v, cu, do, recipe):
     """fp8_block-style recipes: one call, all heads (the backward's CTA scale spans the group)."""
     out, lse, saved = R.forward(q, k, v, cu, recipe)
@@ -197,10 +206,7 @@ def main(argv=None) -> int:
     rows, stats = [], []
     for lname, lengths in layouts.items():
         for fam in args.families:
-            q, k, v, cu = make_qkv(lengths, hq, hkv, d, fam, torch.bfloat16, seed=0)
-            do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-            q, k, v, cu, do = (x.to(dev) for x in (q, k, v, cu, do))
-            ref = exact_chunked(q, k, v, cu, do, args.chunk)
+            (q, k, v, cu, do), ref = case_and_truth(lengths, hq, hkv, d, fam, dev, args.chunk)
             for recipe in args.recipes:
                 rec = get_recipe(recipe)
                 fn = run_block if rec.scaling == R.KVBLOCK else run_per_head

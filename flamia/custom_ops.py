@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .kernel_path import dense_cu_seqlens, kernel_backward, kernel_forward
-from .ops.layout import QuantizedQKV
+from .ops.layout import KVBLOCK_RECIPES, QuantizedQKV
 from .recipes import get_recipe
 from .validate import check_values
 
@@ -81,7 +81,7 @@ def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rec
         shapes.update(q8=((T, Hq, D), f8), k8=((T, Hkv, D), f8), v8=((T, Hkv, D), f8),
                       sq=((Hq, T), f32), sk=((Hkv, T), f32), sv=((Hkv, T), f32),
                       vcap=((Hkv, T), f32))
-    if get_recipe(recipe).scaling == "kvblock128":
+    if recipe in KVBLOCK_RECIPES:          # the fields QuantizedQKV.kvblock operands carry
         shapes.update(vnorm=((Hkv, T), f32), row_max=((Hq, T), f32))
         if causal:
             shapes.update(k8_diag=((T, Hkv, D), f8), v8_diag=((T, Hkv, D), f8),

@@ -127,6 +127,7 @@ def recipe_path(device, head_dim: int, name: str) -> str:
     import os
 
     from . import ops
+    from .ops.config import ReferenceBwdConfig, backward_config
     probe = torch.empty(1, 1, head_dim, device=device)
     rec = RECIPES[name]
     if backend(probe, name) == "kernels":
@@ -134,7 +135,7 @@ def recipe_path(device, head_dim: int, name: str) -> str:
             return "kernels: Triton and Gluon (sm_90)"
         where = ("Triton (not sm_90: no Gluon kernels)" if probe.is_cuda
                  else "Triton under its interpreter (TRITON_INTERPRET=1 FLAMIA_KERNELS=1)")
-        if rec.scaling == "kvblock128":     # its backward kernel is sm_90 Gluon only
+        if isinstance(backward_config(head_dim, name, probe.device), ReferenceBwdConfig):
             where += "; the backward on the reference (its kernel needs sm_90)"
         return f"kernels: {where}"
     ref = "reference emulation (flamia/reference.py, fp32)"

@@ -19,7 +19,7 @@
 # GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side, benchmarks/host_profile.py), ncu,
 # ncu-src (per-instruction warp samples of the forward, dK/dV and dQ kernels:
 # benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd (the bf16 backward, flamia
-# sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS), scales32k
+# sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS; NCU_ARGS=--fp8: fp8_block), scales32k
 # (benchmarks/scales_v2_check32k.py: the fp8_block spec at 32k tokens).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
@@ -145,13 +145,13 @@ for spec in "$@"; do
         run_stage "$name-$wl" "$secs" "$NCU" --clock-control none --profile-from-start off \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section SourceCounters --section InstructionStats --section LaunchStats \
-          --section Occupancy --import-source no -f -o "$OUT/ncubwd-$wl" \
-          python benchmarks/ncu_bwd_sm90.py --only "$wl"
+          --section Occupancy --section MemoryWorkloadAnalysis --import-source no -f \
+          -o "$OUT/ncubwd-$wl" python benchmarks/ncu_bwd_sm90.py --only "$wl" ${NCU_ARGS:-}
         "$NCU" --import "$OUT/ncubwd-$wl.ncu-rep" --page details >"$OUT/ncu-bwd-$wl-details.txt" 2>&1
         "$NCU" --import "$OUT/ncubwd-$wl.ncu-rep" --page source --csv --print-source sass \
           >"$OUT/ncu-bwd-$wl-source.csv" 2>&1
         rm -f "$OUT/ncubwd-$wl.ncu-rep"
-        grep -E "^  [_a-zA-Z]|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Achieved Occ" \
+        grep -E "^  [_a-zA-Z]|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Achieved Occ|Shared|Pipe|Stall|Tensor" \
           "$OUT/ncu-bwd-$wl-details.txt" | head -60
         python benchmarks/ncu_source.py "$OUT/ncu-bwd-$wl-source.csv" --top 30 \
           >"$OUT/ncu-bwd-$wl-source.txt" 2>&1

@@ -29,6 +29,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="d64_doc8k_x4")
     ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="flamia's fp8_block kernel (inputs of "
+                    "bwd_sm90_dev.fp8_block_timing_inputs) instead of its bf16 one")
     args = ap.parse_args()
     workloads, _ = load_workloads()
     w = next(w for w in workloads if w.name == args.only)
@@ -42,8 +44,16 @@ def main():
     o, lse = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, L, L, recipe="bf16",
                                             return_lse=True, check_finite=False)
 
-    def ours():
-        B.attention_backward_sm90(do, o, lse, q, k, v, cu, True)
+    if args.fp8:
+        from benchmarks.bwd_sm90_dev import fp8_block_timing_inputs
+        _, qkvb = fp8_block_timing_inputs(q, k, v, cu, True)
+        lse_b = lse.contiguous()
+
+        def ours():
+            B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkvb, cu, True)
+    else:
+        def ours():
+            B.attention_backward_sm90(do, o, lse, q, k, v, cu, True)
 
     fa4 = None
     if not args.no_fa4:
@@ -69,7 +79,8 @@ def main():
         fa4()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled one bf16 backward of {w.name}: flamia sm90" + (" and FA4" if fa4 else ""))
+    print(f"profiled one backward of {w.name}: flamia sm90 {'fp8_block' if args.fp8 else 'bf16'}"
+          + (" and FA4 bf16" if fa4 else ""))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ DQ_REGS = 24
 @dataclass(frozen=True)
 class Sm90BwdConfig:
     block_m: int            # query rows per step
+    pipelined: bool = False  # dV / dK of step i-1 issued after step i's S / dP GEMMs (A/B)
 
     @property
     def name(self) -> str:
@@ -703,7 +704,7 @@ if HAVE_GLUON:
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
                      DK32, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     PIPELINE: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -742,6 +743,13 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            if PIPELINE:
+                # step i-1's dV / dK operands; before the first step zeros (the first step's
+                # dV / dK GEMMs add 0 from its own, already loaded, stage)
+                xa_p = gl.convert_layout(
+                    mma_key_order_gluon(gl.zeros([BN, BM], gl.float32, s_layout).to(f8)), a_layout)
+                ya_p = xa_p
+                s_p = m_lo * 0
             for i in range(GROUP * n_m):
                 q0 = (m_lo + i % n_m) * BM
                 if CAUSAL:    # the query block inside the key block: the token copies
@@ -759,7 +767,15 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
-                st = warpgroup_mma_wait(1, deps=[st])
+                if PIPELINE:   # step i-1's dV and dK run while this step's X^T is computed
+                    sp = gl.where(i > 0, s_p, s)
+                    dv = warpgroup_mma(xa_p, dot_smem.index(sp).permute((1, 0)), dv,
+                                       is_async=True)
+                    dk = warpgroup_mma(ya_p, qt_smem.index(sp).permute((1, 0)), dk,
+                                       is_async=True)
+                    st = warpgroup_mma_wait(3, deps=[st])
+                else:
+                    st = warpgroup_mma_wait(1, deps=[st])
                 edge_q = q0 + BM > L
                 if CAUSAL:
                     masked = diag | edge_q | (k0 + BN > L)
@@ -777,7 +793,7 @@ if HAVE_GLUON:
                 if masked:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     xt = gl.where(ok, xt, 0.0)
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                dpt = warpgroup_mma_wait(2 if PIPELINE else 0, deps=[dpt])
                 vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
                 ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
                 if CAUSAL:
@@ -790,7 +806,8 @@ if HAVE_GLUON:
                 if masked:   # dP^T of keys past the document end may be NaN
                     yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
-                dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+                if not PIPELINE:
+                    dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
                 ds_smem.permute((1, 0)).store(y8)        # dS for dQ: keys contiguous
                 fence_async_shared()
@@ -800,16 +817,30 @@ if HAVE_GLUON:
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
-                dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+                if PIPELINE:
+                    dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])
+                    mbarrier.arrive(q_free.index(sp), count=1, pred=i > 0)
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                else:
+                    dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 dq = dq * u_off
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
-                dk = warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(q_free.index(s), count=1)
+                if PIPELINE:
+                    xa_p = xa
+                    ya_p = ya
+                    s_p = s
+                else:
+                    dk = warpgroup_mma_wait(0, deps=[dk])
+                    mbarrier.arrive(q_free.index(s), count=1)
+            if PIPELINE:    # the last step's dV and dK
+                dv = warpgroup_mma(xa_p, dot_smem.index(s_p).permute((1, 0)), dv, is_async=True)
+                dk = warpgroup_mma(ya_p, qt_smem.index(s_p).permute((1, 0)), dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc (fp32, rotated space)
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -826,7 +857,8 @@ if HAVE_GLUON:
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                                  DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
+                                  DETERMINISTIC: gl.constexpr, PIPELINE: gl.constexpr,
+                                  num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
         q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
         qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
@@ -860,7 +892,8 @@ if HAVE_GLUON:
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                             q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
-                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, num_warps)),
+                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, PIPELINE,
+                            num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
@@ -994,7 +1027,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, BM)
 
 
-def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
+def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv, pipelined=False):
     """The kernel: (dq_acc (QR, Hq, D) fp32 in dQ's units, dk32 (T, Hkv, D) fp32 rotated);
     writes dv."""
     T, Hq, D = qkv.q8.shape
@@ -1027,7 +1060,7 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
         *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
         qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
         CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
-        DETERMINISTIC=bool(deterministic), num_warps=8)
+        DETERMINISTIC=bool(deterministic), PIPELINE=bool(pipelined), num_warps=8)
     return dq_acc, dk32
 
 
@@ -1055,7 +1088,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     if T == 0:
         return dq, dk, dv
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
-    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
+    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv, cfg.pipelined)
     grid_t = (triton.cdiv(T, POST_BT), Hq + Hkv)
     _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq,
                                  hadamard_signs(D, torch.bfloat16, dev), dq, dk, T, Hq, scale,

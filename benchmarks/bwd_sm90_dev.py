@@ -170,8 +170,7 @@ def fp8_block_timing_inputs(q, k, v, cu, causal):
     return qkv, blk
 
 
-def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False,
-                   fp8_pipe=False):
+def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
     for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
@@ -220,15 +219,6 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
             if args_det:
                 row["fp8_block det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkvb, cu, causal, scale, deterministic=True))
-            if fp8_pipe:   # the pipelined variant: bitwise equal in deterministic mode, then timed
-                pcfg = B.Sm90BwdConfig(B.select_config(D, "fp8_block").block_m, pipelined=True)
-                a = B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkvb, cu, causal, scale,
-                                                  deterministic=True)
-                b = B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkvb, cu, causal, scale,
-                                                  deterministic=True, config=pcfg)
-                row["pipe bitwise dq,dk,dv"] = [bool(torch.equal(x, y)) for x, y in zip(a, b)]
-                row["fp8_block pipe"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=pcfg))
             row["fp8 split"] = cuda_ms(lambda: attention_backward(do, o, lse, qkv8, cu, maxlen,
                                                                   causal, scale))
         if fa4 is not None:
@@ -261,9 +251,7 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
     for r in table:
         cells = [r["workload"]]
         for k in keys[1:]:
-            if k in r and not isinstance(r[k], (int, float)):
-                cells.append(str(r[k]))
-            elif k in r:
+            if k in r:
                 ms = r[k]
                 tf = r["_tflop_b"] / (ms / 1e3) if "fwd" not in k else float("nan")
                 cells.append(f"{ms:.3f} ({tf:.0f})")
@@ -303,8 +291,6 @@ def main():
                     "comma separated")
     ap.add_argument("--fp8", action="store_true", help="also time the fp8_block one-pass "
                     "backward and the fp8 split backward")
-    ap.add_argument("--fp8-pipe", action="store_true", help="with --fp8: the pipelined "
-                    "variant (dV / dK one step late), bitwise check in deterministic mode, timed")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()
@@ -326,7 +312,7 @@ def main():
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, old=not args.no_old,
                        args_det=args.det, shapes=[x for x in args.shapes.split(",") if x],
-                       fp8=args.fp8, fp8_pipe=args.fp8_pipe)
+                       fp8=args.fp8)
     sys.exit(0 if ok else 1)
 
 

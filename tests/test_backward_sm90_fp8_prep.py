@@ -76,3 +76,32 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
         want = torch.zeros_like(xT.view(torch.uint8))
         want[:, :, ok] = x8.view(torch.uint8)[tok[ok]].permute(1, 2, 0)
         assert torch.equal(xT.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("rotated", (True, False))
+@pytest.mark.parametrize("D", (64, 128))
+def test_post_pass(D, rotated, monkeypatch):
+    """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, dk = dk32, both rotated back
+    (x @ H / sqrt(D)) when `rotated`; T spans several programs of POST_SUB blocks and ends
+    inside one (the tail rows are masked)."""
+    monkeypatch.setattr(B, "POST_SUB", 3)
+    T, Hq, Hkv = 3 * 64 * 2 + 37, 3, 1
+    g = torch.Generator().manual_seed(11)
+    prow = (torch.arange(T) + 5 + torch.arange(T) // 100 * 7).to(torch.int32)   # gaps: padding
+    dq_acc = torch.randn(int(prow.max()) + 9, Hq, D, generator=g)
+    dk32 = torch.randn(T, Hkv, D, generator=g)
+    sq = torch.rand(Hq, T, generator=g) + 0.5
+    sq[:, 3] = 0.0                                   # a zero scale (sqf = 1)
+    scale = 0.3
+    dq = torch.full((T, Hq, D), float("nan")).to(torch.bfloat16)
+    dk = torch.full((T, Hkv, D), float("nan")).to(torch.bfloat16)
+    B.fp8_post(dq_acc, dk32, prow, sq, rotated, scale, dq, dk)
+    sqf = torch.where(sq > 0, sq, torch.ones_like(sq)).T[:, :, None]
+    want_q = dq_acc[prow.long()].double() * scale / sqf.double()
+    want_k = dk32.double()
+    if rotated:
+        from flamia.ops.numerics import hadamard_signs
+        H = hadamard_signs(D, torch.float64, "cpu") / D ** 0.5
+        want_q, want_k = want_q @ H, want_k @ H
+    torch.testing.assert_close(dq.double(), want_q.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
+    torch.testing.assert_close(dk.double(), want_k.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)

@@ -70,7 +70,6 @@ DQ_REGS = 24
 @dataclass(frozen=True)
 class Sm90BwdConfig:
     block_m: int            # query rows per step
-    pipelined: bool = False  # dV / dK of step i-1 issued after step i's S / dP GEMMs (A/B)
 
     @property
     def name(self) -> str:
@@ -605,11 +604,16 @@ def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.conste
 
 
 @triton.jit
-def _rotate_back(x, HMAT, D: tl.constexpr):
-    """x (M, D) fp32 @ H (H the +-1 Sylvester matrix, bf16, exact) / sqrt(D): two bf16 GEMMs on
-    x = hi + lo (relative error <= 2^-17)."""
+def _hadamard(HMAT, D: tl.constexpr):
+    """The (D, D) +-1 Sylvester matrix H (bf16, exact)."""
     dd = tl.arange(0, D)
-    hm = tl.load(HMAT + dd[:, None] * D + dd[None, :])
+    return tl.load(HMAT + dd[:, None] * D + dd[None, :])
+
+
+@triton.jit
+def _rotate_back(x, hm, D: tl.constexpr):
+    """x (M, D) fp32 @ hm (the Hadamard matrix) / sqrt(D): two bf16 GEMMs on x = hi + lo
+    (relative error <= 2^-17)."""
     hi = x.to(tl.bfloat16)
     lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
     acc = tl.dot(hi, hm, out_dtype=tl.float32) + tl.dot(lo, hm, out_dtype=tl.float32)
@@ -618,31 +622,37 @@ def _rotate_back(x, HMAT, D: tl.constexpr):
 
 @triton.jit
 def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE: tl.constexpr,
-                         D: tl.constexpr, BT: tl.constexpr):
-    """Heads [0, HQ): dq = rotate_back(dq_acc * scale / sqf); heads HQ..: dk = rotate_back(dk)."""
+                         D: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr):
+    """SUB blocks of BT tokens of one head. Heads [0, HQ): dq = rotate_back(dq_acc * scale /
+    sqf); heads HQ..: dk = rotate_back(dk). H is loaded once per program (32 KB at D=128)."""
     h = tl.program_id(1)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    ok = t < T
     d = tl.arange(0, D)
-    t64 = t.to(tl.int64)
-    if h < HQ:
-        pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
-        acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
-                      other=0.0)
-        sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
-        acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
-        if ROTATE:
-            acc = _rotate_back(acc, HMAT, D)
-        tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
-                 acc.to(DQ.dtype.element_ty), mask=ok[:, None])
+    if ROTATE:
+        hm = _hadamard(HMAT, D)
     else:
-        HKV = tl.num_programs(1) - HQ
-        hk = h - HQ
-        offs = t64[:, None] * (HKV * D) + hk * D + d[None, :]
-        acc = tl.load(DK32 + offs, mask=ok[:, None], other=0.0)
-        if ROTATE:
-            acc = _rotate_back(acc, HMAT, D)
-        tl.store(DK + offs, acc.to(DK.dtype.element_ty), mask=ok[:, None])
+        hm = scale
+    for j in range(SUB):
+        t = (tl.program_id(0) * SUB + j) * BT + tl.arange(0, BT)
+        ok = t < T
+        t64 = t.to(tl.int64)
+        if h < HQ:
+            pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+            acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
+                          other=0.0)
+            sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
+            acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
+            if ROTATE:
+                acc = _rotate_back(acc, hm, D)
+            tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
+                     acc.to(DQ.dtype.element_ty), mask=ok[:, None])
+        else:
+            HKV = tl.num_programs(1) - HQ
+            hk = h - HQ
+            offs = t64[:, None] * (HKV * D) + hk * D + d[None, :]
+            acc = tl.load(DK32 + offs, mask=ok[:, None], other=0.0)
+            if ROTATE:
+                acc = _rotate_back(acc, hm, D)
+            tl.store(DK + offs, acc.to(DK.dtype.element_ty), mask=ok[:, None])
 
 
 if HAVE_GLUON:
@@ -704,7 +714,7 @@ if HAVE_GLUON:
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
                      DK32, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
-                     PIPELINE: gl.constexpr, num_warps: gl.constexpr):
+                     num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -743,13 +753,6 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
-            if PIPELINE:
-                # step i-1's dV / dK operands; before the first step zeros (the first step's
-                # dV / dK GEMMs add 0 from its own, already loaded, stage)
-                xa_p = gl.convert_layout(
-                    mma_key_order_gluon(gl.zeros([BN, BM], gl.float32, s_layout).to(f8)), a_layout)
-                ya_p = xa_p
-                s_p = m_lo * 0
             for i in range(GROUP * n_m):
                 q0 = (m_lo + i % n_m) * BM
                 if CAUSAL:    # the query block inside the key block: the token copies
@@ -767,15 +770,7 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
-                if PIPELINE:   # step i-1's dV and dK run while this step's X^T is computed
-                    sp = gl.where(i > 0, s_p, s)
-                    dv = warpgroup_mma(xa_p, dot_smem.index(sp).permute((1, 0)), dv,
-                                       is_async=True)
-                    dk = warpgroup_mma(ya_p, qt_smem.index(sp).permute((1, 0)), dk,
-                                       is_async=True)
-                    st = warpgroup_mma_wait(3, deps=[st])
-                else:
-                    st = warpgroup_mma_wait(1, deps=[st])
+                st = warpgroup_mma_wait(1, deps=[st])
                 edge_q = q0 + BM > L
                 if CAUSAL:
                     masked = diag | edge_q | (k0 + BN > L)
@@ -793,7 +788,7 @@ if HAVE_GLUON:
                 if masked:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     xt = gl.where(ok, xt, 0.0)
-                dpt = warpgroup_mma_wait(2 if PIPELINE else 0, deps=[dpt])
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
                 vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
                 ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
                 if CAUSAL:
@@ -806,8 +801,7 @@ if HAVE_GLUON:
                 if masked:   # dP^T of keys past the document end may be NaN
                     yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
-                if not PIPELINE:
-                    dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+                dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
                 ds_smem.permute((1, 0)).store(y8)        # dS for dQ: keys contiguous
                 fence_async_shared()
@@ -817,30 +811,16 @@ if HAVE_GLUON:
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
-                if PIPELINE:
-                    dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])
-                    mbarrier.arrive(q_free.index(sp), count=1, pred=i > 0)
-                    dq = warpgroup_mma_wait(0, deps=[dq])
-                else:
-                    dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-                    dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+                dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 dq = dq * u_off
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
-                if PIPELINE:
-                    xa_p = xa
-                    ya_p = ya
-                    s_p = s
-                else:
-                    dk = warpgroup_mma_wait(0, deps=[dk])
-                    mbarrier.arrive(q_free.index(s), count=1)
-            if PIPELINE:    # the last step's dV and dK
-                dv = warpgroup_mma(xa_p, dot_smem.index(s_p).permute((1, 0)), dv, is_async=True)
-                dk = warpgroup_mma(ya_p, qt_smem.index(s_p).permute((1, 0)), dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_free.index(s), count=1)
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc (fp32, rotated space)
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -857,8 +837,7 @@ if HAVE_GLUON:
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                                  DETERMINISTIC: gl.constexpr, PIPELINE: gl.constexpr,
-                                  num_warps: gl.constexpr):
+                                  DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
         q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
         qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
@@ -892,8 +871,7 @@ if HAVE_GLUON:
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                             q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
-                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, PIPELINE,
-                            num_warps)),
+                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
@@ -921,6 +899,7 @@ PRE_BT = 64
 PRE_WARPS = 8
 POST_BT = 64
 POST_WARPS = 4
+POST_SUB = 8            # row blocks per post-pass program (the Hadamard matrix loaded once)
 
 
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
@@ -1027,7 +1006,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, BM)
 
 
-def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv, pipelined=False):
+def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
     """The kernel: (dq_acc (QR, Hq, D) fp32 in dQ's units, dk32 (T, Hkv, D) fp32 rotated);
     writes dv."""
     T, Hq, D = qkv.q8.shape
@@ -1060,7 +1039,7 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv, pipelined=Fal
         *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
         qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
         CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
-        DETERMINISTIC=bool(deterministic), PIPELINE=bool(pipelined), num_warps=8)
+        DETERMINISTIC=bool(deterministic), num_warps=8)
     return dq_acc, dk32
 
 
@@ -1088,13 +1067,20 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     if T == 0:
         return dq, dk, dv
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
-    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv, cfg.pipelined)
-    grid_t = (triton.cdiv(T, POST_BT), Hq + Hkv)
-    _bwd_postprocess_fp8[grid_t](dq_acc, dk32, prep.kb.prow, qkv.sq,
-                                 hadamard_signs(D, torch.bfloat16, dev), dq, dk, T, Hq, scale,
-                                 ROTATE=bool(qkv.rotated), D=D, BT=POST_BT,
-                                 num_warps=POST_WARPS)
+    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
+    fp8_post(dq_acc, dk32, prep.kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk)
     return dq, dk, dv
+
+
+def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk):
+    """The post pass: dq (T, Hq, D) from the fp32 buffer dq_acc (padded rows prow, units of
+    sq), dk from dk32 (T, Hkv, D), both rotated back when `rotated`."""
+    T, Hq, D = dq.shape
+    Hkv = dk.shape[1]
+    grid = (triton.cdiv(T, POST_BT * POST_SUB), Hq + Hkv)
+    _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, hadamard_signs(D, torch.bfloat16, dq.device),
+                               dq, dk, T, Hq, scale, ROTATE=rotated, D=D, BT=POST_BT,
+                               SUB=POST_SUB, num_warps=POST_WARPS)
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

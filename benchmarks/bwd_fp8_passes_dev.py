@@ -1,9 +1,9 @@
 """The fp8_block backward's passes around its kernel on the H200: GPU time per kernel (torch.profiler)
 of attention_backward_sm90_fp8 under launch settings of the preprocess and the post pass
-(backward_sm90.PRE_WARPS, POST_BT, POST_WARPS, POST_SUB), one process, the shared/workloads.json shapes.
+(backward_sm90.PRE_WARPS, POST_BT, POST_WARPS), one process, the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
-        [--settings 8:64:4:1,8:64:4:8]          # PRE_WARPS:POST_BT:POST_WARPS[:POST_SUB]
+        [--settings 4:64:4,8:64:8,4:128:8]          # PRE_WARPS:POST_BT:POST_WARPS
 
 Every setting is checked bitwise against the first one (the launch sizes do not change values).
 """
@@ -43,7 +43,7 @@ def kernel_ms(fn, calls=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="doc512_x64,doc32k,d64_doc8k_x4")
-    ap.add_argument("--settings", default="8:64:4:1,8:64:4:4,8:64:4:8,8:64:4:16,8:128:8:4")
+    ap.add_argument("--settings", default="4:64:4,8:64:4,4:64:8,4:128:8,8:128:8,4:32:4")
     args = ap.parse_args()
     wl = {w["name"]: w for w in json.load(open(os.path.join(
         os.path.dirname(__file__), "..", "flamia", "data", "workloads.json")))["workloads"]}
@@ -62,9 +62,8 @@ def main():
         out, lse, rmax = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16,
                                            return_row_max=True)
         first = None
-        for setting in settings:
-            pre_w, post_bt, post_w, post_sub = (setting + (B.POST_SUB,))[:4]
-            B.PRE_WARPS, B.POST_BT, B.POST_WARPS, B.POST_SUB = pre_w, post_bt, post_w, post_sub
+        for pre_w, post_bt, post_w in settings:
+            B.PRE_WARPS, B.POST_BT, B.POST_WARPS = pre_w, post_bt, post_w
             run = lambda: B.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu, True,  # noqa
                                                         deterministic=True)
             got = run()
@@ -74,10 +73,9 @@ def main():
             ms = kernel_ms(run)
             pre = sum(t for k_, t in ms.items() if "preprocess" in k_)
             post = sum(t for k_, t in ms.items() if "postprocess" in k_)
-            rows.append((name, f"{pre_w}:{post_bt}:{post_w}:{post_sub}", pre, post,
-                         sum(ms.values()), same))
+            rows.append((name, f"{pre_w}:{post_bt}:{post_w}", pre, post, sum(ms.values()), same))
             print(rows[-1], {k_: round(t, 3) for k_, t in ms.items()}, flush=True)
-    print("\n| workload | PRE_WARPS:POST_BT:POST_WARPS:POST_SUB | preprocess ms | post ms | all kernels ms "
+    print("\n| workload | PRE_WARPS:POST_BT:POST_WARPS | preprocess ms | post ms | all kernels ms "
           "| bitwise = first |")
     print("|---|---|---|---|---|---|")
     for r in rows:

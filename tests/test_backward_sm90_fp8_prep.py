@@ -80,12 +80,11 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
 
 @pytest.mark.parametrize("rotated", (True, False))
 @pytest.mark.parametrize("D", (64, 128))
-def test_post_pass(D, rotated, monkeypatch):
+def test_post_pass(D, rotated):
     """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, dk = dk32, both rotated back
-    (x @ H / sqrt(D)) when `rotated`; T spans several programs of POST_SUB blocks and ends
-    inside one (the tail rows are masked)."""
-    monkeypatch.setattr(B, "POST_SUB", 3)
-    T, Hq, Hkv = 3 * 64 * 2 + 37, 3, 1
+    (x @ H / sqrt(D)) when `rotated`; T spans several programs and ends inside one (the tail
+    rows are masked)."""
+    T, Hq, Hkv = 3 * B.POST_BT + 37, 3, 1
     g = torch.Generator().manual_seed(11)
     prow = (torch.arange(T) + 5 + torch.arange(T) // 100 * 7).to(torch.int32)   # gaps: padding
     dq_acc = torch.randn(int(prow.max()) + 9, Hq, D, generator=g)

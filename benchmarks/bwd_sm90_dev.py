@@ -170,7 +170,8 @@ def fp8_block_timing_inputs(q, k, v, cu, causal):
     return qkv, blk
 
 
-def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False):
+def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False,
+                   fp8_bm=()):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
     for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
@@ -216,6 +217,14 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
             lse_b = lse.contiguous()
             row["fp8_block"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                 do, o, lse_b, lse_b, qkvb, cu, causal, scale))
+            for bm in fp8_bm:     # other query rows per step (D, BM) than select_config's
+                if int(bm[0]) == D:
+                    cfg = B.Sm90BwdConfig(int(bm[1]))
+                    row[f"fp8_block m{bm[1]}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                        do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=cfg))
+            for name, mod in AB_BASE.items():
+                row[f"{name} fp8_block"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkvb, cu, causal, scale))
             if args_det:
                 row["fp8_block det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkvb, cu, causal, scale, deterministic=True))
@@ -291,6 +300,8 @@ def main():
                     "comma separated")
     ap.add_argument("--fp8", action="store_true", help="also time the fp8_block one-pass "
                     "backward and the fp8 split backward")
+    ap.add_argument("--fp8-bm", default="", help="with --fp8: also time the fp8_block kernel "
+                    "at these D:BM (comma separated)")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()
@@ -312,7 +323,7 @@ def main():
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, old=not args.no_old,
                        args_det=args.det, shapes=[x for x in args.shapes.split(",") if x],
-                       fp8=args.fp8)
+                       fp8=args.fp8, fp8_bm=[x.split(":") for x in args.fp8_bm.split(",") if x])
     sys.exit(0 if ok else 1)
 
 

@@ -78,12 +78,11 @@ class Sm90BwdConfig:
 
 def select_config(head_dim: int, recipe: str = "bf16") -> Sm90BwdConfig:
     """Tiles: 128 keys per CTA; 64 query rows per step at D=128 (128 rows do not fit the
-    registers next to dK and dV), and for bf16 128 at D=64 (measured 12-16 % faster than 64
-    there). fp8_block keeps 64 at D=64: its four per-row vectors do not fit next to 128-row
-    tiles (1 KB of spills)."""
+    registers next to dK and dV), 128 at D=64 (bf16: measured 12-16 % faster than 64 there;
+    fp8_block: its per-query vectors are loaded one at a time, so 128-row steps fit)."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
-    return Sm90BwdConfig(block_m=128 if head_dim == 64 and recipe == "bf16" else 64)
+    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,28 +766,31 @@ if HAVE_GLUON:
                     masked = diag | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
+                # one per-query vector live at a time (32 registers each at 128 query rows)
                 va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
-                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
                 if CAUSAL:
                     if diag:
-                        xt = gl.exp2((st * skt) * va - vb)
+                        xt = (st * skt) * va
                     else:
-                        xt = gl.exp2(st * (va * skb) - vb)
+                        xt = st * (va * skb)
                 else:
-                    xt = gl.exp2(st * (va * skb) - vb)
+                    xt = st * (va * skb)
+                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+                xt = gl.exp2(xt - vb)
                 if masked:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     xt = gl.where(ok, xt, 0.0)
                 dpt = warpgroup_mma_wait(0, deps=[dpt])
                 vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
-                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
                 if CAUSAL:
                     if diag:
-                        yt = xt * ((dpt * svt) * vh - ve)
+                        yt = (dpt * svt) * vh
                     else:
-                        yt = xt * (dpt * (vh * svb) - ve)
+                        yt = dpt * (vh * svb)
                 else:
-                    yt = xt * (dpt * (vh * svb) - ve)
+                    yt = dpt * (vh * svb)
+                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
+                yt = xt * (yt - ve)
                 if masked:   # dP^T of keys past the document end may be NaN
                     yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)

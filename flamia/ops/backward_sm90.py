@@ -276,8 +276,8 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem)
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
             h = kvh * GROUP
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                q0 = (m_lo + i % n_m) * BM
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
                 qb = q_ready.index(s)
@@ -315,8 +315,8 @@ if HAVE_GLUON:
         if doc >= 0:
             m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
             h = kvh * GROUP
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                q0 = (m_lo + i % n_m) * BM
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
                 if DETERMINISTIC:
@@ -675,8 +675,8 @@ if HAVE_GLUON:
             mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
             h = kvh * GROUP
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                q0 = (m_lo + i % n_m) * BM
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
                 qb = q_ready.index(s)
@@ -766,29 +766,17 @@ if HAVE_GLUON:
                     masked = diag | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                # The per-query vectors are loaded just before their use: at 128 query rows each
-                # is 32 registers, and two live next to S^T, dP^T, dK and dV spill; at 64 rows A
-                # and B fit together, so the exponent's argument is one FFMA.
+                # one per-query vector live at a time (32 registers each at 128 query rows)
                 va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
-                if BM > 64:
-                    if CAUSAL:
-                        if diag:
-                            xt = (st * skt) * va
-                        else:
-                            xt = st * (va * skb)
+                if CAUSAL:
+                    if diag:
+                        xt = (st * skt) * va
                     else:
                         xt = st * (va * skb)
-                    vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
-                    xt = gl.exp2(xt - vb)
                 else:
-                    vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
-                    if CAUSAL:
-                        if diag:
-                            xt = gl.exp2((st * skt) * va - vb)
-                        else:
-                            xt = gl.exp2(st * (va * skb) - vb)
-                    else:
-                        xt = gl.exp2(st * (va * skb) - vb)
+                    xt = st * (va * skb)
+                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+                xt = gl.exp2(xt - vb)
                 if masked:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     xt = gl.where(ok, xt, 0.0)

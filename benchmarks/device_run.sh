@@ -125,10 +125,10 @@ for spec in "$@"; do
       rm -f "$OUT/ncu.ncu-rep"   # (too large to come back; the CSV holds every metric)
       python benchmarks/ncu_summary.py "$OUT/ncu-raw.csv" --memory-columns "$OUT/ncu-memory.txt" \
         | tee "$OUT/ncu-summary.txt" ;;
-    ncu-src) # per-SASS-instruction warp-state samples of the three big kernels, doc8k_x4 fp8
+    ncu-src) # per-SASS-instruction warp-state samples of the forward and backward kernels, doc8k_x4 fp8
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --section SourceCounters --section SpeedOfLight --section WarpStateStats \
-        -k 'regex:attn_fwd|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \
+        -k 'regex:attn_fwd|attn_bwd_sm90|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \
         python benchmarks/ncu_call.py --only "${NCU_WORKLOAD:-doc8k_x4}"
       "$NCU" --import "$OUT/ncusrc.ncu-rep" --page source --csv --print-source sass \
         >"$OUT/ncu-source.csv" 2>&1

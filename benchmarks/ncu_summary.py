@@ -92,7 +92,7 @@ def summarize(path: str, match: list[str]) -> str:
             + f"; {g('launch__registers_per_thread') or 0:.0f} regs, grid "
             f"{g('launch__grid_size') or 0:.0f}, local ld+st {local:.3g}"
             + (f" ({100 * local / inst:.1f} % of instructions)" if inst else "") + "\n"
-            f"  stalls: " + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in top)
+            "  stalls: " + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in top)
             + (f"\n  memory: {mem}" if mem else ""))
     return "\n".join(lines)
 
@@ -100,7 +100,8 @@ def summarize(path: str, match: list[str]) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
-    ap.add_argument("--match", default="_dkdv,_dq,_attn_fwd,_quantize,_kmajor,_bwd_pre")
+    ap.add_argument("--match", default="_dkdv,_dq,_attn_fwd,_attn_bwd,_quantize,_kmajor,_bwd_pre,"
+                    "_bwd_post,_bwd_cta,_kvblock_cols,_vt_vcap")
     ap.add_argument("--memory-columns", default=None, help="also write every L2 / DRAM counter here")
     args = ap.parse_args()
     match = [m for m in args.match.split(",") if m]

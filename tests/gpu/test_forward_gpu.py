@@ -93,9 +93,9 @@ def _check(out, lse, emul, emul_lse, exact):
     # LSE by the same rule as O, against the float64 LSE of the unquantized inputs. Not
     # allclose to the emulation's: the emulation sums q8 . k8 exactly in fp32, Hopper's FP8
     # wgmma with fewer bits (scores off by up to ~3e-4 of their magnitude, 6.6e-2 at |s| = 233
-    # on outlier inputs; benchmarks/fp8_dot_check.py and NOTES.md), which no FP8 kernel on this
+    # on outlier inputs; benchmarks/NOTES.md, the fp8 dot-product check), which no FP8 kernel on this
     # hardware can avoid. What matters for training is that the backward recomputes the very
-    # same scores (fp8_dot_check: bitwise, whatever the tile shape) and that the LSE is as
+    # same scores (bitwise, whatever the tile shape, in that check) and that the LSE is as
     # accurate as the emulation's, which this checks.
     ok = torch.isfinite(emul_lse)
     assert torch.equal(torch.isfinite(lse), ok), "LSE finite where the emulation's is not"

@@ -14,7 +14,7 @@
 # every baseline; BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
 # --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant (quantize_qkv's
-# knobs QUANT_CONFIGS, benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia
+# knobs QUANT_CONFIGS for QUANT_RECIPE, benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia
 # train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs of back-to-back calls,
 # GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side, benchmarks/host_profile.py), ncu,
 # ncu-src (per-instruction warp samples of the forward, dK/dV and dQ kernels:
@@ -109,7 +109,8 @@ for spec in "$@"; do
              ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
-             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
+             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" \
+             --recipe "${QUANT_RECIPE:-fp8}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;
     train) run_stage "$name" "$secs" python -m flamia.train --out "$OUT/train_check" \
              --time-limit $((secs - 40)) ${TRAIN_ARGS:-} ;;

@@ -1,9 +1,9 @@
 """The fp8_block backward's passes around its kernel on the H200: GPU time per kernel (torch.profiler)
 of attention_backward_sm90_fp8 under launch settings of the preprocess and the post pass
-(backward_sm90.PRE_WARPS, POST_BT, POST_WARPS), one process, the shared/workloads.json shapes.
+(config.Sm90BwdConfig's fp8_pre_warps, fp8_post_rows, fp8_post_warps), one process, the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
-        [--settings 4:64:4,8:64:8,4:128:8]          # PRE_WARPS:POST_BT:POST_WARPS
+        [--settings 4:64:4,8:64:8,4:128:8]          # pre warps : post rows : post warps
 
 Every setting is checked bitwise against the first one (the launch sizes do not change values).
 """
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import sm90_backward_config  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
@@ -63,9 +65,10 @@ def main():
                                            return_row_max=True)
         first = None
         for pre_w, post_bt, post_w in settings:
-            B.PRE_WARPS, B.POST_BT, B.POST_WARPS = pre_w, post_bt, post_w
+            cfg = replace(sm90_backward_config(D, "fp8_block"), fp8_pre_warps=pre_w,
+                          fp8_post_rows=post_bt, fp8_post_warps=post_w)
             run = lambda: B.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu, True,  # noqa
-                                                        deterministic=True)
+                                                        deterministic=True, config=cfg)
             got = run()
             if first is None:
                 first = got
@@ -75,7 +78,7 @@ def main():
             post = sum(t for k_, t in ms.items() if "postprocess" in k_)
             rows.append((name, f"{pre_w}:{post_bt}:{post_w}", pre, post, sum(ms.values()), same))
             print(rows[-1], {k_: round(t, 3) for k_, t in ms.items()}, flush=True)
-    print("\n| workload | PRE_WARPS:POST_BT:POST_WARPS | preprocess ms | post ms | all kernels ms "
+    print("\n| workload | pre warps:post rows:post warps | preprocess ms | post ms | all kernels ms "
           "| bitwise = first |")
     print("|---|---|---|---|---|---|")
     for r in rows:

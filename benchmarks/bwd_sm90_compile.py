@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import Sm90BwdConfig, sm90_backward_config  # noqa: E402
 from benchmarks.tools.compile import compile_only, resource_usage  # noqa: E402
 
 
@@ -65,9 +66,9 @@ def main():
     ap.add_argument("--block-m", type=int, default=None, help="query rows per step")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
-        cfg = B.select_config(D)
+        cfg = sm90_backward_config(D)
         if args.fp8:
-            cfg = B.Sm90BwdConfig(args.block_m) if args.block_m else B.select_config(D, "fp8_block")
+            cfg = Sm90BwdConfig(args.block_m) if args.block_m else sm90_backward_config(D, "fp8_block")
             built = build_fp8(D, cfg)
             kern = built["_attn_bwd_sm90_fp8_kernel"]
         else:

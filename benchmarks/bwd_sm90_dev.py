@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import Sm90BwdConfig, sm90_backward_config  # noqa: E402
 from flamia.reference import attention_exact, lse_exact  # noqa: E402
 
 
@@ -217,9 +218,9 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
             lse_b = lse.contiguous()
             row["fp8_block"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                 do, o, lse_b, lse_b, qkvb, cu, causal, scale))
-            for bm in fp8_bm:     # other query rows per step (D, BM) than select_config's
+            for bm in fp8_bm:     # other query rows per step (D, BM) than sm90_backward_config's
                 if int(bm[0]) == D:
-                    cfg = B.Sm90BwdConfig(int(bm[1]))
+                    cfg = Sm90BwdConfig(int(bm[1]))
                     row[f"fp8_block m{bm[1]}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                         do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=cfg))
             for name, mod in AB_BASE.items():
@@ -311,8 +312,8 @@ def main():
 
     def configs(D):
         if not specs:
-            return [B.select_config(D)]
-        return [B.Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
+            return [sm90_backward_config(D)]
+        return [Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
     for path in filter(None, args.ab.split(",")):
         name = os.path.splitext(os.path.basename(path))[0]
         AB_BASE[name] = load_ab_base(path, name)

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import sm90_backward_config  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.quant import pow2_scale  # noqa: E402
 from tests._kvblock import qkv_from_saved  # noqa: E402
@@ -133,8 +134,8 @@ def main():
     rmax = saved.row_max.float().contiguous()
     qkv = qkv_from_saved(saved, cu, causal)
     scale = D ** -0.5
-    cfg = B.select_config(D, "fp8_block")
-    prep = B.fp8_prepare(do, out, lse, rmax, qkv, cu, causal, scale, cfg.block_m)
+    cfg = sm90_backward_config(D, "fp8_block")
+    prep = B.fp8_prepare(do, out, lse, rmax, qkv, cu, causal, scale, cfg)
     torch.cuda.synchronize()
     prow = prep.kb.prow.long()
     # dO blocks
@@ -205,7 +206,7 @@ def main():
         for name, change in (("k_diag=k block", dict(k8_diag=qkv.k8, sk_diag=qkv.sk)),):
             from types import SimpleNamespace
             ns = SimpleNamespace(**(vars(qkv) | change))
-            p2 = B.fp8_prepare(do, out, lse, rmax, ns, cu, causal, scale, cfg.block_m)
+            p2 = B.fp8_prepare(do, out, lse, rmax, ns, cu, causal, scale, cfg)
             dvx = torch.empty_like(dv)
             a2, _ = B.fp8_main(p2, ns, causal, scale, True, dvx)
             e2 = kernel_emu(do, out, lse, rmax, ns, cu, causal, D)

@@ -16,6 +16,7 @@ from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import sm90_backward_config  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from tests._kvblock import qkv_from_saved  # noqa: E402
 
@@ -43,7 +44,7 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
         return x.fill_(float("nan")) if x.dtype == torch.float32 else x
     monkeypatch.setattr(torch, "empty", poisoned)
     prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
-                         B.select_config(D, "fp8_block").block_m)
+                         sm90_backward_config(D, "fp8_block"))
     monkeypatch.setattr(torch, "empty", empty)
     prow = prep.kb.prow.long()
     assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D) and not prep.dq_acc.any()  # zeroed
@@ -84,7 +85,8 @@ def test_post_pass(D, rotated):
     """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, dk = dk32, both rotated back
     (x @ H / sqrt(D)) when `rotated`; T spans several programs and ends inside one (the tail
     rows are masked)."""
-    T, Hq, Hkv = 3 * B.POST_BT + 37, 3, 1
+    cfg = sm90_backward_config(D, "fp8_block")
+    T, Hq, Hkv = 3 * cfg.fp8_post_rows + 37, 3, 1
     g = torch.Generator().manual_seed(11)
     prow = (torch.arange(T) + 5 + torch.arange(T) // 100 * 7).to(torch.int32)   # gaps: padding
     dq_acc = torch.randn(int(prow.max()) + 9, Hq, D, generator=g)
@@ -94,7 +96,7 @@ def test_post_pass(D, rotated):
     scale = 0.3
     dq = torch.full((T, Hq, D), float("nan")).to(torch.bfloat16)
     dk = torch.full((T, Hkv, D), float("nan")).to(torch.bfloat16)
-    B.fp8_post(dq_acc, dk32, prow, sq, rotated, scale, dq, dk)
+    B.fp8_post(dq_acc, dk32, prow, sq, rotated, scale, dq, dk, cfg)
     sqf = torch.where(sq > 0, sq, torch.ones_like(sq)).T[:, :, None]
     want_q = dq_acc[prow.long()].double() * scale / sqf.double()
     want_k = dk32.double()

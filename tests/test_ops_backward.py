@@ -301,7 +301,7 @@ def test_backward_selection(monkeypatch):
     inputs at D=64/128 the one-pass sm90 kernel; the fp8 recipes the split backward with the Gluon
     dK/dV and dQ kernels (their configs per head dim); everything else the Triton kernels."""
     from flamia.ops import config as C
-    from flamia.ops.backward_sm90 import Sm90BwdConfig
+    from flamia.ops.config import Sm90BwdConfig
     cuda = torch.device("cuda")
     _fake_capability(monkeypatch, (9, 0))
     if not C.HAVE_GLUON:
@@ -337,7 +337,7 @@ def test_fp8_block_backward_selection(monkeypatch):
     backward on the kernel operands elsewhere (the CPU interpreter, other GPUs); never the split
     kernels. Its forward is the persistent Gluon kernel at D=128 on sm_90, as fp8's."""
     from flamia.ops import config as C
-    from flamia.ops.backward_sm90 import Sm90BwdConfig
+    from flamia.ops.config import Sm90BwdConfig
     cuda = torch.device("cuda")
     assert isinstance(C.backward_config(128, "fp8_block", torch.device("cpu")),
                       C.ReferenceBwdConfig)

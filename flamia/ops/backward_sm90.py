@@ -43,6 +43,7 @@ import triton.language as tl
 from . import interpreting
 from .gluon_common import HAVE_GLUON
 from .numerics import hadamard_signs, log2_pow2, pow2_scale_bits
+from .config import Sm90BwdConfig, sm90_backward_config
 from .schedule import per_cu_seqlens
 
 if interpreting():   # the Triton pre- and post-passes on the CPU: the GPU's float casts
@@ -59,30 +60,6 @@ if HAVE_GLUON:
     from .kmajor import mma_key_order_gluon
 
 LOG2E = 1.4426950408889634
-
-
-BLOCK_N = 128           # keys per CTA (64 per MMA warpgroup)
-STAGES = 2              # Q / dO ring depth
-LOADER_REGS = 24        # setmaxnreg of the loader and dQ warps (the MMA warpgroups get 240)
-DQ_REGS = 24
-
-
-@dataclass(frozen=True)
-class Sm90BwdConfig:
-    block_m: int            # query rows per step
-
-    @property
-    def name(self) -> str:
-        return f"m{self.block_m}n{BLOCK_N}"
-
-
-def select_config(head_dim: int, recipe: str = "bf16") -> Sm90BwdConfig:
-    """Tiles: 128 keys per CTA; 64 query rows per step at D=128 (128 rows do not fit the
-    registers next to dK and dV), 128 at D=64 (bf16: measured 12-16 % faster than 64 there;
-    fp8_block: its per-query vectors are loaded one at a time, so 128-row steps fit)."""
-    if head_dim not in (64, 128):
-        raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
-    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -887,13 +864,6 @@ if HAVE_GLUON:
 # Host
 # ---------------------------------------------------------------------------------------------
 
-PRE_BT = 64
-# The fp8 path's passes: warps of the preprocess (64-row blocks), rows and warps of the post pass
-PRE_WARPS = 8
-POST_BT = 64
-POST_WARPS = 4
-
-
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
                             grad_dtype=None, deterministic=False,
                             config: Sm90BwdConfig | None = None):
@@ -907,8 +877,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    cfg = config or select_config(D)
-    BM, BN = cfg.block_m, BLOCK_N
+    cfg = config or sm90_backward_config(D)
+    BM, BN = cfg.block_m, cfg.block_n
     dev = q.device
     grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -924,9 +894,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
-    grid_t = (triton.cdiv(T, PRE_BT), Hq)
+    grid_t = (triton.cdiv(T, cfg.pass_rows), Hq)
     _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
-                            D=D, BT=PRE_BT, num_warps=4)
+                            D=D, BT=cfg.pass_rows, num_warps=4)
     q_desc = descriptor_2d(q, T, Hq * D, Hq * D, [BM, D])
     do_desc = descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D])
     k_desc = descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D])
@@ -939,9 +909,10 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     _attn_bwd_sm90_kernel[(kb.n_items,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=STAGES, CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
+        STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs, DQ_REGS=cfg.dq_regs,
         DETERMINISTIC=bool(deterministic), num_warps=8)
-    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=PRE_BT, num_warps=4)
+    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=cfg.pass_rows,
+                             num_warps=4)
     return dq, dk, dv
 
 
@@ -960,16 +931,17 @@ class Fp8Prep:
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
     dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
-    BM: int
+    cfg: Sm90BwdConfig
 
 
-def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> Fp8Prep:
+def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
+                cfg: Sm90BwdConfig) -> Fp8Prep:
     """The preprocess (dO quantized, delta, per-row vectors and bounds), the K-major copies and
     the CTA scales."""
     from .kmajor import kmajor_copies
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    BN = BLOCK_N
+    BM, BN = cfg.block_m, cfg.block_n
     dev = dout.device
     group = Hq // Hkv
     kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
@@ -986,7 +958,8 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
     _bwd_preprocess_fp8[(nb, Hq)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, dq_acc, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, num_warps=PRE_WARPS)
+        bds, dq_acc, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK,
+        num_warps=cfg.fp8_pre_warps)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
@@ -995,7 +968,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, BM) -> 
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, BM)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, cfg)
 
 
 def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
@@ -1003,7 +976,8 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
     writes dv."""
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    BM, BN, kb = prep.BM, BLOCK_N, prep.kb
+    cfg, kb = prep.cfg, prep.kb
+    BM, BN = cfg.block_m, cfg.block_n
     QR = kb.q_rows
     dev = qkv.q8.device
     dq_acc = prep.dq_acc
@@ -1029,8 +1003,8 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
            else kb.items)      # (never read when not deterministic)
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
-        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=STAGES,
-        CAUSAL=bool(causal), LOADER_REGS=LOADER_REGS, DQ_REGS=DQ_REGS,
+        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=cfg.stages,
+        CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs, DQ_REGS=cfg.dq_regs,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     return dq_acc, dk32
 
@@ -1048,7 +1022,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     """
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    cfg = config or select_config(D, "fp8_block")
+    cfg = config or sm90_backward_config(D, "fp8_block")
     dev = dout.device
     grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -1058,21 +1032,22 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
     if T == 0:
         return dq, dk, dv
-    prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg.block_m)
+    prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
     dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
-    fp8_post(dq_acc, dk32, prep.kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk)
+    fp8_post(dq_acc, dk32, prep.kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
     return dq, dk, dv
 
 
-def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk):
+def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk,
+             cfg: Sm90BwdConfig):
     """The post pass: dq (T, Hq, D) from the fp32 buffer dq_acc (padded rows prow, units of
     sq), dk from dk32 (T, Hkv, D), both rotated back when `rotated`."""
     T, Hq, D = dq.shape
     Hkv = dk.shape[1]
-    grid = (triton.cdiv(T, POST_BT), Hq + Hkv)
+    grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq + Hkv)
     _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, hadamard_signs(D, torch.bfloat16, dq.device),
-                               dq, dk, T, Hq, scale, ROTATE=rotated, D=D, BT=POST_BT,
-                               num_warps=POST_WARPS)
+                               dq, dk, T, Hq, scale, ROTATE=rotated, D=D, BT=cfg.fp8_post_rows,
+                               num_warps=cfg.fp8_post_warps)
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ document, never on a switch. Tile shapes were measured on the H200 (benchmarks/N
               PersistentFwdConfig, V^T quantized in token order
               otherwise: the Triton kernel (forward), FwdConfig, V^T in wgmma key order (fp8)
     backward  bf16 (bf16 or fp16 inputs) and fp8_block at D=64/128 on sm_90: the one-pass kernel
-              (backward_sm90, which picks its own tiles: backward_sm90.select_config)
+              (backward_sm90), Sm90BwdConfig (sm90_backward_config)
               fp8_block elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the
               reference backward on the kernel forward's operands (no split kernel for it)
               fp8 / fp8_mixed on sm_90: preprocess + the Gluon dK/dV and dQ kernels
@@ -306,6 +306,36 @@ def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> b
 
 
 @dataclass(frozen=True)
+class Sm90BwdConfig:
+    """Tiles and launch sizes of the one-pass Hopper backward (backward_sm90) and its passes."""
+    block_m: int                # query rows per step
+    block_n: int = 128          # keys per CTA (64 per MMA warpgroup)
+    stages: int = 2             # Q / dO ring depth
+    loader_regs: int = 24       # setmaxnreg of the loader and dQ-writer warps (MMA warpgroups: 240)
+    dq_regs: int = 24
+    pass_rows: int = 64         # bf16: rows per program of the pre and post passes
+    fp8_pre_warps: int = 8      # fp8_block: warps of the preprocess (one 64-row dO block each)
+    fp8_post_rows: int = 64     # fp8_block: rows and warps of the post pass
+    fp8_post_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}n{self.block_n}"
+
+
+def sm90_backward_config(head_dim: int, recipe="bf16") -> Sm90BwdConfig:
+    """The one-pass backward's tiles (H200, benchmarks/NOTES.md): 128 keys per CTA; 64 query
+    rows per step at D=128 (128 rows do not fit the registers next to dK and dV), 128 at D=64
+    (bf16: 12-16 % faster than 64; fp8_block: 14-18 % faster, its per-query vectors loaded one
+    at a time). fp8_block's passes: preprocess at 8 warps (0.46 ms against 0.53 at 4, doc512_x64),
+    post pass at 64 rows x 4 warps (0.36-0.44 ms; 128 x 8 0.71-0.77, 32 x 4 0.57, several
+    blocks per program 0.37-0.39 at doc32k). The recipe does not change the tiles."""
+    if head_dim not in (64, 128):
+        raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
+    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
+
+
+@dataclass(frozen=True)
 class ReferenceBwdConfig:
     """fp8_block's backward where the one-pass kernel does not run (other GPUs, the CPU
     interpreter): flamia.reference.backward in fp32 on the kernel forward's operands
@@ -314,12 +344,10 @@ class ReferenceBwdConfig:
 
 def backward_config(head_dim: int, recipe, device, max_seqlen: int | None = None,
                     dtype=torch.bfloat16):
-    """The config of the backward a call runs: backward_sm90's Sm90BwdConfig (the one-pass
-    kernel, which picks its own tiles), ReferenceBwdConfig (fp8_block off sm_90) or the split
-    backward's BwdConfig."""
+    """The config of the backward a call runs: Sm90BwdConfig (the one-pass kernel),
+    ReferenceBwdConfig (fp8_block off sm_90) or the split backward's BwdConfig."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
-        from .backward_sm90 import select_config
-        return select_config(head_dim, _recipe_name(recipe))
+        return sm90_backward_config(head_dim, _recipe_name(recipe))
     if _recipe_name(recipe) == KVBLOCK_KERNEL_RECIPE:
         return ReferenceBwdConfig()
     return split_backward_config(head_dim, recipe, max_seqlen,
@@ -331,7 +359,7 @@ class Selection:
     """What one call runs (select)."""
     vt_mma_order: bool          # the V^T column order quantize_qkv writes for the forward
     forward: FwdConfig | PersistentFwdConfig
-    backward: object            # BwdConfig, backward_sm90.Sm90BwdConfig or ReferenceBwdConfig
+    backward: object            # BwdConfig, Sm90BwdConfig or ReferenceBwdConfig
 
 
 def select(head_dim: int, recipe, device, max_seqlen: int | None = None,

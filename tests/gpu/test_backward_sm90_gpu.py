@@ -21,7 +21,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
-from flamia.ops.backward_sm90 import attention_backward_sm90, select_config  # noqa: E402
+from flamia.ops.backward_sm90 import attention_backward_sm90  # noqa: E402
+from flamia.ops.config import sm90_backward_config  # noqa: E402
 
 DEV = "cuda"
 FUZZ_CASES = int(os.environ.get("FLAMIA_FUZZ_CASES", "2000"))
@@ -214,4 +215,4 @@ def test_fuzz():
             raise AssertionError(f"fuzz case {n} (seed {FUZZ_SEED}): lengths={lengths} "
                                  f"heads={Hq}/{Hkv} D={D} causal={causal}: {e}") from None
     print(f"\nfuzz: {FUZZ_CASES} cases (P2 on every 4th multi-document case), seed {FUZZ_SEED}, "
-          f"{time.time() - t0:.1f} s; configs {select_config(64).name} / {select_config(128).name}")
+          f"{time.time() - t0:.1f} s; configs {sm90_backward_config(64).name} / {sm90_backward_config(128).name}")

@@ -91,7 +91,7 @@ def _check_case(lengths, Hq, Hkv, D, causal, seed):
 def test_routing():
     """fp8_block runs the kernels on sm_90: the persistent Gluon forward at D=128 and the one-pass
     backward at both head dims."""
-    from flamia.ops.backward_sm90 import Sm90BwdConfig
+    from flamia.ops.config import Sm90BwdConfig
     from flamia.ops.config import PersistentFwdConfig
     probe = torch.empty(1, 1, 128, device=DEV)
     assert backend(probe, RECIPE) == "kernels"

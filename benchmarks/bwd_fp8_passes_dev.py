@@ -65,7 +65,7 @@ def main():
                                            return_row_max=True)
         first = None
         for pre_w, post_bt, post_w in settings:
-            cfg = replace(sm90_backward_config(D, "fp8_block"), fp8_pre_warps=pre_w,
+            cfg = replace(sm90_backward_config(D), fp8_pre_warps=pre_w,
                           fp8_post_rows=post_bt, fp8_post_warps=post_w)
             run = lambda: B.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu, True,  # noqa
                                                         deterministic=True, config=cfg)

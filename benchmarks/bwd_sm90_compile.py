@@ -68,7 +68,7 @@ def main():
     for D in [int(x) for x in args.dims.split(",")]:
         cfg = sm90_backward_config(D)
         if args.fp8:
-            cfg = Sm90BwdConfig(args.block_m) if args.block_m else sm90_backward_config(D, "fp8_block")
+            cfg = Sm90BwdConfig(args.block_m) if args.block_m else sm90_backward_config(D)
             built = build_fp8(D, cfg)
             kern = built["_attn_bwd_sm90_fp8_kernel"]
         else:

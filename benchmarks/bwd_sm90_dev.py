@@ -171,8 +171,7 @@ def fp8_block_timing_inputs(q, k, v, cu, causal):
     return qkv, blk
 
 
-def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False,
-                   fp8_bm=()):
+def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
     for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
@@ -216,13 +215,9 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
             from flamia.ops.backward import attention_backward
             qkv8, qkvb = fp8_block_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
-            row["fp8_block"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                do, o, lse_b, lse_b, qkvb, cu, causal, scale))
-            for bm in fp8_bm:     # other query rows per step (D, BM) than sm90_backward_config's
-                if int(bm[0]) == D:
-                    cfg = Sm90BwdConfig(int(bm[1]))
-                    row[f"fp8_block m{bm[1]}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                        do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=cfg))
+            for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
+                row[f"fp8_block {cfg.name}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=cfg))
             for name, mod in AB_BASE.items():
                 row[f"{name} fp8_block"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkvb, cu, causal, scale))
@@ -300,9 +295,7 @@ def main():
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
                     "comma separated")
     ap.add_argument("--fp8", action="store_true", help="also time the fp8_block one-pass "
-                    "backward and the fp8 split backward")
-    ap.add_argument("--fp8-bm", default="", help="with --fp8: also time the fp8_block kernel "
-                    "at these D:BM (comma separated)")
+                    "backward (at each --configs tile) and the fp8 split backward")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()
@@ -324,7 +317,7 @@ def main():
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, old=not args.no_old,
                        args_det=args.det, shapes=[x for x in args.shapes.split(",") if x],
-                       fp8=args.fp8, fp8_bm=[x.split(":") for x in args.fp8_bm.split(",") if x])
+                       fp8=args.fp8)
     sys.exit(0 if ok else 1)
 
 

@@ -134,7 +134,7 @@ def main():
     rmax = saved.row_max.float().contiguous()
     qkv = qkv_from_saved(saved, cu, causal)
     scale = D ** -0.5
-    cfg = sm90_backward_config(D, "fp8_block")
+    cfg = sm90_backward_config(D)
     prep = B.fp8_prepare(do, out, lse, rmax, qkv, cu, causal, scale, cfg)
     torch.cuda.synchronize()
     prow = prep.kb.prow.long()

@@ -44,7 +44,7 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
         return x.fill_(float("nan")) if x.dtype == torch.float32 else x
     monkeypatch.setattr(torch, "empty", poisoned)
     prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
-                         sm90_backward_config(D, "fp8_block"))
+                         sm90_backward_config(D))
     monkeypatch.setattr(torch, "empty", empty)
     prow = prep.kb.prow.long()
     assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D) and not prep.dq_acc.any()  # zeroed
@@ -85,7 +85,7 @@ def test_post_pass(D, rotated):
     """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, dk = dk32, both rotated back
     (x @ H / sqrt(D)) when `rotated`; T spans several programs and ends inside one (the tail
     rows are masked)."""
-    cfg = sm90_backward_config(D, "fp8_block")
+    cfg = sm90_backward_config(D)
     T, Hq, Hkv = 3 * cfg.fp8_post_rows + 37, 3, 1
     g = torch.Generator().manual_seed(11)
     prow = (torch.arange(T) + 5 + torch.arange(T) // 100 * 7).to(torch.int32)   # gaps: padding

@@ -41,9 +41,10 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
+                     Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
 from .numerics import hadamard_signs, log2_pow2, pow2_scale_bits
-from .config import Sm90BwdConfig, sm90_backward_config
 from .schedule import per_cu_seqlens
 
 if interpreting():   # the Triton pre- and post-passes on the CPU: the GPU's float casts
@@ -878,7 +879,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     cfg = config or sm90_backward_config(D)
-    BM, BN = cfg.block_m, cfg.block_n
+    BM, BN = cfg.block_m, SM90_BLOCK_N
     dev = q.device
     grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -894,9 +895,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
-    grid_t = (triton.cdiv(T, cfg.pass_rows), Hq)
+    grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
     _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
-                            D=D, BT=cfg.pass_rows, num_warps=4)
+                            D=D, BT=SM90_PASS_ROWS, num_warps=4)
     q_desc = descriptor_2d(q, T, Hq * D, Hq * D, [BM, D])
     do_desc = descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D])
     k_desc = descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D])
@@ -909,9 +910,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     _attn_bwd_sm90_kernel[(kb.n_items,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs, DQ_REGS=cfg.dq_regs,
+        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
-    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=cfg.pass_rows,
+    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
                              num_warps=4)
     return dq, dk, dv
 
@@ -941,7 +942,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     from .kmajor import kmajor_copies
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    BM, BN = cfg.block_m, cfg.block_n
+    BM, BN = cfg.block_m, SM90_BLOCK_N
     dev = dout.device
     group = Hq // Hkv
     kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
@@ -977,7 +978,7 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     cfg, kb = prep.cfg, prep.kb
-    BM, BN = cfg.block_m, cfg.block_n
+    BM, BN = cfg.block_m, SM90_BLOCK_N
     QR = kb.q_rows
     dev = qkv.q8.device
     dq_acc = prep.dq_acc
@@ -1003,8 +1004,8 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
            else kb.items)      # (never read when not deterministic)
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
-        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=cfg.stages,
-        CAUSAL=bool(causal), LOADER_REGS=cfg.loader_regs, DQ_REGS=cfg.dq_regs,
+        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES,
+        CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     return dq_acc, dk32
 
@@ -1022,7 +1023,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     """
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
-    cfg = config or sm90_backward_config(D, "fp8_block")
+    cfg = config or sm90_backward_config(D)
     dev = dout.device
     grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)

@@ -305,31 +305,37 @@ def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> b
     return is_sm90(torch.device(device))
 
 
+# The one-pass Hopper backward's fixed shape: 128 keys per CTA (64 per MMA warpgroup; fp8_block's
+# K/V scale block, so not a tunable), a 2-deep Q / dO ring (shared memory holds no third stage
+# at D=128), setmaxnreg 24 for the loader and dQ-writer warps (the MMA warpgroups get 240), and
+# 64 rows per program in the bf16 pre and post passes.
+SM90_BLOCK_N = 128
+SM90_STAGES = 2
+SM90_LOADER_REGS = 24
+SM90_DQ_REGS = 24
+SM90_PASS_ROWS = 64
+
+
 @dataclass(frozen=True)
 class Sm90BwdConfig:
-    """Tiles and launch sizes of the one-pass Hopper backward (backward_sm90) and its passes."""
+    """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    block_n: int = 128          # keys per CTA (64 per MMA warpgroup)
-    stages: int = 2             # Q / dO ring depth
-    loader_regs: int = 24       # setmaxnreg of the loader and dQ-writer warps (MMA warpgroups: 240)
-    dq_regs: int = 24
-    pass_rows: int = 64         # bf16: rows per program of the pre and post passes
     fp8_pre_warps: int = 8      # fp8_block: warps of the preprocess (one 64-row dO block each)
     fp8_post_rows: int = 64     # fp8_block: rows and warps of the post pass
     fp8_post_warps: int = 4
 
     @property
     def name(self) -> str:
-        return f"m{self.block_m}n{self.block_n}"
+        return f"m{self.block_m}n{SM90_BLOCK_N}"
 
 
-def sm90_backward_config(head_dim: int, recipe="bf16") -> Sm90BwdConfig:
+def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
     """The one-pass backward's tiles (H200, benchmarks/NOTES.md): 128 keys per CTA; 64 query
     rows per step at D=128 (128 rows do not fit the registers next to dK and dV), 128 at D=64
     (bf16: 12-16 % faster than 64; fp8_block: 14-18 % faster, its per-query vectors loaded one
     at a time). fp8_block's passes: preprocess at 8 warps (0.46 ms against 0.53 at 4, doc512_x64),
     post pass at 64 rows x 4 warps (0.36-0.44 ms; 128 x 8 0.71-0.77, 32 x 4 0.57, several
-    blocks per program 0.37-0.39 at doc32k). The recipe does not change the tiles."""
+    blocks per program 0.37-0.39 at doc32k). The same for both recipes."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
@@ -347,7 +353,7 @@ def backward_config(head_dim: int, recipe, device, max_seqlen: int | None = None
     """The config of the backward a call runs: Sm90BwdConfig (the one-pass kernel),
     ReferenceBwdConfig (fp8_block off sm_90) or the split backward's BwdConfig."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
-        return sm90_backward_config(head_dim, _recipe_name(recipe))
+        return sm90_backward_config(head_dim)
     if _recipe_name(recipe) == KVBLOCK_KERNEL_RECIPE:
         return ReferenceBwdConfig()
     return split_backward_config(head_dim, recipe, max_seqlen,

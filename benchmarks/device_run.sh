@@ -9,7 +9,8 @@
 # pytest args), tests-kvblock (fp8_block through the public API: emulation, audit, fuzz of
 # FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_block_long_check.py: kernels vs float64 at 32k
 # tokens), passes (benchmarks/bwd_fp8_passes_dev.py: launch settings of the fp8 backward's
-# pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), tests-fwd, tests-base (the cuDNN training
+# pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), fwd-ab (fp8_block forward
+# kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock, tests-fwd, tests-base (the cuDNN training
 # baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
 # every baseline; BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
@@ -90,6 +91,9 @@ for spec in "$@"; do
     passes) run_stage "$name" "$secs" python benchmarks/bwd_fp8_passes_dev.py ${PASSES_ARGS:-} ;;
     long-check) run_stage "$name" "$secs" python benchmarks/fp8_block_long_check.py ${LONG_ARGS:-} ;;
     dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
+    fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_ab.py ${FWD_AB_ARGS:-} ;;
+    tests-fwd-kvblock) run_stage "$name" "$secs" python -m pytest -q -x \
+             tests/gpu/test_forward_kvblock_gpu.py ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     tests-base) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_baselines_gpu.py ;;

@@ -58,12 +58,12 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     return built["_attn_fwd_kernel"], cfg
 
 
-def build_forward_gluon(D: int, causal: bool, sets: list[str]):
+def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str]):
     """The persistent Gluon forward as attention_forward launches it on the H200 (D=128)."""
     from flamia.ops.config import PersistentFwdConfig
     from flamia.ops.forward_gluon import attention_forward_gluon
     cfg = with_sets(PersistentFwdConfig(), sets)
-    built = tools.build(attention_forward_gluon, tools.fake_qkv(2048, 8, 2, D),
+    built = tools.build(attention_forward_gluon, tools.fake_qkv(2048, 8, 2, D, recipe),
                         tools.cu_seqlens([1024, 1024]), 1024, causal, None, torch.bfloat16,
                         config=cfg)
     return built["_attn_fwd_gluon_persistent_kernel"], cfg
@@ -73,7 +73,7 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
     if kernel == "fwd":
         return build_forward(recipe, D, causal, sets)
     if kernel == "fwd_gluon":
-        return build_forward_gluon(D, causal, sets)
+        return build_forward_gluon(recipe, D, causal, sets)
     st = tools.fake_state(D, causal=causal, recipe=recipe)    # (the sm_90 GPU's configs)
     field = "dq" if kernel == "dq" else "dkdv"
     cfg = with_sets(getattr(st.cfg, field), sets)
@@ -89,8 +89,8 @@ def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernel", choices=("dkdv", "dq", "fwd", "fwd_gluon"), default="dkdv")
-    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed", "bf16"), default="fp8",
-                    help="bf16: --kernel fwd only")
+    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed", "bf16", "fp8_block"), default="fp8",
+                    help="bf16: --kernel fwd only; fp8_block: the forward kernels only")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")

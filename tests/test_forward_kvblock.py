@@ -245,6 +245,37 @@ def test_forward_uses_the_token_copy_on_the_diagonal():
     _check_forward(q, k, v, cu, True, got)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_tile_scales_at_the_extremes(causal):
+    """The unmasked tiles fold the block scales into per-row constants (_attn_inner's
+    TILE_SCALES): a V block 2^-133 times its neighbour's (the exponent's floor at -90: its A
+    are 0, its keys still count in l'), an all-zero V block (sv = 0) and, with the checks off,
+    a NaN in a V block: out / lse by the FlashAttention rule where finite, the NaN only in its
+    document's rows that see its block, the other document bitwise unchanged."""
+    lengths = (300, 260)
+    q, k, v, cu = make_qkv(lengths, HQ, HKV, 64, "mild", seed=7)
+    v[0:128] = (v[0:128].float() * 1e-33).to(v.dtype)        # block 0 of document 0: tiny
+    v[128:256] = (v[128:256].float() * 1e7).to(v.dtype)
+    v[300:428] = 0                                            # block 0 of document 1: sv = 0
+    out, lse, _ = _kernels(q, k, v, cu, causal, CFG_WIDE)
+    ref_out, ref_lse, _ = R.forward(q, k, v, cu, "fp8_block", causal)
+    exact = R.attention_exact(q, k, v, cu, causal)
+    assert not out.isnan().any()
+    # the FlashAttention rule's global bounds (a missing l' term would be an O(1) error)
+    emul = ref_out.to(q.dtype).double()
+    err, err_ref = (out.double() - exact).abs(), (emul - exact).abs()
+    assert err.max() <= 2 * err_ref.max() + 1e-5, (err.max().item(), err_ref.max().item())
+    assert rel_err(out, exact) <= 1.1 * rel_err(emul, exact) + 1e-4
+    _fa_rule(lse, ref_lse, R.lse_exact(q, k, cu, causal), "lse")
+    bad = v.clone()
+    bad[5, 1, 3] = float("nan")
+    nan_out = _kernels(q, k, bad, cu, causal, CFG_WIDE)[0]
+    assert torch.equal(nan_out[300:], out[300:])
+    g = HQ // HKV
+    seen = nan_out[128:300, g:2 * g] if causal else nan_out[:300, g:2 * g]   # KV head 1's
+    assert seen.isnan().all()
+
+
 # ------------------------------------------------------------------------------------------ P1 / P2
 
 def _fresh(x, seed):

@@ -163,15 +163,25 @@ def build(fn, *args, **kwargs) -> dict:
 def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bool = True,
              vt_mma_order: bool = False):
     """A QuantizedQKV of zeros (scales one) as quantize_qkv lays it out."""
-    from flamia.ops.layout import QuantizedQKV
+    from flamia.ops.layout import KVBLOCK_RECIPES, QuantizedQKV
     if recipe == "bf16":
         b = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)        # noqa: E731
         return QuantizedQKV("bf16", b(T, Hq, D), b(T, Hkv, D), b(T, Hkv, D), None, None, None,
                             None, rotated=False)
     z = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)       # noqa: E731
     tp = (T + 15) // 16 * 16
-    return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), torch.ones(Hq, T),
-                        torch.ones(Hkv, T), torch.ones(Hkv, T), torch.ones(Hkv, T),
+    one = torch.ones
+    if recipe in KVBLOCK_RECIPES:   # block and token copies, padded columns (two documents)
+        tp += 64
+        return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), one(Hq, T),
+                            one(Hkv, T), one(Hkv, T), one(Hkv, T), rotated=rotated,
+                            vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order,
+                            k8_diag=z(T, Hkv, D), v8_diag=z(T, Hkv, D), sk_diag=one(Hkv, T),
+                            sv_diag=one(Hkv, T), vnorm=one(Hkv, T),
+                            kv_pcu=torch.tensor([0, T // 2, T], dtype=torch.int32),
+                            vt8_diag=z(Hkv, D, tp), scale_cols=one(4, Hkv, tp))
+    return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), one(Hq, T),
+                        one(Hkv, T), one(Hkv, T), one(Hkv, T),
                         rotated=rotated, vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order)
 
 

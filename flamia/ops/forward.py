@@ -23,7 +23,7 @@ arithmetic, with cap_i = vcap (the visible max of the pairs' V scales) and a key
 document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the 128-token K/V block): the
 tiles of the query block's own 128-block (causal) read the per-token copies k8_diag / vt8_diag
 with their per-token scales, every other tile the block copies k8 / vt8 (one K and one V scale
-per tile, still folded per element here). vt8 is then in kmajor's padded column layout
+per tile, folded into per-row constants: _attn_inner's TILE_SCALES). vt8 is then in kmajor's padded column layout
 (document d from column kv_pcu[d], a multiple of 16), so every tile's V^T box starts at a
 16-aligned column; K tiles are read at any token row. return_row_max also stores the row max
 m (natural log), which the backward's bound needs (Saved.row_max).
@@ -58,12 +58,18 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                 FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
-                K_ALIGNED: tl.constexpr):
+                K_ALIGNED: tl.constexpr, TILE_SCALES: tl.constexpr = False):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
     FP8 reads V from the K-major copy vt8, whose column vcol0 + n holds the document's key n
     (vcol0 + lo a multiple of 16); V_MMA_ORDER: row p of a V tile is key mma_order16(p) of the
     tile, and P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a
-    multiple of 16 too (the token-block grid starts tiles at document-local offsets)."""
+    multiple of 16 too (the token-block grid starts tiles at document-local offsets).
+    TILE_SCALES (unmasked tiles of the token-block scaling's block copies): every key of a tile
+    has the same power-of-two sk and sv, read once per tile, and no per-element scale work is
+    left: s * sk joins the row factor (an exact rescaling) and sv the exponent's per-row
+    constant, A = e4m3(exp2(x - m + e)) with e = lr + log2 sv (= e4m3(p' sv) up to the fp32
+    rounding of that constant), l' += sum(p' sv) 2^(lr - e); e is floored at -90, where every
+    A is 0 anyway (forward_gluon._online_softmax_block has the argument)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     if V_MMA_ORDER:
@@ -88,7 +94,15 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
             else:
                 kt = tl.load(k_ptrs)
         s = tl.dot(q, kt)
-        if FP8:
+        if TILE_SCALES:
+            rf = row_f * tl.load(SK + start_n)
+            # sv joins the exponent's per-row constant (e = lr + log2 sv, floored at -90)
+            e = lr + tl.math.log2(tl.load(SV + start_n))
+            e = tl.where(e < -90.0, -90.0, e)             # (a NaN e stays NaN)
+        else:
+            rf = row_f
+            e = lr
+        if FP8 and not TILE_SCALES:
             if MASKED:
                 sk = tl.load(SK + offs_n, mask=col_ok, other=0.0)
             else:
@@ -106,16 +120,23 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
             else:
                 p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * row_f)     # row_f >= 0
+            m_new = tl.maximum(m_i, tl.max(s, 1) * rf)        # rf >= 0
             if FOLD_LR:
-                p = tl.math.exp2(s * row_f[:, None] - (m_new - lr)[:, None])
+                p = tl.math.exp2(s * rf[:, None] - (m_new - e)[:, None])
             else:
-                p = tl.math.exp2((s * row_f[:, None] - m_new[:, None]) + lr[:, None])
+                p = tl.math.exp2((s * rf[:, None] - m_new[:, None]) + e[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if TILE_SCALES:     # p is p' sv
+            l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(lr - e)
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # ---- O += P V ----
-        if FP8:
+        if TILE_SCALES:
+            a = p.to(tl.float8e4nv)                          # RNE
+            if V_MMA_ORDER:
+                a = mma_key_order(a)
+        elif FP8:
             if MASKED:
                 sv = tl.load(SV + offs_n, mask=col_ok, other=0.0)
             else:
@@ -219,7 +240,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         0, d0, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                         D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
-                                        FULL_STAGES, V_MMA_ORDER, False)
+                                        FULL_STAGES, V_MMA_ORDER, False, True)
             SKDh = SKD + kvh * T + tok0
             SVDh = SVD + kvh * T + tok0
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
@@ -235,7 +256,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         0, n_full, K, Vh, SKh, SVh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, False, FP8, USE_TMA,
-                                        FOLD_LR, FULL_STAGES, V_MMA_ORDER, False)
+                                        FOLD_LR, FULL_STAGES, V_MMA_ORDER, False, True)
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         n_full, L, K, Vh, SKh, SVh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,

@@ -33,8 +33,10 @@ Token-block scaling (fp8_block, fp8_block_mixed): the Triton kernel's tile grid 
 document-local multiples of BN, no shift; forward.py's docstring): the producer loads tile t of
 an item from the per-token copies (k8_diag, vt8_diag, scale_cols rows 2-3) when it lies in the
 query block's own 128-block (causal), else from the block copies (k8, vt8, scale_cols rows
-0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN; the consumer is unchanged
-but for shift = 0. return_row_max stores the row max too.
+0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN. The consumer takes shift = 0,
+and on an unmasked tile (block copies: one K and one V scale) reads each scale once and folds it
+into per-row constants, so no per-element scale work is left (_online_softmax_block).
+return_row_max stores the row max too.
 
 bf16 recipe: not implemented here (the Triton kernel runs it).
 """
@@ -197,16 +199,52 @@ if HAVE_GLUON:
         return a, m_new, l_i, alpha
 
     @gluon.jit
+    def _tile_scale(ring, st, BN: gl.constexpr):
+        """The one scale of a block copy's tile: element 0 of ring stage st (every key of the
+        tile holds its 128-token block's scale), as a scalar."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        return gl.max(_scale_view(ring, st, BN).slice(0, 1).load(one), axis=0)
+
+    @gluon.jit
+    def _online_softmax_block(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr,
+                              o_layout: gl.constexpr):
+        """_online_softmax of an unmasked tile of the token-block scaling's block copies, whose
+        keys share one power-of-two sk and sv: no per-element scale work and no scale vector.
+        s * sk joins the row factor (rf = row_f sk, an exact rescaling), and sv the exponent's
+        per-row constant: A = e4m3(exp2(s rf + (e - m))) with e = lr + log2 sv, which is
+        e4m3(p' sv) up to the fp32 rounding of that constant. l' takes sum(p' sv) * 2^(lr - e).
+        e is floored at -90 (only when sv / cap < 2^-98, where every A is 0 anyway: p' sv <=
+        2^(lr + log2 sv) < 2^-90) so that the p' sv behind l' cannot underflow to 0; an sv of
+        0 gives A = 0 and l' = sum p', a NaN sv a NaN tile, as the per-key form does."""
+        BN: gl.constexpr = s.type.shape[1]
+        sk = _tile_scale(sk_smem, st, BN)
+        sv = _tile_scale(sv_smem, st, BN)
+        rf = row_f * sk
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * rf)
+        e = lr + gl.log2(sv)
+        e = gl.where(e < -90.0, -90.0, e)                    # (a NaN e stays NaN)
+        p = gl.exp2(gl.fma(s, gl.expand_dims(rf, 1), gl.expand_dims(e - m_new, 1)))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(lr - e)
+        a = p.to(gl.float8e4nv)                                      # RNE, satfinite
+        a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        return a, m_new, l_i, alpha
+
+    @gluon.jit
     def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
-                      CAUSAL: gl.constexpr, o_layout: gl.constexpr):
+                      CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr, o_layout: gl.constexpr):
         """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
-        stage st: masked where the tile reaches outside the document or past full_end."""
+        stage st: masked where the tile reaches outside the document or past full_end. KVBLOCK:
+        an unmasked tile reads the block copies (one K and one V scale per tile)."""
         BN: gl.constexpr = s.type.shape[1]
         sk_s = _scale_view(sk_smem, st, BN)
         sv_s = _scale_view(sv_smem, st, BN)
         if (n0 < 0) | (n0 + BN > full_end):
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                                                  True, CAUSAL, o_layout)
+        elif KVBLOCK:
+            a, m_i, l_i, alpha = _online_softmax_block(s, sk_smem, sv_smem, st, m_i, l_i, row_f,
+                                                       lr, o_layout)
         else:
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                                                  False, CAUSAL, o_layout)
@@ -356,7 +394,8 @@ if HAVE_GLUON:
     def _pers_serial_step(s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready,
                           rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g,
                           RESCALE: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr,
+                          NW: gl.constexpr):
         """One tile g of _pers_serial_tiles: its S (in flight) -> softmax -> release r_g (K_g
         read; V_{g-1} read by the previous PV, retired) -> rescale (RESCALE: not on an item's
         first tile, whose acc is zero) -> PV_g; then (NEXT) S_{g+1} issued behind it, and PV_g
@@ -367,7 +406,7 @@ if HAVE_GLUON:
         st = g % STAGES
         s = warpgroup_mma_wait(0, deps=[s])
         a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows,
-                                           n0, L, full_end, CAUSAL, o_layout)
+                                           n0, L, full_end, CAUSAL, KVBLOCK, o_layout)
         _ws_release(rel, st)
         if RESCALE:
             acc = _mul_rows(acc, alpha)
@@ -388,7 +427,7 @@ if HAVE_GLUON:
     def _pers_serial_tiles(q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
                            m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, shift, g,
                            BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, NW: gl.constexpr):
+                           CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr, NW: gl.constexpr):
         """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
         _pers_serial_step per tile. What crosses the loop's back edge is S_{j+1} in flight
         (fp32 registers in the accumulator layout) and the retired acc, never P's e4m3 A
@@ -403,21 +442,21 @@ if HAVE_GLUON:
             _s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
                 l_i, row_f, lr, rows, -shift, L, full_end, g, False, False, BN, STAGES, CAUSAL,
-                NW)
+                KVBLOCK, NW)
         else:
             s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
                 l_i, row_f, lr, rows, -shift, L, full_end, g, False, True, BN, STAGES, CAUSAL,
-                NW)
+                KVBLOCK, NW)
             for j in range(1, n_tiles - 1):
                 s, acc, m_i, l_i, g = _pers_serial_step(
                     s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
                     m_i, l_i, row_f, lr, rows, j * BN - shift, L, full_end, g, True, True, BN,
-                    STAGES, CAUSAL, NW)
+                    STAGES, CAUSAL, KVBLOCK, NW)
             _s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
                 l_i, row_f, lr, rows, (n_tiles - 1) * BN - shift, L, full_end, g, True, False,
-                BN, STAGES, CAUSAL, NW)
+                BN, STAGES, CAUSAL, KVBLOCK, NW)
         return acc, m_i, l_i, g
 
     @gluon.jit
@@ -460,7 +499,7 @@ if HAVE_GLUON:
                 acc, m_i, l_i, g = _pers_serial_tiles(
                     q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
                     c_row_f, c_lr, c_rows, c_L, full_end, n_tiles, shift, g, BN, D, STAGES,
-                    CAUSAL, NW)
+                    CAUSAL, KVBLOCK, NW)
                 # every QK^T of the item is done: its Q buffer may take item it + QBUF
                 mbarrier.arrive(q_free.index(qb), count=1)
                 tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,

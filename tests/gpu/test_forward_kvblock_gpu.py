@@ -189,6 +189,36 @@ def test_gluon_agrees_with_triton(causal):
     assert (g[1] - t[1]).abs().max().item() <= 1e-3 and (g[2] - t[2]).abs().max().item() <= 1e-3
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_tile_scales_at_the_extremes(kernel, causal):
+    """The unmasked tiles fold the block scales into per-row constants: a V block 2^-133 times
+    the next one's (the exponent floor at -90: A is 0 there and p' sv would flush to 0 in the
+    sum), an all-zero V block (sv = 0), and with the checks off a NaN in a V block, which makes
+    the rows that see it NaN and leaves the other document bitwise unchanged (CPU twin:
+    tests/test_forward_kvblock.py)."""
+    D = 128 if kernel == "gluon" else 64
+    q, k, v, cu = make_qkv((600, 520), HQ, HKV, D, "mild", device=DEV, seed=11)
+    v[0:256] = (v[0:256].float() * 1e-33).to(v.dtype)
+    v[256:384] = (v[256:384].float() * 1e7).to(v.dtype)
+    v[600:728] = 0
+    got = _run(kernel, q, k, v, cu, causal)
+    out = got[0]
+    assert not out.isnan().any()
+    (emul, emul_lse, _), (exact, exact_lse, _) = _references(q, k, v, cu, causal)
+    err, err_ref = (out.double() - exact).abs(), (emul - exact).abs()
+    assert err.max() <= 2 * err_ref.max() + 1e-5, (err.max().item(), err_ref.max().item())
+    assert rel_err(out, exact) <= 1.1 * rel_err(emul, exact) + 1e-4
+    _fa_rule(got[1], emul_lse, exact_lse, "lse")
+    bad = v.clone()
+    bad[5, 1, 3] = float("nan")
+    nan_out = _run(kernel, q, k, bad, cu, causal)[0]
+    assert torch.equal(nan_out[600:], out[600:])
+    g = HQ // HKV
+    seen = nan_out[128:600, g:2 * g] if causal else nan_out[:600, g:2 * g]
+    assert seen.isnan().all()
+
+
 def test_fuzz_document_splits():
     """Random splits of ~2500 tokens (empty, 1-token and block-sized documents likely), random
     causal / kernel / D: the FlashAttention rule against the reference every time."""

@@ -1,0 +1,134 @@
+"""A/B of fp8_block forward kernels in one process on the H200: the working tree's against
+copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > base.py`).
+
+    python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
+        [--workloads doc32k,...] [--rounds 3]
+
+--gluon copies of forward_gluon.py run the D=128 workloads (attention_forward_gluon, V^T in
+token order), --triton copies of forward.py the D=64 ones (attention_forward with the Triton
+config, V^T in wgmma order); "current" is the working tree's module. Per workload: one
+quantize_qkv (fp8_block, causal), every variant's out / lse / row max on poisoned outputs
+compared with the first variant's (bitwise, or the largest difference relative to max |out|),
+then CUDA-event medians of the forward kernel alone, the variants interleaved over --rounds
+rounds (median of the rounds). A short table comes last.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from benchmarks.bwd_sm90_dev import cuda_ms  # noqa: E402
+from flamia.inputs import make_qkv  # noqa: E402
+from flamia.ops import forward as current_triton  # noqa: E402
+from flamia.ops import forward_gluon as current_gluon  # noqa: E402
+from flamia.ops.config import PersistentFwdConfig, triton_forward_config  # noqa: E402
+from flamia.ops.quantize import quantize_qkv  # noqa: E402
+
+WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flamia", "data",
+                         "workloads.json")
+
+
+def load_copy(path: str, name: str):
+    """The module in `path` imported as flamia.ops.<name>, so its relative imports resolve."""
+    spec = importlib.util.spec_from_file_location(f"flamia.ops.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variants(spec: str, current):
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, path = item.split("=")
+        out[name] = load_copy(path, f"ab_{name}_{abs(hash(path)) % 10**6}")
+    out["current"] = current
+    return out
+
+
+def runner(mod, gluon: bool, x, cu, L, D):
+    if gluon:
+        return lambda: mod.attention_forward_gluon(x, cu, L, True, None, torch.bfloat16,
+                                                   config=PersistentFwdConfig(), poison=True,
+                                                   return_row_max=True)
+    cfg = triton_forward_config(D, True, torch.device("cuda"))
+    return lambda: mod.attention_forward(x, cu, L, True, None, torch.bfloat16, config=cfg,
+                                         poison=True, return_row_max=True)
+
+
+def compare(a, b) -> str:
+    if all(torch.equal(x, y) for x, y in zip(a, b)):
+        return "bitwise"
+    o = (a[0].float() - b[0].float()).abs().max().item() / a[0].float().abs().max().item()
+    lse = (a[1] - b[1]).abs().max().item()
+    nan = bool(b[0].isnan().any())
+    return f"out {o:.1e} lse {lse:.1e}" + (" NaN!" if nan else "")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gluon", default="")
+    ap.add_argument("--triton", default="")
+    ap.add_argument("--workloads", default="")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    kinds = {True: variants(args.gluon, current_gluon), False: variants(args.triton,
+                                                                          current_triton)}
+    wl = json.load(open(WORKLOADS))["workloads"]
+    names = [x for x in args.workloads.split(",") if x]
+    table = []
+    for w in wl:
+        if names and w["name"] not in names:
+            continue
+        lengths, Hq, Hkv, D = w["doc_lengths"], w["heads_q"], w["heads_kv"], w["head_dim"]
+        gluon = D == 128
+        mods = kinds[gluon]
+        q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device="cuda", seed=0)
+        x = quantize_qkv(q, k, v, cu, "fp8_block", True, vt_mma_order=not gluon)
+        L = max(lengths)
+        fns = {n: runner(m, gluon, x, cu, L, D) for n, m in mods.items()}
+        first = None
+        row = {"workload": w["name"], "kernel": "gluon" if gluon else "triton"}
+        for n, f in fns.items():
+            got = f()
+            torch.cuda.synchronize()
+            if first is None:
+                first = got
+                row[f"{n} check"] = "reference"
+            else:
+                row[f"{n} check"] = compare(first, got)
+        times = {n: [] for n in fns}
+        for _ in range(args.rounds):
+            for n, f in fns.items():
+                times[n].append(cuda_ms(f))
+        for n in fns:
+            row[n] = statistics.median(times[n])
+        print(json.dumps(row), flush=True)
+        table.append(row)
+    for gluon in (True, False):
+        rows = [r for r in table if r["kernel"] == ("gluon" if gluon else "triton")]
+        if not rows:
+            continue
+        ns = list(kinds[gluon])
+        print(f"\n{'gluon (D=128)' if gluon else 'triton (D=64)'} forward kernel, ms "
+              f"(change vs {ns[0]})")
+        print("| workload | " + " | ".join(ns) + " | checks |")
+        print("|---" * (len(ns) + 2) + "|")
+        for r in rows:
+            cells = [f"{r[ns[0]]:.3f}"] + [f"{r[n]:.3f} ({100 * (r[n] / r[ns[0]] - 1):+.1f} %)"
+                                           for n in ns[1:]]
+            checks = "; ".join(f"{n}: {r[n + ' check']}" for n in ns[1:])
+            print(f"| {r['workload']} | " + " | ".join(cells) + f" | {checks} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -134,7 +134,7 @@ for spec in "$@"; do
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --section SourceCounters --section SpeedOfLight --section WarpStateStats \
         -k 'regex:attn_fwd|attn_bwd_sm90|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \
-        python benchmarks/ncu_call.py --only "${NCU_WORKLOAD:-doc8k_x4}"
+        python benchmarks/ncu_call.py --only "${NCU_WORKLOAD:-doc8k_x4}" ${NCU_CALL_ARGS:-}
       "$NCU" --import "$OUT/ncusrc.ncu-rep" --page source --csv --print-source sass \
         >"$OUT/ncu-source.csv" 2>&1
       head -c 1500 "$OUT/ncu-source.csv"; echo

@@ -23,6 +23,11 @@ same way, so results agree with the Triton kernel to the fp32 rounding of the MM
 hold bitwise by construction (masked scores are -inf, V^T columns outside the document are
 zeroed in shared memory before the PV wgmma, masked sk / sv count as 0).
 
+Per item the consumer waits on no global load: the work-list entry and the per-row loads (sq,
+cap) of the next item are issued during this one, and a query block inside its document leaves
+through shared memory by one TMA store that nobody waits for (a block that reaches past its
+document's end is stored row-masked from registers).
+
 Ring protocol, in one tile sequence g = 0, 1, ... over all items of the CTA: K_g and V_g go to
 stage g % STAGES; the consumer's release r_g (after S_g is read and PV_{g-1} retired) frees K_g
 and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES+1}. Q is double
@@ -55,7 +60,7 @@ except Exception:   # pragma: no cover - older triton
     HAVE_GLUON = False
 
 from .config import PersistentFwdConfig
-from .gluon_common import shared_layout
+from .gluon_common import gl_dtype, shared_layout
 from .layout import QuantizedQKV, check_kvblock_tiles
 from .schedule import Schedule, persistent_grid, work_list
 
@@ -87,20 +92,28 @@ if HAVE_GLUON:
         return full_end, (hi + shift + BN - 1) // BN
 
     @gluon.jit
-    def _query_rows(SQ, VCAP, T, qk_scale, start, q_lo, L, head, kvh, BM: gl.constexpr,
-                    s_layout: gl.constexpr):
-        """Per-row constants of query rows [q_lo, q_lo + BM) (the rows of S): tok0, the doc-local
-        rows, row_ok, row_f = sq * qk_scale and lr = log2(256 / cap)."""
-        tok0 = start.to(gl.int64)
+    def _query_rows(start, q_lo, L, BM: gl.constexpr, s_layout: gl.constexpr):
+        """(tok0, doc-local rows, row_ok) of query rows [q_lo, q_lo + BM) (the rows of S)."""
         rows = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        row_ok = rows < L
+        return start.to(gl.int64), rows, rows < L
+
+    @gluon.jit
+    def _row_loads(SQ, VCAP, T, start, q_lo, L, head, kvh, BM: gl.constexpr,
+                   s_layout: gl.constexpr):
+        """sq and cap of query rows [q_lo, q_lo + BM) of an item: issued one item ahead,
+        _row_constants uses them."""
+        tok0, rows, row_ok = _query_rows(start, q_lo, L, BM, s_layout)
         sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
-        row_f = sq * qk_scale
         cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
-        # lr exact from the exponent bits (cap is a power of two or 0)
+        return sq, cap
+
+    @gluon.jit
+    def _row_constants(sq, cap, qk_scale):
+        """row_f = sq * qk_scale and lr = log2(256 / cap), exact from cap's exponent bits (cap is
+        a power of two or 0)."""
         ecap = ((cap.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
         lr = gl.where(cap > 0.0, gl.minimum(8 - ecap, 100), 0).to(gl.float32)
-        return tok0, rows, row_ok, row_f, lr
+        return sq * qk_scale, lr
 
     @gluon.jit
     def _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc, STAGES: gl.constexpr, BN: gl.constexpr,
@@ -286,19 +299,32 @@ if HAVE_GLUON:
             _zero_v_outside(v_smem.index(st), n0, L, num_warps)
 
     @gluon.jit
-    def _store_out(acc, m_i, l_i, lr, O, LSE, RMAX, stride_ot, stride_oh, T, tok0, q_lo, rows,
-                   row_ok, L, head, ROW_MAX: gl.constexpr):
+    def _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot, stride_oh, T,
+                   tok0, q_lo, rows, row_ok, L, head, ROW_MAX: gl.constexpr):
         """Epilogue of query rows [q_lo, q_lo + BM): O = acc / l' and
-        lse = ln2 * (m + log2 l' - lr); ROW_MAX: the row max ln2 * m into RMAX too."""
+        lse = ln2 * (m + log2 l' - lr); ROW_MAX: the row max ln2 * m into RMAX too. A block
+        inside its document goes out through o_smem by one TMA store, which the consumer does
+        not wait for (the next epilogue's store_wait does, before it reuses o_smem); a block
+        that reaches past the document's end is stored row-masked from registers (a TMA box
+        would overwrite the next document's first rows)."""
         BM: gl.constexpr = acc.type.shape[0]
         D: gl.constexpr = acc.type.shape[1]
         inv_l = 1.0 / l_i
-        out = _mul_rows(acc, inv_l)
-        rows_o = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
-        o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
-                  + gl.expand_dims(offs_d, 0))
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(rows_o < L, 1))
+        out = _mul_rows(acc, inv_l).to(O.dtype.element_ty)
+        if q_lo + BM <= L:
+            tma.store_wait(0)           # the previous block's store has read o_smem
+            gl.thread_barrier()
+            o_smem.store(out)
+            fence_async_shared()        # generic-proxy writes -> visible to the TMA (async proxy)
+            gl.thread_barrier()         # every warp's rows written before the copy starts
+            tma.async_copy_shared_to_global(o_desc, [(tok0 + q_lo).to(gl.int32), head * D],
+                                            o_smem)
+        else:
+            rows_o = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))
+            offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
+            o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
+                      + gl.expand_dims(offs_d, 0))
+            gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < L, 1))
         lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
         gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
         if ROW_MAX:
@@ -460,61 +486,61 @@ if HAVE_GLUON:
         return acc, m_i, l_i, g
 
     @gluon.jit
-    def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
-                       v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE, RMAX,
-                       stride_ot, stride_oh, T, qk_scale, D: gl.constexpr, BN: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr,
-                       QBUF: gl.constexpr, KVBLOCK: gl.constexpr, ROW_MAX: gl.constexpr):
+    def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
+                       k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc, O,
+                       LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       NW: gl.constexpr, QBUF: gl.constexpr, KVBLOCK: gl.constexpr,
+                       ROW_MAX: gl.constexpr):
         """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
         Q buffer (every QK^T of the item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = _wgmma_layout(BN, NW)
-        o_layout: gl.constexpr = _wgmma_layout(D, NW)
         g = 0
         it = 0
-        # The work list entries and per-row vectors of the next item are loaded one item ahead
-        # (loop-carried), so an item starts without a dependent global load on its path.
+        # No dependent global load on an item's path: the work list entries are loaded two
+        # items ahead and the per-row loads (which need an entry) one item ahead, each issued
+        # when an item starts, so they land while it computes.
         G = gl.num_programs(0)
-        doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W,
-                                                   gl.program_id(0))
-        tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start, blk * BM, L,
-                                                    head, kvh, BM, s_layout)
-        for w in range(gl.program_id(0), W, G):
-            c_doc, c_head, c_start, c_L, c_blk = doc, head, start, L, blk
-            c_tok0, c_rows, c_row_ok, c_row_f, c_lr = tok0, rows, row_ok, row_f, lr
+        pid = gl.program_id(0)
+        doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, pid)
+        sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
+        for w in range(pid, W, G):
+            c_doc, c_head, c_L, c_blk, c_start, c_sq, c_cap = doc, head, L, blk, start, sq, cap
             doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
             if c_doc >= 0:
+                row_f, lr = _row_constants(c_sq, c_cap, qk_scale)
                 q_lo = c_blk * BM
+                c_tok0, c_rows, c_row_ok = _query_rows(c_start, q_lo, c_L, BM, s_layout)
                 if KVBLOCK:
                     shift = 0                        # tiles at document-local multiples of BN
                 else:
                     shift = c_start % 16
                 full_end, n_tiles = _kv_tiles(q_lo, c_L, shift, BM, BN, CAUSAL)
-                m_i = gl.full_like(c_row_f, float("-inf"))
-                l_i = gl.zeros_like(c_row_f)
+                m_i = gl.full_like(row_f, float("-inf"))
+                l_i = gl.zeros_like(row_f)
                 qb = it % QBUF
                 q_tile = q_smem.index(qb)
 
                 mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
                 acc, m_i, l_i, g = _pers_serial_tiles(
                     q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
-                    c_row_f, c_lr, c_rows, c_L, full_end, n_tiles, shift, g, BN, D, STAGES,
+                    row_f, lr, c_rows, c_L, full_end, n_tiles, shift, g, BN, D, STAGES,
                     CAUSAL, KVBLOCK, NW)
                 # every QK^T of the item is done: its Q buffer may take item it + QBUF
                 mbarrier.arrive(q_free.index(qb), count=1)
-                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
-                                                            blk * BM, L, head, kvh, BM,
-                                                            s_layout)
-                _store_out(acc, m_i, l_i, c_lr, O, LSE, RMAX, stride_ot, stride_oh, T, c_tok0,
-                           q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
+                sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
+                _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot,
+                           stride_oh, T, c_tok0, q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
                 it += 1
             else:
-                tok0, rows, row_ok, row_f, lr = _query_rows(SQ, VCAP, T, qk_scale, start,
-                                                            blk * BM, L, head, kvh, BM, s_layout)
+                sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
+        tma.store_wait(0)       # o_smem stays valid until the last O store has read it
 
     @gluon.jit
     def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc,
-                                          vd_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS, CU,
+                                          vd_desc, o_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS,
+                                          CU,
                                           stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
                                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -526,6 +552,7 @@ if HAVE_GLUON:
         ROW_MAX: the row max m into RMAX too."""
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
                                                           STAGES, BN, D)
         q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
@@ -541,10 +568,10 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(rel.index(i), count=1)
         gl.warp_specialize([
-            (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
-                              v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, O, LSE,
-                              RMAX, stride_ot, stride_oh, T, qk_scale, D, BN, STAGES, CAUSAL,
-                              num_warps, QBUF, KVBLOCK, ROW_MAX)),
+            (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
+                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP,
+                              o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D, BN,
+                              STAGES, CAUSAL, num_warps, QBUF, KVBLOCK, ROW_MAX)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc,
                               q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
@@ -657,8 +684,10 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
     schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
     n_items = schedule.items.shape[1]
     grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, dev)
+    o_desc = GluonTensorDescriptor(out, [T, Hq * D], [Hq * D, 1], [BM, D],
+                                   _layout([BM, D], gl_dtype(out_dtype)))
     _attn_fwd_gluon_persistent_kernel[grid](
-        *_descriptors(qkv, BM, BN), qkv.sq, qkv.vcap, out, lse,
+        *_descriptors(qkv, BM, BN), o_desc, qkv.sq, qkv.vcap, out, lse,
         row_max if return_row_max else lse, qkv.kv_pcu if qkv.kvblock else schedule.items,
         schedule.items, cu_seqlens, out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv,
         scale * LOG2E, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),

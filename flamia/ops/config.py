@@ -104,6 +104,27 @@ class PersistentFwdConfig:
     producer_regs: int = 24
 
 
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """quantize_qkv's launch (flamia.ops.quantize): tokens per row block, row blocks per
+    program of the q rows, warps. Only the schedule: every choice writes the same bytes."""
+    block_t: int
+    sub: int
+    num_warps: int = 4
+
+
+def quantize_config(kvblock: bool) -> QuantizeConfig:
+    """64-token row blocks; four per q program for the per-token recipes, one for the
+    token-block ones: their launch is as wide as the K/V blocks' (T / 128 per K or V head), so
+    with four only half of the q programs had work. H200, quantize_qkv(fp8_block) ms
+    (benchmarks/quant_dev.py, results/quant_dev-20261203-840ce81-fp8_block.log): doc512_x64
+    0.400 -> 0.344 at one, 0.387 at two; d64_doc8k_x4 0.451 -> 0.454 (even). The interpreter
+    takes a K/V block (or 32 tokens) in one chunk: fewer interpreted steps."""
+    if interpreting():
+        return QuantizeConfig(128 if kvblock else 32, 1)
+    return QuantizeConfig(64, 1 if kvblock else 4)
+
+
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:
     """The fp8 recipes at D=128 on an sm_90 GPU run the persistent Gluon kernel.
 

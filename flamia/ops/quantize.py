@@ -166,8 +166,8 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | None = None,
-                 block_t: int | None = None, sub: int | None = None, num_warps: int = 4,
-                 poison: bool = False) -> QuantizedQKV:
+                 block_t: int | None = None, sub: int | None = None,
+                 num_warps: int | None = None, poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 / fp8_mixed: rotated, per-(token, head) e4m3 values and fp32 power-of-two scales, vt8
@@ -204,10 +204,10 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     fill = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
         (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
     kvblock = rec.name in KVBLOCK_RECIPES
-    if block_t is None:   # (the interpreter: a K/V block in one chunk, fewer interpreted steps)
-        block_t = (128 if kvblock else 32) if interpreting() else 64
-    if sub is None:
-        sub = 1 if interpreting() else 4
+    launch = config.quantize_config(kvblock)
+    block_t = launch.block_t if block_t is None else block_t
+    sub = launch.sub if sub is None else sub
+    num_warps = launch.num_warps if num_warps is None else num_warps
     if kvblock:
         return _quantize_kvblock(q, k, v, cu_seqlens, rec, causal, vt_mma_order, block_t, sub,
                                  num_warps, fill)

@@ -2,7 +2,7 @@
 copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > base.py`).
 
     python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
-        [--workloads doc32k,...] [--rounds 3]
+        [--workloads doc32k,...] [--rounds 3] [--d64-gluon]
 
 --gluon copies of forward_gluon.py run the D=128 workloads (attention_forward_gluon, V^T in
 token order), --triton copies of forward.py the D=64 ones (attention_forward with the Triton
@@ -79,6 +79,9 @@ def main():
     ap.add_argument("--triton", default="")
     ap.add_argument("--workloads", default="")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--d64-gluon", action="store_true", help="D=64 workloads: also time the "
+                    "working tree's Gluon kernel (V^T in token order), checked against the "
+                    "Triton kernel by the largest difference")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     kinds = {True: variants(args.gluon, current_gluon), False: variants(args.triton,
@@ -96,6 +99,9 @@ def main():
         x = quantize_qkv(q, k, v, cu, "fp8_block", True, vt_mma_order=not gluon)
         L = max(lengths)
         fns = {n: runner(m, gluon, x, cu, L, D) for n, m in mods.items()}
+        if args.d64_gluon and not gluon:
+            xt = quantize_qkv(q, k, v, cu, "fp8_block", True, vt_mma_order=False)
+            fns["gluon"] = runner(current_gluon, True, xt, cu, L, D)
         first = None
         row = {"workload": w["name"], "kernel": "gluon" if gluon else "triton"}
         for n, f in fns.items():
@@ -118,7 +124,7 @@ def main():
         rows = [r for r in table if r["kernel"] == ("gluon" if gluon else "triton")]
         if not rows:
             continue
-        ns = list(kinds[gluon])
+        ns = list(kinds[gluon]) + (["gluon"] if args.d64_gluon and not gluon else [])
         print(f"\n{'gluon (D=128)' if gluon else 'triton (D=64)'} forward kernel, ms "
               f"(change vs {ns[0]})")
         print("| workload | " + " | ".join(ns) + " | checks |")

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.config import Sm90BwdConfig, sm90_backward_config  # noqa: E402
-from benchmarks.tools.compile import compile_only, resource_usage  # noqa: E402
+from benchmarks.tools.compile import compile_only, fake_qkv, resource_usage  # noqa: E402
 
 
 def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16,
@@ -33,21 +33,8 @@ def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat
     return dict(built)
 
 
-def fake_fp8_qkv(T=1024, Hq=8, Hkv=2, D=128):
-    """CPU stand-ins for the fp8_block forward's outputs (layout.QuantizedQKV fields), enough
-    to build the fp8 kernels."""
-    from types import SimpleNamespace
-    f8 = torch.float8_e4m3fn
-    z = lambda *s: torch.zeros(*s)                                   # noqa: E731
-    return SimpleNamespace(
-        q8=z(T, Hq, D).to(f8), k8=z(T, Hkv, D).to(f8), v8=z(T, Hkv, D).to(f8),
-        k8_diag=z(T, Hkv, D).to(f8), v8_diag=z(T, Hkv, D).to(f8), sq=z(Hq, T), sk=z(Hkv, T),
-        sv=z(Hkv, T), sk_diag=z(Hkv, T), sv_diag=z(Hkv, T), vnorm=z(Hkv, T),
-        rotated=True, recipe="fp8_block")
-
-
 def build_fp8(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, deterministic=False):
-    qkv = fake_fp8_qkv(T, Hq, Hkv, D)
+    qkv = fake_qkv(T, Hq, Hkv, D, "fp8_block")
     do = torch.randn(T, Hq, D).to(torch.bfloat16)
     o = torch.randn(T, Hq, D).to(torch.bfloat16)
     cu = torch.tensor([0, 300, T], dtype=torch.int32)

@@ -15,7 +15,6 @@ rounds (median of the rounds). A short table comes last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.bwd_sm90_dev import cuda_ms  # noqa: E402
+from benchmarks.bwd_sm90_dev import cuda_ms, load_ab_base  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import forward as current_triton  # noqa: E402
 from flamia.ops import forward_gluon as current_gluon  # noqa: E402
@@ -36,20 +35,11 @@ WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flam
                          "workloads.json")
 
 
-def load_copy(path: str, name: str):
-    """The module in `path` imported as flamia.ops.<name>, so its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location(f"flamia.ops.{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def variants(spec: str, current):
     out = {}
     for item in filter(None, spec.split(",")):
         name, path = item.split("=")
-        out[name] = load_copy(path, f"ab_{name}_{abs(hash(path)) % 10**6}")
+        out[name] = load_ab_base(path, f"ab_fwd_{name}")
     out["current"] = current
     return out
 

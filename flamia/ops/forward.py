@@ -23,9 +23,9 @@ arithmetic, with cap_i = vcap (the visible max of the pairs' V scales) and a key
 document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the 128-token K/V block): the
 tiles of the query block's own 128-block (causal) read the per-token copies k8_diag / vt8_diag
 with their per-token scales, every other tile the block copies k8 / vt8 (one K and one V scale
-per tile, folded into per-row constants: _attn_inner's TILE_SCALES). vt8 is then in kmajor's padded column layout
-(document d from column kv_pcu[d], a multiple of 16), so every tile's V^T box starts at a
-16-aligned column; K tiles are read at any token row. return_row_max also stores the row max
+per tile, folded into per-row constants: _attn_inner's TILE_SCALES). vt8 is then in kmajor's
+padded column layout (document d from column kv_pcu[d], a multiple of 16), so every tile's V^T
+box starts at a 16-aligned column; K tiles are read at any token row. return_row_max also stores the row max
 m (natural log), which the backward's bound needs (Saved.row_max).
 """
 from __future__ import annotations

@@ -540,8 +540,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc,
                                           vd_desc, o_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS,
-                                          CU,
-                                          stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
+                                          CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP,
+                                          qk_scale,
                                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                           PRODUCER_REGS: gl.constexpr, QBUF: gl.constexpr,

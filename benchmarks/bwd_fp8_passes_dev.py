@@ -1,6 +1,7 @@
-"""The fp8_block backward's passes around its kernel on the H200: GPU time per kernel (torch.profiler)
-of attention_backward_sm90_fp8 under launch settings of the preprocess and the post pass
-(config.Sm90BwdConfig's fp8_pre_warps, fp8_post_rows, fp8_post_warps), one process, the shared/workloads.json shapes.
+"""The fp8 recipe's backward passes around its kernel on the H200: GPU time per kernel
+(torch.profiler) of attention_backward_sm90_fp8 under launch settings of the preprocess and the
+post pass (config.Sm90BwdConfig's fp8_pre_warps, fp8_post_rows, fp8_post_warps), one process,
+the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
         [--settings 4:64:4,8:64:8,4:128:8]          # pre warps : post rows : post warps
@@ -60,7 +61,7 @@ def main():
         q, k, v, do = (torch.randn(T, h, D, device="cuda", generator=g).to(torch.bfloat16)
                        for h in (Hq, Hkv, Hkv, Hq))
         cu = cu_seqlens_from_lengths(lengths, device="cuda")
-        qkv = quantize_qkv(q, k, v, cu, "fp8_block", True)
+        qkv = quantize_qkv(q, k, v, cu, "fp8", True)
         out, lse, rmax = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16,
                                            return_row_max=True)
         first = None

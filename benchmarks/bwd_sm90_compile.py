@@ -1,7 +1,8 @@
-"""Compile the sm90 backward kernel for sm_90a on a CPU (no GPU): registers, spills, shared
-memory, wgmma serialization and SASS per step, per head dim / config.
+"""Compile the one-pass sm90 backward kernel for sm_90a on a CPU (no GPU): registers, spills,
+shared memory, wgmma serialization and SASS per step, per head dim / config.
 
-    python benchmarks/bwd_sm90_compile.py [--dims 64,128] [--sass]
+    python benchmarks/bwd_sm90_compile.py [--dims 64,128] [--sass]     # the bf16 kernel
+    python benchmarks/bwd_sm90_compile.py --fp8 [--block-m 64]          # the fp8 recipe's kernel
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat
 
 
 def build_fp8(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, deterministic=False):
-    qkv = fake_qkv(T, Hq, Hkv, D, "fp8_block")
+    qkv = fake_qkv(T, Hq, Hkv, D, "fp8")
     do = torch.randn(T, Hq, D).to(torch.bfloat16)
     o = torch.randn(T, Hq, D).to(torch.bfloat16)
     cu = torch.tensor([0, 300, T], dtype=torch.int32)
@@ -49,7 +50,8 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--sass", action="store_true", help="SASS count of the main loop")
     ap.add_argument("--ptx", default=None, help="write the kernel PTX to this path")
-    ap.add_argument("--fp8", action="store_true", help="the fp8_block kernel")
+    ap.add_argument("--fp8", action="store_true", help="the fp8 recipe's kernel "
+                    "(_attn_bwd_sm90_fp8_kernel; token-block operands of tools.fake_qkv)")
     ap.add_argument("--block-m", type=int, default=None, help="query rows per step")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:

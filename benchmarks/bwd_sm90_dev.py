@@ -9,7 +9,8 @@ error of dq, dk, dv vs float64 next to the current bf16 backward's on the same i
 perturbed document leaves every other document's dk / dv bitwise unchanged and dq unchanged up to
 the order of the fp32 adds.
 --time: backward median ms (CUDA events) per workload: sm90 kernel (pre + main + post), the
-current bf16 backward, FA4 (fwd+bwd minus fwd, autograd), and TFLOP/s.
+current bf16 backward, FA4 (fwd+bwd minus fwd, autograd), and TFLOP/s; --fp8 adds the fp8
+recipe's one-pass kernel on quantize_qkv's operands.
 """
 from __future__ import annotations
 
@@ -157,18 +158,11 @@ def fa4_fn():
         return None
 
 
-def fp8_block_timing_inputs(q, k, v, cu, causal):
-    """(qkv_fp8, qkv_block): the fp8 recipe's quantized operands (flamia.ops.quantize) and, for
-    timing the fp8_block backward only, the same bytes standing in for its block and diagonal
-    copies (values do not change the kernel's work)."""
-    from types import SimpleNamespace
+def fp8_timing_inputs(q, k, v, cu, causal):
+    """The fp8 recipe's quantized operands (flamia.ops.quantize.quantize_qkv: block and
+    diagonal copies, vnorm) for timing its one-pass backward alone."""
     from flamia.ops.quantize import quantize_qkv
-    qkv = quantize_qkv(q, k, v, cu, "fp8", causal)
-    blk = SimpleNamespace(q8=qkv.q8, sq=qkv.sq, k8=qkv.k8, sk=qkv.sk, v8=qkv.v8, sv=qkv.sv,
-                          k8_diag=qkv.k8, v8_diag=qkv.v8, sk_diag=qkv.sk, sv_diag=qkv.sv,
-                          vnorm=torch.ones_like(qkv.sk) * 11.0, rotated=True,
-                          recipe="fp8_block")
-    return qkv, blk
+    return quantize_qkv(q, k, v, cu, "fp8", causal)
 
 
 def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes=(), fp8=False):
@@ -212,20 +206,19 @@ def time_workloads(names, configs, causal=True, old=True, args_det=False, shapes
             row["old bf16"] = cuda_ms(lambda: old_backward(do, o, lse, q, k, v, cu, maxlen,
                                                            causal, scale))
         if fp8:
-            from flamia.ops.backward import attention_backward
-            qkv8, qkvb = fp8_block_timing_inputs(q, k, v, cu, causal)
+            # the bf16 forward's out and lse stand in for fp8's, lse for its row max: the values
+            # do not change the kernel's work
+            qkv8 = fp8_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
             for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
-                row[f"fp8_block {cfg.name}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkvb, cu, causal, scale, config=cfg))
+                row[f"fp8 {cfg.name}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkv8, cu, causal, scale, config=cfg))
             for name, mod in AB_BASE.items():
-                row[f"{name} fp8_block"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkvb, cu, causal, scale))
+                row[f"{name} fp8"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkv8, cu, causal, scale))
             if args_det:
-                row["fp8_block det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkvb, cu, causal, scale, deterministic=True))
-            row["fp8 split"] = cuda_ms(lambda: attention_backward(do, o, lse, qkv8, cu, maxlen,
-                                                                  causal, scale))
+                row["fp8 det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                    do, o, lse_b, lse_b, qkv8, cu, causal, scale, deterministic=True))
         if fa4 is not None:
             qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
 
@@ -294,8 +287,8 @@ def main():
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
                     "comma separated")
-    ap.add_argument("--fp8", action="store_true", help="also time the fp8_block one-pass "
-                    "backward (at each --configs tile) and the fp8 split backward")
+    ap.add_argument("--fp8", action="store_true", help="also time the fp8 recipe's one-pass "
+                    "backward (at each --configs tile)")
     ap.add_argument("--no-old", action="store_true", help="check against fixed bars, time "
                     "without the current bf16 backward")
     args = ap.parse_args()

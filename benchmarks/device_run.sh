@@ -4,24 +4,26 @@
 #
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
-# Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd, tests-sm90
-# (the one-pass Hopper backward and its fuzz), tests-fp8 (its fp8_block kernel; FP8_TESTS: extra
-# pytest args), tests-kvblock (fp8_block through the public API: emulation, audit, fuzz of
-# FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_block_long_check.py: kernels vs float64 at 32k
-# tokens), passes (benchmarks/bwd_fp8_passes_dev.py: launch settings of the fp8 backward's
-# pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), fwd-ab (fp8_block forward
-# kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock, tests-fwd, tests-base (the cuDNN training
-# baseline), tests-compile (torch.compile and CUDA graphs), tests (all), bench (every recipe,
-# every baseline; BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
+# Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd (the
+# backward kernels, tests/gpu/test_backward_gpu.py), tests-sm90 (the one-pass Hopper backward
+# and its fuzz), tests-fp8 (its fp8 recipe's kernel; FP8_TESTS: extra pytest args),
+# tests-kvblock (the fp8 recipe through the public API: emulation, audit, fuzz of
+# FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_long_check.py LONG_ARGS: fp8's kernels vs
+# float64 at 32k tokens), passes (benchmarks/bwd_fp8_passes_dev.py PASSES_ARGS: launch settings
+# of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), fwd-ab
+# (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
+# (fp8's forward kernels), tests-fwd, tests-base (the cuDNN training baseline), tests-compile
+# (torch.compile and CUDA graphs), tests (all), bench (every kernel recipe, every baseline;
+# BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
-# --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant (quantize_qkv's
-# knobs QUANT_CONFIGS for QUANT_RECIPE, benchmarks/quant_dev.py), profile (PROFILE_ARGS), profile-fwd, train (flamia
-# train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host syncs of back-to-back calls,
-# GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side, benchmarks/host_profile.py), ncu,
-# ncu-src (per-instruction warp samples of the forward, dK/dV and dQ kernels:
-# benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd (the bf16 backward, flamia
-# sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS; NCU_ARGS=--fp8: fp8_block), scales32k
-# (benchmarks/scales_v2_check32k.py: the fp8_block spec at 32k tokens).
+# --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant
+# (quantize_qkv's knobs QUANT_CONFIGS, benchmarks/quant_dev.py), profile (PROFILE_ARGS),
+# profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host
+# syncs of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side,
+# benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of the forward and
+# one-pass backward kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd
+# (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS;
+# NCU_ARGS=--fp8: flamia's fp8 kernel instead).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -89,7 +91,7 @@ for spec in "$@"; do
     tests-kvblock) run_stage "$name" "$secs" python -m pytest -q -s -x \
              tests/gpu/test_kvblock_kernels_gpu.py ;;
     passes) run_stage "$name" "$secs" python benchmarks/bwd_fp8_passes_dev.py ${PASSES_ARGS:-} ;;
-    long-check) run_stage "$name" "$secs" python benchmarks/fp8_block_long_check.py ${LONG_ARGS:-} ;;
+    long-check) run_stage "$name" "$secs" python benchmarks/fp8_long_check.py ${LONG_ARGS:-} ;;
     dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
     fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_ab.py ${FWD_AB_ARGS:-} ;;
     tests-fwd-kvblock) run_stage "$name" "$secs" python -m pytest -q -x \
@@ -102,7 +104,7 @@ for spec in "$@"; do
     graphs) run_stage "$name" "$secs" python benchmarks/graph_timing.py ${GRAPH_ARGS:-} ;;
     bench) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes "$(python -c "print(round(($secs - 25) / 60, 2))")" \
-             --recipes "${BENCH_RECIPES:-fp8_block,fp8,fp8_mixed,bf16}" \
+             --recipes "${BENCH_RECIPES:-fp8,bf16}" \
              --baselines "${BENCH_BASELINES:-all}" --out "$OUT" ;;
     bench-fp8) run_stage "$name" "$secs" python -m flamia bench --quick \
              --max-minutes $(( (secs - 60) / 60 )) --recipes fp8 --baselines sdpa_cudnn,cudnn,fa4 \
@@ -113,8 +115,7 @@ for spec in "$@"; do
              ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
-             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" \
-             --recipe "${QUANT_RECIPE:-fp8}" ;;
+             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;
     train) run_stage "$name" "$secs" python -m flamia.train --out "$OUT/train_check" \
              --time-limit $((secs - 40)) ${TRAIN_ARGS:-} ;;
@@ -133,7 +134,7 @@ for spec in "$@"; do
     ncu-src) # per-SASS-instruction warp-state samples of the forward and backward kernels, doc8k_x4 fp8
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
         --section SourceCounters --section SpeedOfLight --section WarpStateStats \
-        -k 'regex:attn_fwd|attn_bwd_sm90|dkdv_fp8|dq_fp8' --import-source no -f -o "$OUT/ncusrc" \
+        -k 'regex:attn_fwd|attn_bwd_sm90' --import-source no -f -o "$OUT/ncusrc" \
         python benchmarks/ncu_call.py --only "${NCU_WORKLOAD:-doc8k_x4}" ${NCU_CALL_ARGS:-}
       "$NCU" --import "$OUT/ncusrc.ncu-rep" --page source --csv --print-source sass \
         >"$OUT/ncu-source.csv" 2>&1
@@ -144,7 +145,6 @@ for spec in "$@"; do
       rm -f "$OUT/ncusrc.ncu-rep"
       python benchmarks/ncu_source.py "$OUT/ncu-source.csv" --top 40 | tee "$OUT/ncu-source.txt"
       gzip -f "$OUT/ncu-source.csv" ;;
-    scales32k) run_stage "$name" "$secs" python benchmarks/scales_v2_check32k.py ;;
     ncu-bwd) # the bf16 backward, flamia sm90 next to FA4: counters and per-SASS warp samples
       for wl in $(echo "${NCU_WORKLOADS:-d64_doc8k_x4,doc8k_x4}" | tr , ' '); do
         run_stage "$name-$wl" "$secs" "$NCU" --clock-control none --profile-from-start off \

@@ -1,4 +1,4 @@
-"""A/B of fp8_block forward kernels in one process on the H200: the working tree's against
+"""A/B of the fp8 recipe's forward kernels in one process on the H200: the working tree's against
 copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > base.py`).
 
     python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
@@ -7,7 +7,7 @@ copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > 
 --gluon copies of forward_gluon.py run the D=128 workloads (attention_forward_gluon, V^T in
 token order), --triton copies of forward.py the D=64 ones (attention_forward with the Triton
 config, V^T in wgmma order); "current" is the working tree's module. Per workload: one
-quantize_qkv (fp8_block, causal), every variant's out / lse / row max on poisoned outputs
+quantize_qkv (fp8, causal), every variant's out / lse / row max on poisoned outputs
 compared with the first variant's (bitwise, or the largest difference relative to max |out|),
 then CUDA-event medians of the forward kernel alone, the variants interleaved over --rounds
 rounds (median of the rounds). A short table comes last.
@@ -86,11 +86,11 @@ def main():
         gluon = D == 128
         mods = kinds[gluon]
         q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device="cuda", seed=0)
-        x = quantize_qkv(q, k, v, cu, "fp8_block", True, vt_mma_order=not gluon)
+        x = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=not gluon)
         L = max(lengths)
         fns = {n: runner(m, gluon, x, cu, L, D) for n, m in mods.items()}
         if args.d64_gluon and not gluon:
-            xt = quantize_qkv(q, k, v, cu, "fp8_block", True, vt_mma_order=False)
+            xt = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
             fns["gluon"] = runner(current_gluon, True, xt, cu, L, D)
         first = None
         row = {"workload": w["name"], "kernel": "gluon" if gluon else "triton"}

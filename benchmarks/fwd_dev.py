@@ -81,7 +81,7 @@ def cfg_name(c: FwdConfig | None) -> str:
 # config is kept to measure what that costs), 64x128 / 4 warps and 128-row / 8-warp shapes,
 # 64x64 capped at 168 registers (three CTAs per SM) and plain pointer loads instead of TMA.
 def parse_configs(spec: str) -> list[FwdConfig]:
-    """'64x256w4s3,64x128w4s3r168,64x128w4s3m1' -> FP8 FwdConfigs (fold_lr on, as the FP8
+    """'128x128w8s2,64x128w4s3r168,64x128w4s3m1' -> FP8 FwdConfigs (fold_lr on, as the FP8
     default; mN: masked_stages=N)."""
     out = []
     for item in filter(None, spec.split(",")):
@@ -375,7 +375,7 @@ def main():
     ap.add_argument("--no-usage", action="store_true", help="skip the per-config ptxas report")
     ap.add_argument("--fp8-configs", default=None,
                     help="FP8 candidates instead of the built-in sweep ('none': the default "
-                         "only), e.g. 64x256w4s3,64x128w4s3r168m1 (the default config is timed "
+                         "only), e.g. 128x128w8s2,64x128w4s3r168m1 (the default config is timed "
                          "first; bf16 is then not swept)")
     ap.add_argument("--vt-order-ab", action="store_true",
                     help="also time the default config on vt8 in token order (not wgmma order)")

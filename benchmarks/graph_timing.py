@@ -2,7 +2,7 @@
 
     python benchmarks/graph_timing.py                                   # the train-check shape
     python benchmarks/graph_timing.py --docs 512x64 --heads 32/8 --head-dim 128 --recipes fp8
-    python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,fp8_mixed
+    python benchmarks/graph_timing.py --workloads all --recipes cudnn,fp8,bf16
     python benchmarks/graph_timing.py --workloads all --recipes fa4,cudnn,fp8  # x: against FA4
 
 Calls are queued back to back (N per round, interleaved rounds, median), as the layers of a

@@ -1,5 +1,6 @@
 """The bf16 backward of one workload under Nsight Compute: flamia's one-pass sm90 kernel next to
-FlashAttention-4's sm90 backward (when importable), same inputs, one process.
+FlashAttention-4's sm90 backward (when importable), same inputs, one process (--fp8: flamia's
+fp8 recipe's one-pass kernel instead of its bf16 one).
 
     ncu --clock-control none --profile-from-start off --section SourceCounters ... \
         -o rep python benchmarks/ncu_bwd_sm90.py --only d64_doc8k_x4
@@ -29,8 +30,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="d64_doc8k_x4")
     ap.add_argument("--no-fa4", action="store_true")
-    ap.add_argument("--fp8", action="store_true", help="flamia's fp8_block kernel (inputs of "
-                    "bwd_sm90_dev.fp8_block_timing_inputs) instead of its bf16 one")
+    ap.add_argument("--fp8", action="store_true", help="flamia's fp8 recipe's kernel (inputs of "
+                    "bwd_sm90_dev.fp8_timing_inputs) instead of its bf16 one")
     args = ap.parse_args()
     workloads, _ = load_workloads()
     w = next(w for w in workloads if w.name == args.only)
@@ -45,12 +46,12 @@ def main():
                                             return_lse=True, check_finite=False)
 
     if args.fp8:
-        from benchmarks.bwd_sm90_dev import fp8_block_timing_inputs
-        _, qkvb = fp8_block_timing_inputs(q, k, v, cu, True)
+        from benchmarks.bwd_sm90_dev import fp8_timing_inputs
+        qkv8 = fp8_timing_inputs(q, k, v, cu, True)
         lse_b = lse.contiguous()
 
         def ours():
-            B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkvb, cu, True)
+            B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkv8, cu, True)
     else:
         def ours():
             B.attention_backward_sm90(do, o, lse, q, k, v, cu, True)
@@ -79,7 +80,7 @@ def main():
         fa4()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled one backward of {w.name}: flamia sm90 {'fp8_block' if args.fp8 else 'bf16'}"
+    print(f"profiled one backward of {w.name}: flamia sm90 {'fp8' if args.fp8 else 'bf16'}"
           + (" and FA4 bf16" if fa4 else ""))
 
 

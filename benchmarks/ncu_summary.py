@@ -1,7 +1,7 @@
 """Compact per-kernel table from an Nsight Compute raw CSV (`ncu --import X.ncu-rep --page raw
 --csv`, as the `ncu` stage of benchmarks/device_run.sh writes it).
 
-    python benchmarks/ncu_summary.py ncu-raw.csv [--match _dkdv,_dq,_attn_fwd]
+    python benchmarks/ncu_summary.py ncu-raw.csv [--match _attn_fwd,_attn_bwd]
 
 Per kernel: duration, warp instructions, issue-slot and tensor-pipe utilisation, the busiest
 other pipes, registers, local-memory (spill) traffic, and the stall reasons of the PC sampler
@@ -101,7 +101,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--match", default="_dkdv,_dq,_attn_fwd,_attn_bwd,_quantize,_kmajor,_bwd_pre,"
-                    "_bwd_post,_bwd_cta,_kvblock_cols,_vt_vcap")
+                    "_bwd_post,_bwd_cta,_kvblock_cols")
     ap.add_argument("--memory-columns", default=None, help="also write every L2 / DRAM counter here")
     args = ap.parse_args()
     match = [m for m in args.match.split(",") if m]

@@ -1,7 +1,7 @@
 """Where the time of one user call goes: per-kernel GPU time of flamia forward+backward (H200).
 
     python benchmarks/profile_call.py                          # every workload, fp8
-    python benchmarks/profile_call.py --only doc512_x64,doc32k --recipes fp8,fp8_mixed
+    python benchmarks/profile_call.py --only doc512_x64,doc32k --recipes fp8,bf16
     python benchmarks/profile_call.py --forward-only        # the training forward alone
 
 For each workload of shared/workloads.json: bf16 inputs, the public varlen call forward and

@@ -1,13 +1,15 @@
-"""The fused q / k / v quantization (flamia/ops/quantize.py) under its tuning knobs, on the H200.
+"""The fp8 recipe's fused q / k / v quantization (flamia/ops/quantize.py: token-block scaling)
+under its tuning knobs, on the H200.
 
     python benchmarks/quant_dev.py                         # default knobs vs the candidates
     python benchmarks/quant_dev.py --configs 64x4w4,128x2w8 --rounds 5
-    python benchmarks/quant_dev.py --recipe fp8_block       # the token-block quantization
+    TRITON_INTERPRET=1 python benchmarks/quant_dev.py --cpu-smoke   # no GPU: bitwise check only
 
 Config names: BLOCK_TxSUBwWARPS (tokens per block, blocks per program, warps); the default
-(quantize_qkv's own choice) is timed first. Every candidate's outputs (q8, k8, v8, vt8, scales,
-vcap) must equal the default's bitwise on the same inputs, else it is reported and not timed:
-the knobs change the schedule, not the numerics. Timing: the whole `quantize_qkv` call (what a
+(quantize_qkv's own choice) is timed first. Every candidate's outputs (q8, the block and
+diagonal copies of k and v, vt8, scales, vcap, vnorm) must equal the default's bitwise on the
+same inputs, else it is reported and not timed: the knobs change the schedule, not the
+numerics. Timing: the whole `quantize_qkv` call (what a
 forward pays), CUDA events, interleaved rounds (median of rounds), inputs larger than L2, with
 the achieved DRAM rate (bf16 inputs read once, every output written once).
 """
@@ -50,14 +52,17 @@ def same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def smoke(configs: str, recipe: str):
+RECIPE = "fp8"     # quantize_qkv's only quantizing recipe (bf16 returns its inputs)
+
+
+def smoke(configs: str):
     q, k, v, cu = make_qkv((70, 0, 1, 57), 4, 2, 64, "outliers", seed=1)
-    ref = outputs(quantize_qkv(q, k, v, cu, recipe, True))
+    ref = outputs(quantize_qkv(q, k, v, cu, RECIPE, True))
     for n in configs.split(","):
         kw = parse(n)
         kw["block_t"] = min(kw["block_t"], 32)       # interpreter-sized blocks
         print(n, "bitwise equal to the default:",
-              same(ref, outputs(quantize_qkv(q, k, v, cu, recipe, True, **kw))))
+              same(ref, outputs(quantize_qkv(q, k, v, cu, RECIPE, True, **kw))))
 
 
 def main():
@@ -65,12 +70,11 @@ def main():
     ap.add_argument("--configs", default=CANDIDATES)
     ap.add_argument("--workloads", default="doc512_x64,d64_doc8k_x4")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--recipe", default="fp8", help="fp8 (per-token) or fp8_block (token-block)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="no GPU: the bitwise check only, tiny inputs, Triton interpreter")
     args = ap.parse_args()
     if args.cpu_smoke:
-        return smoke(args.configs, args.recipe)
+        return smoke(args.configs)
     if not torch.cuda.is_available():
         sys.exit("needs CUDA (or --cpu-smoke)")
     wls = {w.name: w for w in load_workloads()[0]}
@@ -81,14 +85,14 @@ def main():
         w = wls[wname]
         q, k, v, cu = make_qkv(tuple(w.doc_lengths), w.heads_q, w.heads_kv, w.head_dim, "mild",
                                device="cuda", seed=0)
-        ref = outputs(quantize_qkv(q, k, v, cu, args.recipe, True))
-        # bytes: bf16 q, k, v read once, every output written once (the token-block recipe reads
-        # k and v twice and its V copies once more: the rate is a lower bound there)
+        ref = outputs(quantize_qkv(q, k, v, cu, RECIPE, True))
+        # bytes: bf16 q, k, v read once, every output written once (the token-block quantization
+        # reads k and v twice and its V copies once more: the rate is a lower bound)
         moved = 2 * (q.numel() + 2 * k.numel()) + sum(t.numel() for t in ref)
         ok = {}
         for n, kw in cfgs.items():
             try:
-                ok[n] = same(ref, outputs(quantize_qkv(q, k, v, cu, args.recipe, True, **kw)))
+                ok[n] = same(ref, outputs(quantize_qkv(q, k, v, cu, RECIPE, True, **kw)))
             except Exception as e:   # noqa: BLE001  (a config the kernel cannot build)
                 print(f"{wname} {n}: {type(e).__name__}: {str(e)[:200]}")
                 ok[n] = False
@@ -99,7 +103,7 @@ def main():
         for _ in range(args.rounds):
             for n in times:
                 kw = cfgs[n]
-                t = cuda_time(lambda i: quantize_qkv(q, k, v, cu, args.recipe, True, **kw), 1,
+                t = cuda_time(lambda i: quantize_qkv(q, k, v, cu, RECIPE, True, **kw), 1,
                               settings)
                 times[n].append(t.median_ms)
         base = statistics.median(times["default"])

@@ -1,21 +1,22 @@
-"""SASS of a kernel's main loop, counted by opcode, on a CPU-only machine.
+"""SASS of a forward kernel's main loop, counted by opcode, on a CPU-only machine.
 
-    python benchmarks/sass_loop.py                          # dK/dV fp8, D=128, causal, default
-    python benchmarks/sass_loop.py --kernel dq --D 64
-    python benchmarks/sass_loop.py --kernel fwd             # the Triton forward (FwdConfig --set)
+    python benchmarks/sass_loop.py                          # the Triton forward, fp8, D=128
+    python benchmarks/sass_loop.py --D 64                   # the Triton forward at D=64
     python benchmarks/sass_loop.py --kernel fwd_gluon       # the persistent Gluon forward
-    python benchmarks/sass_loop.py --set stages=3           # a config field changed
+    python benchmarks/sass_loop.py --recipe bf16            # the Triton forward of bf16
+    python benchmarks/sass_loop.py --set num_stages=2       # a config field changed
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
     python benchmarks/sass_loop.py --common                 # histogram of the common path
     python benchmarks/sass_loop.py --lines                  # the common path per source line
 
 Compiles for sm_90a with the bundled ptxas (benchmarks/tools/compile.py: nothing runs),
-disassembles with the bundled cuobjdump, and takes the main loop (tools.sass.main_loop: the innermost
-loop that issues wgmmas, the query-block loop of dK/dV, the kv loop of dQ and the forward's
-unmasked-tile loop). Prints the total, the loop's length and its "common path" (minus what a
-forward branch inside it can skip: what every tile issues, the count benchmarks/NOTES.md
-quotes), the opcode histogram (largest first) and the local-memory (spill) operations. The
-dK/dV kernel's time tracks that per-tile stream (benchmarks/NOTES.md, session 4, item 4).
+disassembles with the bundled cuobjdump, and takes the main loop (tools.sass.main_loop: the
+innermost loop that issues wgmmas, the forward's unmasked-tile loop). Prints the total, the
+loop's length and its "common path" (minus what a forward branch inside it can skip: what every
+tile issues, the count benchmarks/NOTES.md quotes), the opcode histogram (largest first) and the
+local-memory (spill) operations. --kernel fwd is the Triton forward (FwdConfig, V^T in wgmma key
+order), fwd_gluon the persistent Gluon forward (PersistentFwdConfig; fp8 only). The one-pass
+Hopper backward has its own compile-only script: benchmarks/bwd_sm90_compile.py.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from benchmarks.tools import compile as tools  # noqa: E402
 from benchmarks.tools.sass import (  # noqa: E402
     by_source_line, common_path, local_memory_ops, main_loop, parse, sass_of,
 )
-from flamia.ops import backward as B  # noqa: E402
 
 
 def with_sets(cfg, sets: list[str]):
@@ -72,25 +72,15 @@ def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str]):
 def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
     if kernel == "fwd":
         return build_forward(recipe, D, causal, sets)
-    if kernel == "fwd_gluon":
-        return build_forward_gluon(recipe, D, causal, sets)
-    st = tools.fake_state(D, causal=causal, recipe=recipe)    # (the sm_90 GPU's configs)
-    field = "dq" if kernel == "dq" else "dkdv"
-    cfg = with_sets(getattr(st.cfg, field), sets)
-    st.cfg = dataclasses.replace(st.cfg, **{field: cfg})
-
-    def run(st):
-        B.launch_preprocess(st)
-        (B.launch_dq if kernel == "dq" else B.launch_dkdv)(st)
-    built = tools.build(run, st)
-    return next(v for n, v in built.items() if n.startswith("_" + kernel)), cfg
+    return build_forward_gluon(recipe, D, causal, sets)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", choices=("dkdv", "dq", "fwd", "fwd_gluon"), default="dkdv")
-    ap.add_argument("--recipe", choices=("fp8", "fp8_mixed", "bf16", "fp8_block"), default="fp8",
-                    help="bf16: --kernel fwd only; fp8_block: the forward kernels only")
+    ap.add_argument("--kernel", choices=("fwd", "fwd_gluon"), default="fwd",
+                    help="fwd: the Triton forward; fwd_gluon: the persistent Gluon forward")
+    ap.add_argument("--recipe", choices=("fp8", "bf16"), default="fp8",
+                    help="bf16: --kernel fwd only")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--no-causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="config field=value (repeatable)")
@@ -100,6 +90,8 @@ def main():
     ap.add_argument("--lines", action="store_true",
                     help="the common path's instructions per source line (nvdisasm -g)")
     args = ap.parse_args()
+    if args.kernel == "fwd_gluon" and args.recipe != "fp8":
+        ap.error("--kernel fwd_gluon runs the fp8 recipe only")
     kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
     sass = sass_of(kern)
     if args.dump:

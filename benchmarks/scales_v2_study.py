@@ -1,11 +1,15 @@
 """Scales v2 study (issue 27): which scaling scheme should the fp8 recipe use?
 
+(Its answer, candidate 3c, is today's fp8 recipe: token-block scaling, flamia/reference.py
+"Token-block scaling". Candidate 0, the per-token scheme that fp8 was when the study ran, is
+the emulated recipe fp8_token now; "today" below means at the time of the study.)
+
 A self-contained CPU emulation (float32 arithmetic with exact e4m3 rounding, float64 truth) of
 candidate scaling schemes for the fp8 recipe, in the data flow of the kernels that will run them:
 a forward with 64/128-query x 128-key tiles, and the one-pass Hopper backward
 (flamia/ops/backward_sm90.py: one CTA per 128-key block and KV head, two MMA warpgroups of 64 keys
 each, 64-query steps; S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K).
-It does not touch flamia/reference.py; candidate 0 is checked against it.
+It does not touch flamia/reference.py; candidate 0 is checked against its fp8_token recipe.
 
     PYTHONPATH=. .venv/bin/python benchmarks/scales_v2_study.py [--quick]
 
@@ -589,9 +593,10 @@ def errors(c, q, k, v, cu, do, ref, stats=None):
 
 
 def check_reference(q, k, v, cu, do):
-    """Candidate 0 against flamia.reference's fp8 (bf16 outputs, as ReferenceAttention returns)."""
+    """Candidate 0 against flamia.reference's fp8_token (bf16 outputs, as ReferenceAttention
+    returns)."""
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    o_r, lse_r = R.ReferenceAttention.apply(*xs, cu, "fp8", True, None, torch.float32)
+    o_r, lse_r = R.ReferenceAttention.apply(*xs, cu, "fp8_token", True, None, torch.float32)
     g_r = torch.autograd.grad(o_r, xs, do)
     out, lse, grads, _ = run(CANDIDATES[0], q, k, v, cu, do)
     mine = (out.to(torch.bfloat16), *(g.to(torch.bfloat16) for g in grads))
@@ -655,10 +660,10 @@ def main():
     print(f"torch {torch.__version__}; tiles: backward {BM} queries x {BN} keys per step, "
           f"forward 64/128 x 128; dO / Q-copy blocks {DO_BLOCK}\n")
 
-    # Candidate 0 reproduces flamia.reference's fp8 recipe.
+    # Candidate 0 reproduces flamia.reference's fp8_token recipe (per-token scales).
     q, k, v, cu, do = make_case("T1024-D128", "outliers")
     rel, dl = check_reference(q, k, v, cu, do)
-    print("Candidate 0 vs flamia.reference fp8 (T1024-D128 outliers): relative difference "
+    print("Candidate 0 vs flamia.reference fp8_token (T1024-D128 outliers): relative difference "
           f"O {rel[0]:.1e}, dQ {rel[1]:.1e}, dK {rel[2]:.1e}, dV {rel[3]:.1e}; max |dLSE| {dl:.1e}\n")
 
     errs, sats, stats = {}, {}, {}

@@ -9,9 +9,9 @@ cu_seqlens, so `torch.compile(model, fullgraph=True)` traces a model through fla
 registration: _OpAttention, an autograd.Function that dynamo traces, is their autograd.)
 
 What the forward keeps for the backward travels as op outputs, as a custom op requires:
-out, lse and the quantized operands (fp8: q8, k8, v8 and the per-token scales sq, sk, sv,
-vcap; fp8_block adds its per-token diagonal copies k8_diag, v8_diag, sk_diag, sv_diag (causal),
-vnorm and the forward's row max). A field a recipe does not have travels as an empty
+out, lse and the quantized operands (fp8: q8, k8, v8 with their scales sq, sk, sv, vcap, the
+per-token diagonal copies k8_diag, v8_diag, sk_diag, sv_diag (causal), vnorm and the forward's
+row max). A field a recipe does not have travels as an empty
 placeholder. The bf16 recipe's operands are q, k, v themselves (the op's inputs: an output may
 not alias them), so its forward returns placeholders and the backward gets q, k, v.
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .kernel_path import dense_cu_seqlens, kernel_backward, kernel_forward
-from .ops.layout import KVBLOCK_RECIPES, QuantizedQKV
+from .ops.layout import QuantizedQKV
 from .recipes import get_recipe
 from .validate import check_values
 
@@ -80,9 +80,7 @@ def _fwd_fake(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rec
     if recipe != "bf16":
         shapes.update(q8=((T, Hq, D), f8), k8=((T, Hkv, D), f8), v8=((T, Hkv, D), f8),
                       sq=((Hq, T), f32), sk=((Hkv, T), f32), sv=((Hkv, T), f32),
-                      vcap=((Hkv, T), f32))
-    if recipe in KVBLOCK_RECIPES:          # the fields QuantizedQKV.kvblock operands carry
-        shapes.update(vnorm=((Hkv, T), f32), row_max=((Hq, T), f32))
+                      vcap=((Hkv, T), f32), vnorm=((Hkv, T), f32), row_max=((Hq, T), f32))
         if causal:
             shapes.update(k8_diag=((T, Hkv, D), f8), v8_diag=((T, Hkv, D), f8),
                           sk_diag=((Hkv, T), f32), sv_diag=((Hkv, T), f32))

@@ -21,7 +21,7 @@ from .reference import attention_exact
 
 CPU_CONFIG = dict(lengths=(300, 17, 1, 0, 200), heads_q=4, heads_kv=2, head_dim=64)
 GPU_CONFIG = dict(lengths=(2048, 700, 17, 1, 0, 1300), heads_q=16, heads_kv=4, head_dim=128)
-AUDITED = ("fp8", "fp8_mixed", "fp8_block", "fp8_tensorwise")
+AUDITED = ("fp8", "fp8_mixed", "fp8_tensorwise")
 
 
 class Progress:
@@ -142,7 +142,7 @@ def recipe_path(device, head_dim: int, name: str) -> str:
     if name not in ops.KERNEL_RECIPES:
         why = ("the leaky control has no kernel" if rec.leaky
                else "emulated Blackwell format, no Hopper kernel" if rec.emulated and rec.scaling == "block"
-               else "a spec ahead of its kernels, no kernel yet" if rec.emulated
+               else "a reference-only spec, no kernel" if rec.emulated
                else "no kernel for this recipe")
     elif os.environ.get("FLAMIA_KERNELS", "") == "0":
         why = "FLAMIA_KERNELS=0"

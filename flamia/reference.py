@@ -9,8 +9,13 @@ Layout: packed tokens, q (T, Hq, D), k and v (T, Hkv, D), int32 cu_seqlens (n_do
 when Hkv divides Hq (query head h reads kv head h // (Hq // Hkv)). Internally a document's
 attention is dense: S is (H, L, L) for a document of L tokens.
 
-Why every safe recipe satisfies P1 (causal prefix invariance) and P2 (document isolation) by
-construction -- each quantization below is a function of data the output may depend on:
+Recipes (flamia.recipes): fp8 and fp8_mixed use the token-block scaling (the section "Token-block
+scaling" below); fp8_token (per-token scales, the comparison), mxfp8 and nvfp4_mixed the token-
+and row-local scalings of points 1-5; bf16 none; fp8_tensorwise is the leaky control.
+
+Why every safe token-local recipe (fp8_token, mxfp8, nvfp4_mixed) satisfies P1 (causal prefix
+invariance) and P2 (document isolation) by construction -- each quantization below is a function
+of data the output may depend on:
 1. Stored operands Q, K, V, dO are quantized with a scale per (token, head) over the head dim
    ("token" scaling) or per 32 channels of one token ("block"): token-local, so a token's FP8
    bytes depend on that token alone. The Hadamard rotation of q and k is token-local too.
@@ -31,9 +36,9 @@ construction -- each quantization below is a function of data the output may dep
 5. Everything above is computed per document: no scale ever spans a document boundary.
 The "tensor" scaling of the leaky control breaks 1, 3 and 4 on purpose.
 
-Token-block scaling ("kvblock128": recipes fp8_block, fp8_block_mixed; issue 27)
-------------------------------------------------------------------------------
-The spec the fp8 kernels adopt next: one FP8 copy of each stored operand and one scalar scale per
+Token-block scaling ("kvblock128": recipes fp8, fp8_mixed)
+----------------------------------------------------------
+What the fp8 kernels compute: one FP8 copy of each stored operand and one scalar scale per
 kernel tile along every token reduction, instead of per-token scales folded into P and dS element
 by element. Constants: KV_BLOCK = 128 (K/V scale block = the backward CTA's key block),
 DO_BLOCK = 64 (dO scale block = the backward's query step).
@@ -42,7 +47,7 @@ DO_BLOCK = 64 (dO scale block = the backward's query step).
   two from the block's amax over its tokens x head dim (per head), values e4m3 with saturation.
 - Q: per (token, head) scale sq_i (a row scale of S). dO: per (64-token block, head).
 - K, V: the *block copy* (scale skb, svb per (block, head)) and, causal only, the *token copy*
-  (per-token scales skt_j, svt_j: today's bytes). Pair (i, j) is *diagonal* when key j <= query i
+  (per-token scales skt_j, svt_j, as fp8_token's). Pair (i, j) is *diagonal* when key j <= query i
   lies in query i's block; diagonal pairs use the token copy, every other visible pair (j in an
   earlier block) the block copy. With KV_BLOCK = 128 a 128-row diagonal tile holds only diagonal
   (or masked) pairs, so each tile uses one copy and, off the diagonal, one K and one V scale.
@@ -74,8 +79,8 @@ DO_BLOCK = 64 (dO scale block = the backward's query step).
   on every row the CTA sees, the diagonal rows included: dQ reads K's block copy only (one dS
   copy, one K^T copy per CTA; a per-token K here would need a second dS copy scaled per key).
   Every quotient is bounded by 448 by construction (|P| <= pmax, |dP_ij| <= |dO_i| |Vc_j|), so
-  nothing saturates beyond rounding. fp8_block_mixed: dP from the bf16 dO, delta with it, and the
-  dS GEMMs in bf16 (no dS scale); dV as fp8_block.
+  nothing saturates beyond rounding. fp8_mixed: dP from the bf16 dO, delta with it, and the
+  dS GEMMs in bf16 (no dS scale); dV as fp8.
 
 Why P1 holds for the forward, bitwise. A shared scale reaches query t from keys > t only if the
 block it covers holds such a key. Off-diagonal pairs (i, j) have block(j) < block(i): every key of
@@ -754,7 +759,7 @@ def _backward_kvblock(dout, out, lse, saved: Saved, cu_seqlens, recipe: Recipe, 
                     dk_h = scale * c_ds * (y.transpose(1, 2) @ qv[:, r0:])
                     units = c_ds * skb[:, c0, None, None]                    # c_ds skb: CTA scalars
                     dq[:, a + r0:b] += units * (y @ kbv[:, c0:c1])
-                else:   # bf16 dS GEMMs (fp8_block_mixed)
+                else:   # bf16 dS GEMMs (fp8_mixed)
                     dsb = round_to_format(ds, "bf16")
                     dk_h = scale * (dsb.transpose(1, 2) @ qd[:, r0:])
                     dq[:, a + r0:b] += dsb @ kbd[:, c0:c1]

@@ -1,5 +1,5 @@
-"""The fp8_block backward kernel's operands built from the reference forward (flamia.reference
-Saved): what tests/gpu/test_backward_sm90_fp8_gpu.py feeds the kernel, and the contract
+"""The fp8 backward kernel's operands built from the reference forward (flamia.reference Saved):
+what tests/gpu/test_backward_sm90_fp8_gpu.py feeds the kernel, and the contract
 flamia.ops.quantize.quantize_qkv's token-block fields must meet (tests/test_kvblock_contract.py)."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 from flamia import reference as R
 
-RECIPE = "fp8_block"
+RECIPE = "fp8"
 
 
 def qkv_from_saved(saved: R.Saved, cu: torch.Tensor, causal: bool) -> SimpleNamespace:
-    """The kernel's operands (layout.QuantizedQKV's fp8_block fields) from the reference
+    """The kernel's operands (layout.QuantizedQKV's fp8 fields) from the reference
     forward's: the same bytes and scales, (H, T) scale vectors, Vn the visible max of the V
     copies' 2-norms (reference.backward_scales)."""
     f8 = torch.float8_e4m3fn

@@ -2,7 +2,7 @@
 
 Without CUDA, the real Triton kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be
 set before anything imports triton, and FLAMIA_KERNELS=1 makes flamia.ops.kernels_available()
-route the kernel recipes (fp8, fp8_mixed, bf16) to them (see flamia/ops/__init__.py). Tests that
+route the kernel recipes (fp8, bf16) to them (see flamia/ops/__init__.py). Tests that
 must run the reference emulation regardless call flamia.reference directly or use the
 `reference_only` fixture.
 """

@@ -330,8 +330,8 @@ def test_flamia_attention_accepts_good_arguments():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_fp8_block_kernel_path(causal):
-    """fp8_block through the kernel path: the quantize and forward kernels (here in the
+def test_fp8_kernel_path(causal):
+    """fp8 through the kernel path: the quantize and forward kernels (here in the
     interpreter), then the backward (on sm_90 the one-pass kernel; here the reference backward on
     the kernel forward's operands: ops.config.ReferenceBwdConfig). Out and gradients against the
     reference emulation by the FlashAttention rule with float64 truth; what the forward hands to
@@ -339,17 +339,17 @@ def test_fp8_block_kernel_path(causal):
     from flamia import reference as R
     lengths = (150, 0, 1, 2, 40)
     q, k, v, cu = packed(lengths=lengths, hq=4, hkv=2, d=64, family="outliers", seed=4)
-    if backend(q, "fp8_block") != "kernels":
+    if backend(q, "fp8") != "kernels":
         pytest.skip("kernels not available")
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = call_varlen(*xs, cu, max_q=150, recipe="fp8_block", causal=causal, deterministic=True)
+    out = call_varlen(*xs, cu, max_q=150, recipe="fp8", causal=causal, deterministic=True)
     saved = out.grad_fn.qkv
     assert saved.row_max is not None and saved.vt8 is None and saved.vt8_diag is None
     assert (saved.k8_diag is not None) == causal
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(BF16)
     grads = torch.autograd.grad(out, xs, do)
-    out_r, lse_r, sv = R.forward(q, k, v, cu, "fp8_block", causal)
-    emu = R.backward(do, out_r.to(BF16), lse_r, sv, cu, "fp8_block", causal)
+    out_r, lse_r, sv = R.forward(q, k, v, cu, "fp8", causal)
+    emu = R.backward(do, out_r.to(BF16), lse_r, sv, cu, "fp8", causal)
     x64 = [x.double().requires_grad_() for x in (q, k, v)]
     o64 = attention_exact(*x64, cu, causal=causal)
     g64 = torch.autograd.grad(o64, x64, do.double())

@@ -1,4 +1,4 @@
-"""The fp8_block backward's preprocess on the CPU (Triton interpreter): everything before the
+"""The fp8 backward's preprocess on the CPU (Triton interpreter): everything before the
 Gluon kernel (backward_sm90.fp8_prepare: dO per 64-row block, the per-row vectors and bounds,
 the K-major copies, the CTA scales) against flamia.reference.backward_scales and torch, on
 operands built from the reference forward. The kernel itself runs on the H200
@@ -33,7 +33,7 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
     q, k, v, cu = make_qkv(LENGTHS, Hq, Hkv, D, "outliers", seed=5)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     do[40:70] = 0                                                  # all-zero dO rows
-    out, lse, saved = R.forward(q, k, v, cu, "fp8_block", causal)
+    out, lse, saved = R.forward(q, k, v, cu, "fp8", causal)
     out, lse = out.to(torch.bfloat16), lse.float().contiguous()
     qkv = qkv_from_saved(saved, cu, causal)
     scale = D ** -0.5

@@ -128,7 +128,8 @@ def test_recipe_path_names_every_recipe_and_why():
     paths = {name: demo.recipe_path("cpu", 64, name) for name in RECIPES}
     assert "emulated Blackwell" in paths["mxfp8"] and "emulated Blackwell" in paths["nvfp4_mixed"]
     assert "leaky control" in paths["fp8_tensorwise"]
-    for name in ("fp8", "fp8_mixed", "bf16"):
+    assert "reference-only spec" in paths["fp8_mixed"] and "reference-only spec" in paths["fp8_token"]
+    for name in ("fp8", "bf16"):
         assert paths[name].startswith(("kernels", "reference")), paths[name]
 
 

@@ -35,7 +35,7 @@ def _run(fn, q, k, v, dout, *args):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16", "fp8_block"])
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_varlen_compiles_to_one_graph_bitwise_eager(recipe):
     """Packed documents (one empty), GQA: no graph break, outputs and gradients bitwise eager."""
     q, k, v, cu, dout = _packed([40, 0, 23])
@@ -59,7 +59,7 @@ def test_dense_and_module_compile_bitwise_eager():
     dout = torch.randn(2, 24, 4, D).to(torch.bfloat16)
 
     def f(q, k, v):
-        out, lse = flamia.flamia_attn_func(q, k, v, recipe="fp8_mixed", return_lse=True)
+        out, lse = flamia.flamia_attn_func(q, k, v, recipe="bf16", return_lse=True)
         return out + lse.transpose(1, 2).unsqueeze(-1).to(out.dtype) * 0
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
@@ -95,7 +95,7 @@ def test_value_checks_still_raise_under_compile():
     assert out[:16].isnan().any() and not out[16:].isnan().any()   # the first document only
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16", "fp8_block"])
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_custom_ops_opcheck(recipe):
     """torch.library.opcheck: the fake implementations against the real outputs (shapes,
     dtypes, devices), both ops. (Its schema test compares fp8 tensors with ops the CPU lacks

@@ -1,12 +1,14 @@
-"""CPU tests (Triton interpreter) of the token-block scaling's forward half in the kernels
-(recipes fp8_block, fp8_block_mixed: the same forward), against flamia.reference:
+"""CPU tests (Triton interpreter) of the fp8 recipe's token-block scaling in the quantize and
+forward kernels, against flamia.reference:
 
-- quantize_qkv: the block copies (k8, v8, sk, sv) bitwise reference.quantize_token_blocks, the
-  token copies (k8_diag, v8_diag, sk_diag, sv_diag; causal) bitwise the fp8 recipe's and
-  reference.quantize_operand, q as fp8; vcap bitwise reference._visible_max, vnorm within
-  fp32 rounding of it; the K-major copies and scale_cols in kmajor's padded column layout;
-  every output written (NaN poison).
-- attention_forward: out / lse / row_max against reference.forward(recipe="fp8_block") by the
+- quantize_qkv: q per token and the block copies (k8, v8, sk, sv) bitwise
+  reference.quantize_operand / reference.quantize_token_blocks, the token copies (k8_diag,
+  v8_diag, sk_diag, sv_diag; causal) bitwise reference.quantize_operand (rotated operands up
+  to the rotation's rounding ties); vcap bitwise reference._visible_max, vnorm within fp32
+  rounding of it; the K-major copies and scale_cols in kmajor's padded column layout; every
+  output written (NaN poison); the launch tiling changes no byte; the reference-only recipes
+  are refused.
+- attention_forward: out / lse / row_max against reference.forward(recipe="fp8") by the
   FlashAttention rule with the float64 truth (reference.attention_exact), on odd packed
   documents (0-, 1- and 2-token documents, documents of two 128-blocks with unaligned starts),
   D = 64 and 128, GQA, causal and not, several tile shapes.
@@ -57,7 +59,7 @@ def _inputs(D, seed=1):
 def _case(D, causal):
     """Inputs and their quantize_qkv (poisoned), computed once per (D, causal)."""
     q, k, v, cu = _inputs(D)
-    return q, k, v, cu, quantize_qkv(q, k, v, cu, "fp8_block", causal, poison=True)
+    return q, k, v, cu, quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
 
 
 def _forward(qkv, cu, causal, cfg):
@@ -65,8 +67,8 @@ def _forward(qkv, cu, causal, cfg):
                              poison=True, return_row_max=True)
 
 
-def _kernels(q, k, v, cu, causal, cfg, recipe="fp8_block"):
-    return _forward(quantize_qkv(q, k, v, cu, recipe, causal), cu, causal, cfg)
+def _kernels(q, k, v, cu, causal, cfg):
+    return _forward(quantize_qkv(q, k, v, cu, "fp8", causal), cu, causal, cfg)
 
 
 def _per_doc_visible_max(cu, off, diag, causal):
@@ -93,23 +95,19 @@ def test_quantize_matches_reference(D, causal):
     qo = R.quantize_operand(qc, "e4m3", "token")
     kb = R.quantize_token_blocks(kc, "e4m3", cu, R.KV_BLOCK)
     vb = R.quantize_token_blocks(vc, "e4m3", cu, R.KV_BLOCK)
-    assert x.recipe == "fp8_block" and x.rotated and x.kvblock
+    assert x.recipe == "fp8" and x.rotated and x.kvblock
     for name, x8, s, op, rot in (("q", x.q8, x.sq, qo, True), ("k", x.k8, x.sk, kb, True),
                                  ("v", x.v8, x.sv, vb, False)):
         assert x8.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (x8.shape[1], T)
         _assert_values(x8, op.values, rot, name)
         assert torch.equal(s.t(), op.scale[..., 0]), name
-    fp8 = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
-    assert torch.equal(x.q8.view(torch.uint8), fp8.q8.view(torch.uint8)) and torch.equal(x.sq, fp8.sq)
     svb = vb.token_scale()
-    if causal:   # the token copies: the fp8 recipe's bytes and scales, exactly
+    if causal:   # the token copies: per-token scales, as q's
         kt = R.quantize_operand(kc, "e4m3", "token")
         vt = R.quantize_operand(vc, "e4m3", "token")
-        for name, x8, s, f8, fs, op, rot in (
-                ("k_diag", x.k8_diag, x.sk_diag, fp8.k8, fp8.sk, kt, True),
-                ("v_diag", x.v8_diag, x.sv_diag, fp8.v8, fp8.sv, vt, False)):
-            assert torch.equal(x8.view(torch.uint8), f8.view(torch.uint8)), name
-            assert torch.equal(s, fs), name
+        for name, x8, s, op, rot in (("k_diag", x.k8_diag, x.sk_diag, kt, True),
+                                     ("v_diag", x.v8_diag, x.sv_diag, vt, False)):
+            assert x8.dtype == torch.float8_e4m3fn and s.shape == (HKV, T), name
             _assert_values(x8, op.values, rot, name)
             assert torch.equal(s.t(), op.scale[..., 0]), name
         svt = vt.token_scale()
@@ -142,21 +140,25 @@ def test_quantize_matches_reference(D, causal):
     for i, s in enumerate(scales):
         assert torch.equal(x.scale_cols[i][:, plain >= 0], s[:, plain[plain >= 0]]), i
         assert (x.scale_cols[i][:, plain < 0] == 0).all()
-    order = quantize_qkv(q, k, v, cu, "fp8_block", causal, vt_mma_order=False)
+    order = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=False)
     assert not order.vt8_mma_order
     assert torch.equal(order.vt8.view(torch.uint8)[:, :, plain >= 0],
                        x.v8.view(torch.uint8)[plain[plain >= 0]].permute(1, 2, 0))
 
 
-def test_quantize_block_mixed_is_fp8_block_and_tiling_free():
-    """fp8_block_mixed quantizes as fp8_block; the launch tiling does not change a byte."""
+def test_quantize_tiling_free_and_reference_only_recipes_refused():
+    """The launch tiling does not change a byte; the recipes without kernels (fp8_mixed,
+    fp8_token: reference only) are refused."""
     q, k, v, cu, x = _case(64, True)
-    y = quantize_qkv(q, k, v, cu, "fp8_block_mixed", True, block_t=32, sub=2)
-    assert y.recipe == "fp8_block_mixed"
+    y = quantize_qkv(q, k, v, cu, "fp8", True, block_t=32, sub=2)
+    assert y.recipe == "fp8"
     for name in ("q8", "k8", "v8", "k8_diag", "v8_diag", "vt8", "vt8_diag"):
         assert torch.equal(getattr(x, name).view(torch.uint8), getattr(y, name).view(torch.uint8)), name
     for name in ("sq", "sk", "sv", "sk_diag", "sv_diag", "vcap", "vnorm", "scale_cols"):
         assert torch.equal(getattr(x, name), getattr(y, name)), name
+    for recipe in ("fp8_mixed", "fp8_token"):
+        with pytest.raises(ValueError, match="implements fp8 and bf16"):
+            quantize_qkv(q, k, v, cu, recipe, True)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -183,9 +185,9 @@ def _fa_rule(got, emul, exact, name):
     assert (err <= 2 * err_ref + atol).all(), name
 
 
-def _check_forward(q, k, v, cu, causal, got, recipe="fp8_block"):
+def _check_forward(q, k, v, cu, causal, got):
     out, lse, row_max = got
-    ref_out, ref_lse, saved = R.forward(q, k, v, cu, recipe, causal)
+    ref_out, ref_lse, saved = R.forward(q, k, v, cu, "fp8", causal)
     emul = ref_out.to(q.dtype).double()
     exact = R.attention_exact(q, k, v, cu, causal)
     T = q.shape[0]
@@ -216,20 +218,18 @@ def test_forward_matches_reference(D, causal, cfg):
     _check_forward(q, k, v, cu, causal, _forward(x, cu, causal, cfg))
 
 
-def test_forward_block_mixed_and_defaults():
-    """fp8_block_mixed: the same forward, bitwise; without return_row_max the call returns
-    (out, lse) as for every recipe; tiles that do not divide 128 are refused."""
+def test_forward_defaults_and_refusals():
+    """Without return_row_max the call returns (out, lse), bitwise the first two results with
+    it; tiles that do not divide 128 are refused, and so are operands quantized without the
+    token copies (causal=False) in a causal forward."""
     q, k, v, cu, x = _case(64, True)
     got = _forward(x, cu, True, CFG_WIDE)
-    mixed = _kernels(q, k, v, cu, True, CFG_WIDE, "fp8_block_mixed")
-    for a, b in zip(got, mixed):
-        assert torch.equal(a, b)
     two = attention_forward(x, cu, max(LENGTHS), True, None, torch.bfloat16, config=CFG_WIDE)
     assert len(two) == 2 and torch.equal(two[0], got[0]) and torch.equal(two[1], got[1])
     with pytest.raises(ValueError, match="dividing 128"):
         attention_forward(x, cu, max(LENGTHS), True, None, torch.bfloat16,
                           config=CFG_TMA.with_(block_m=256))
-    noncausal = quantize_qkv(q, k, v, cu, "fp8_block", False)
+    noncausal = quantize_qkv(q, k, v, cu, "fp8", False)
     with pytest.raises(ValueError, match="token copies"):
         attention_forward(noncausal, cu, max(LENGTHS), True, None, torch.bfloat16, config=CFG_TMA)
 
@@ -237,7 +237,7 @@ def test_forward_block_mixed_and_defaults():
 def test_forward_uses_the_token_copy_on_the_diagonal():
     """Inputs where the two copies differ (a 2^12 times larger key pushes its block's other keys
     into e4m3's subnormals in the block copy): the kernel follows the reference's choice of copy
-    per pair, which the per-token fp8 forward or an all-block forward would not."""
+    per pair, which a forward reading one of the copies everywhere would not."""
     q, k, v, cu = _inputs(64, seed=3)
     k[STARTS[0] + 140] *= 4096
     v[STARTS[4] + 130] *= 4096
@@ -258,7 +258,7 @@ def test_forward_tile_scales_at_the_extremes(causal):
     v[128:256] = (v[128:256].float() * 1e7).to(v.dtype)
     v[300:428] = 0                                            # block 0 of document 1: sv = 0
     out, lse, _ = _kernels(q, k, v, cu, causal, CFG_WIDE)
-    ref_out, ref_lse, _ = R.forward(q, k, v, cu, "fp8_block", causal)
+    ref_out, ref_lse, _ = R.forward(q, k, v, cu, "fp8", causal)
     exact = R.attention_exact(q, k, v, cu, causal)
     assert not out.isnan().any()
     # the FlashAttention rule's global bounds (a missing l' term would be an O(1) error)
@@ -347,10 +347,10 @@ out = []
 for D, causal in ((128, True), (128, False), (64, True)):
     q, k, v, _ = make_qkv(lengths, 8, 2, D)
     with compile_only() as built:   # outputs unwritten: compile only
-        x = quantize_qkv(q, k, v, cu, "fp8_block", causal, vt_mma_order=False)
+        x = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=False)
         attention_forward_gluon(x, cu, 3000, causal, None, torch.bfloat16,
                                 config=PersistentFwdConfig(), return_row_max=True)
-        xm = quantize_qkv(q, k, v, cu, "fp8_block", causal, vt_mma_order=True)
+        xm = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=True)
         attention_forward(xm, cu, 3000, causal, None, torch.bfloat16,
                           config=triton_forward_config(D, True, torch.device("cuda")),
                           return_row_max=True)

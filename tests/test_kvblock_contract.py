@@ -1,8 +1,8 @@
-"""The contract between the token-block forward and backward kernels (recipe fp8_block), on the
-CPU: flamia.ops.quantize.quantize_qkv's token-block fields are the operands the one-pass
-backward is tested with on the H200 (tests/_kvblock.qkv_from_saved, built from the reference
-forward), field by field. tests/gpu/test_backward_sm90_fp8_gpu.py checks the backward on those
-operands; this file checks that the forward hands it the same ones."""
+"""The contract between the token-block forward and backward kernels (recipe fp8), on the CPU:
+flamia.ops.quantize.quantize_qkv's token-block fields are the operands the one-pass backward is
+tested with on the H200 (tests/_kvblock.qkv_from_saved, built from the reference forward), field
+by field. tests/gpu/test_backward_sm90_fp8_gpu.py checks the backward on those operands; this
+file checks that the forward hands it the same ones."""
 from __future__ import annotations
 
 import os
@@ -27,8 +27,8 @@ LENGTHS = (150, 0, 1, 2, 133, 37)
 @pytest.mark.parametrize("D", (64, 128))
 def test_quantize_fields_are_the_backward_operands(D, causal):
     q, k, v, cu = make_qkv(LENGTHS, 4, 2, D, "outliers", seed=3)
-    got = quantize_qkv(q, k, v, cu, "fp8_block", causal)
-    want = qkv_from_saved(R.forward(q, k, v, cu, "fp8_block", causal)[2], cu, causal)
+    got = quantize_qkv(q, k, v, cu, "fp8", causal)
+    want = qkv_from_saved(R.forward(q, k, v, cu, "fp8", causal)[2], cu, causal)
     assert got.rotated == want.rotated
     names = ["q8", "sq", "k8", "sk", "v8", "sv"]
     if causal:

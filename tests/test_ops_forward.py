@@ -1,12 +1,19 @@
-"""CPU tests of the quantize / forward kernels (Triton interpreter) against flamia.reference.
+"""CPU tests of the quantize / Triton forward kernels (Triton interpreter) against
+flamia.reference, for both kernel recipes (bf16, and fp8's token-block scaling;
+tests/test_forward_kvblock.py has fp8's quantize layout, tile shapes and bitwise P1 / P2).
 
-- quantize_qkv: q8/k8/v8 values and scales equal the reference's quantized operands; vcap equals
-  the reference's causal prefix max; vt8 is v8 transposed.
+- quantize_qkv: bf16 is a view of the inputs; fp8 on NaN / Inf and extreme tokens equals the
+  reference's quantized operands (the NaN confined to its token's and its block's scales).
+- the forward's work list: every query block once, heaviest first.
 - attention_forward: out / lse match the reference emulation by the FlashAttention rule
   (max |out - ref64| <= 2 max |emul - ref64| + atol, and elementwise with a noise-level atol),
-  relative error close to the emulation's; every output element written (outputs start as NaN).
-- P1 (causal prefix) and P2 (document isolation) bitwise, through flamia.audit.
-- The kernels compile for sm_90a (no GPU needed: triton's bundled ptxas).
+  relative error close to the emulation's; every output element written (outputs start as NaN);
+  MHA / MQA, softmax_scale, fold_lr, fp16 inputs, V^T in either column order, a NaN confined
+  to its document.
+- P1 (causal prefix) and P2 (document isolation) bitwise, through flamia.audit, and the control
+  that the audit catches a leaky V cap.
+- The bf16 forward compiles for sm_90a (no GPU needed: triton's bundled ptxas).
+- Which forward kernel a call takes (config.uses_persistent_forward).
 """
 from __future__ import annotations
 
@@ -26,14 +33,15 @@ from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
 from flamia.ops.config import FwdConfig  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
-from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 from flamia.ops.schedule import build_schedule  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter")
 
-LENGTHS = (70, 0, 1, 37, 45)          # empty and length-1 documents, unaligned starts
-# Small tiles so that a 70-token document spans several query blocks and KV tiles; both
+# Empty and length-1 documents, unaligned starts; the 150-token document spans two 128-token
+# K/V blocks (fp8: block copies off the diagonal block, token copies on it).
+LENGTHS = (150, 0, 1, 37, 45)
+# Small tiles so that the 150-token document spans several query blocks and KV tiles; both
 # BLOCK_N < BLOCK_M and BLOCK_N > BLOCK_M, TMA descriptors and plain pointer loads.
 CFG_TMA = FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, use_tma=True)
 CFG_PTR = FwdConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, use_tma=False)
@@ -45,50 +53,7 @@ def _run(q, k, v, cu, recipe, causal, cfg, scale=None):
                              config=cfg, poison=True)
 
 
-def _ref_vcap(sv_tok, cu, causal):
-    """reference._v_cap per document on (T, H) scales -> (H, T)."""
-    out = torch.zeros(sv_tok.shape[1], sv_tok.shape[0])
-    c = cu.tolist()
-    for a, b in zip(c[:-1], c[1:]):
-        if b > a:
-            out[:, a:b] = reference._v_cap(sv_tok[a:b].t(), causal)
-    return out
-
-
 # ------------------------------------------------------------------------------------------ quantize
-
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("recipe,family,causal", [("fp8", "mild", True), ("fp8", "outliers", False),
-                                                  ("fp8_mixed", "outliers", True)])
-def test_quantize_matches_reference(D, recipe, family, causal):
-    q, k, v, cu = make_qkv(LENGTHS, 4, 2, D, family, seed=D)
-    # P5 corner cases: an all-zero token in each of q, k, v, and a zero V document (cap = 0).
-    q[3, 1] = 0
-    k[5, 0] = 0
-    v[70] = 0                                       # the length-1 document
-    qkv = quantize_qkv(q, k, v, cu, recipe, causal, poison=True)
-    _, _, saved = reference.forward(q, k, v, cu, recipe, causal)
-    assert qkv.rotated and qkv.recipe == recipe
-    for name, x8, s, op in (("q", qkv.q8, qkv.sq, saved.q), ("k", qkv.k8, qkv.sk, saved.k),
-                            ("v", qkv.v8, qkv.sv, saved.v)):
-        assert x8.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
-        vals, ref_vals = x8.float(), op.values.float()
-        n_bad = int((vals != ref_vals).sum())
-        # q and k: the rotation's fp32 summation order may move a value on an e4m3 rounding
-        # boundary by one ulp (a few per million); v is not rotated and must be exact.
-        assert n_bad <= (vals.numel() // 10000 if name != "v" else 0), (name, n_bad)
-        assert torch.equal(s.t(), op.scale[..., 0]), name
-    assert torch.equal(qkv.vcap, _ref_vcap(saved.v.scale[..., 0], cu, causal))
-    T = q.shape[0]
-    assert qkv.vt8_mma_order                  # column c of vt8 holds token mma_order16(c)
-    tok = mma_order16_host(torch.arange(qkv.vt8.shape[2]))
-    ok = tok < T
-    assert torch.equal(qkv.vt8[:, :, ok].float(), qkv.v8[tok[ok]].permute(1, 2, 0).float())
-    assert (qkv.vt8[:, :, ~ok].view(torch.uint8) == 0).all()     # padding: zeros, not poison
-    plain = quantize_qkv(q, k, v, cu, recipe, causal, poison=True, vt_mma_order=False)
-    assert not plain.vt8_mma_order
-    assert torch.equal(plain.vt8[:, :, :T].float(), qkv.v8.permute(1, 2, 0).float())
-
 
 def test_quantize_bf16_is_a_view():
     q, k, v, cu = make_qkv(LENGTHS, 4, 2, 64)
@@ -97,20 +62,35 @@ def test_quantize_bf16_is_a_view():
     assert qkv.sq is None and qkv.vcap is None and qkv.vt8 is None and not qkv.rotated
 
 
+def _same(a, b):
+    """Equal, NaN where the other is NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @pytest.mark.nonfinite
-def test_quantize_nonfinite_and_extreme_tokens():
+@pytest.mark.parametrize("causal", [True, False])
+def test_quantize_nonfinite_and_extreme_tokens(causal):
+    """fp8 with a NaN in q, an Inf in k and a huge and a tiny V token: values, scales and vcap
+    equal the reference's operands; a non-finite token's scale is NaN in its token copy and in
+    its block's scale in the block copy, and the other document's scales stay finite."""
     q, k, v, cu = make_qkv((20, 12), 2, 1, 64)
     q[2, 0, 5] = float("nan")
     k[4, 0, 1] = float("inf")
     v[6, 0] *= 1e30                                 # huge but finite: scale 2^k, no saturation
     v[7, 0] *= 1e-30
-    qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True)
-    _, _, saved = reference.forward(q, k, v, cu, "fp8", True)
-    assert torch.isnan(qkv.sq[0, 2]) and torch.isnan(qkv.sk[0, 4])
-    for x8, op in ((qkv.q8, saved.q), (qkv.k8, saved.k), (qkv.v8, saved.v)):
-        a, b = x8.float(), op.values.float()
-        assert ((a == b) | (a.isnan() & b.isnan())).all()
-    assert torch.equal(qkv.sv.t(), saved.v.scale[..., 0])
+    qkv = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
+    _, _, saved = reference.forward(q, k, v, cu, "fp8", causal)
+    assert torch.isnan(qkv.sq[0, 2]) and not torch.isnan(qkv.sq[:, 20:]).any()
+    assert torch.isnan(qkv.sk[0, :20]).all() and not torch.isnan(qkv.sk[:, 20:]).any()
+    pairs = [(qkv.q8, qkv.sq, saved.q), (qkv.k8, qkv.sk, saved.k), (qkv.v8, qkv.sv, saved.v)]
+    if causal:
+        assert torch.isnan(qkv.sk_diag[0, 4]) and torch.isnan(qkv.sk_diag[0]).sum() == 1
+        pairs += [(qkv.k8_diag, qkv.sk_diag, saved.k_diag),
+                  (qkv.v8_diag, qkv.sv_diag, saved.v_diag)]
+    for i, (x8, s, op) in enumerate(pairs):
+        assert _same(x8.float(), op.values.float()), i
+        assert _same(s.t(), op.scale[..., 0]), i
+    assert torch.equal(qkv.vcap.t(), saved.v_cap)
 
 
 # ------------------------------------------------------------------------------------------ schedule
@@ -160,18 +140,19 @@ def _check_forward(q, k, v, cu, recipe, causal, cfg, family, scale=None):
     return out, lse
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("cfg", [CFG_TMA, CFG_PTR], ids=["tma32x16", "ptr16x32"])
-def test_forward_causal_gqa(recipe, D, cfg):
+def test_forward_causal_gqa_bf16(D, cfg):
+    """(fp8's causal GQA cases at these tiles: tests/test_forward_kvblock.py.)"""
     family = "outliers" if D == 128 else "mild"
     q, k, v, cu = make_qkv(LENGTHS, 4, 2, D, family, seed=1)
-    _check_forward(q, k, v, cu, recipe, True, cfg, family)
+    _check_forward(q, k, v, cu, "bf16", True, cfg, family)
 
 
 @pytest.mark.parametrize("recipe,causal,hkv", [("fp8", False, 4), ("bf16", False, 1),
-                                               ("fp8_mixed", True, 1)])
+                                               ("fp8", True, 1)])
 def test_forward_variants(recipe, causal, hkv):
+    """MHA and MQA, causal and not, with a softmax_scale of the caller's."""
     q, k, v, cu = make_qkv(LENGTHS, 4, hkv, 64, "mild", seed=2)
     _check_forward(q, k, v, cu, recipe, causal, CFG_TMA, "mild", scale=0.2)
 
@@ -180,10 +161,10 @@ def test_forward_variants(recipe, causal, hkv):
     ("fp8", 128, "outliers", True, 2, 1, None), ("fp8", 64, "mild", False, 4, 2, 0.2),
     ("bf16", 64, "mild", True, 2, 1, None)])
 def test_forward_fold_lr(recipe, D, family, causal, hkv, seed, scale):
-    """FwdConfig.fold_lr (the per-row offset folded into the max once per tile) on the cases of
-    the tests above: the same rule against the reference and float64, and within fp32 rounding
-    of the exponent of the default (P moves by ~|m - lr| 2^-24 relative, far below e4m3's
-    step)."""
+    """FwdConfig.fold_lr (the per-row offset folded into the max once per tile; fp8's default
+    on the GPU) causal and not: the same rule against the reference and float64, and within
+    fp32 rounding of the exponent of the default (P moves by ~|m - lr| 2^-24 relative, far
+    below e4m3's step)."""
     q, k, v, cu = make_qkv(LENGTHS, 4, hkv, D, family, seed=seed)
     out, lse = _check_forward(q, k, v, cu, recipe, causal, CFG_TMA.with_(fold_lr=True), family,
                               scale)
@@ -214,26 +195,19 @@ def test_forward_fp16_inputs():
     _check_forward(q, k, v, cu, "bf16", True, CFG_PTR, "outliers")
 
 
-def test_forward_zero_tokens_and_zero_v_document():
-    q, k, v, cu = make_qkv(LENGTHS, 2, 1, 64, "mild", seed=4)
-    q[10] = 0                                     # zero query: uniform attention
-    k[12] = 0
-    v[71:108] = 0                                 # a whole document with V == 0: cap = 0
-    out, _ = _check_forward(q, k, v, cu, "fp8", True, CFG_TMA, "mild")
-    assert (out[71:108] == 0).all()
-
-
+@pytest.mark.nonfinite
 def test_forward_nan_stays_in_its_document():
     """A NaN token poisons rows of its own document only (the rows that attend to it, and --
     through 0 * NaN in the diagonal tile's PV product -- possibly earlier rows of its query
-    block; the reference's dense P @ V poisons the whole document)."""
+    block; the reference's dense P @ V poisons the whole document). (A NaN in a block copy read
+    off the diagonal block: tests/test_forward_kvblock.py.)"""
     q, k, v, cu = make_qkv(LENGTHS, 2, 1, 64, "mild", seed=5)
-    v[75, 0, 3] = float("nan")                     # document 3 (tokens 71..107), position 4
+    v[155, 0, 3] = float("nan")                    # document 3 (tokens 151..187), position 4
     for cfg in (CFG_TMA, CFG_PTR):
         out, _ = _run(q, k, v, cu, "fp8", True, cfg)
         nan_rows = out.isnan().any(-1).any(-1)
-        assert not nan_rows[:71].any() and not nan_rows[108:].any()
-        assert nan_rows[75:108].all()
+        assert not nan_rows[:151].any() and not nan_rows[188:].any()
+        assert nan_rows[155:188].all()
 
 
 # ------------------------------------------------------------------------------------------ P1 / P2
@@ -262,11 +236,13 @@ def test_prefix_invariance_and_document_isolation(recipe):
 
 
 def test_audit_catches_a_leaky_vcap():
-    """Control: a whole-document V cap (non-causal vcap in a causal forward) must be caught."""
+    """Control: a whole-document V cap (the non-causal quantize's vcap in a causal forward) must
+    be caught."""
     audit = pytest.importorskip("flamia.audit")
 
     def leaky(q, k, v, cu_seqlens, max_seqlen):
-        qkv = quantize_qkv(q, k, v, cu_seqlens, "fp8", False)
+        qkv = quantize_qkv(q, k, v, cu_seqlens, "fp8", True)
+        qkv.vcap = quantize_qkv(q, k, v, cu_seqlens, "fp8", False).vcap
         return attention_forward(qkv, cu_seqlens, max_seqlen, True, None, q.dtype,
                                  config=AUDIT_CFG)[0]
     report = audit.audit(leaky, **AUDIT_KW)
@@ -278,36 +254,30 @@ def test_audit_catches_a_leaky_vcap():
 _COMPILE_SCRIPT = textwrap.dedent("""
     import torch
     from benchmarks.tools.compile import compile_only, resource_usage
-    from benchmarks.tools.sass import local_memory_ops, main_loop, parse, sass_of
     from flamia.ops.config import triton_forward_config
     from flamia.ops.forward import attention_forward
     from flamia.ops.quantize import quantize_qkv
     from flamia.inputs import make_qkv
     for D in (64, 128):
         q, k, v, cu = make_qkv((200, 56), 4, 2, D)
-        for recipe in ("fp8", "bf16"):
+        for causal in (True, False):
             with compile_only() as built:   # outputs unwritten: compile only
-                x = quantize_qkv(q, k, v, cu, recipe, True, vt_mma_order=True)
-                cfg = triton_forward_config(D, recipe == "fp8", torch.device("cuda"))
-                attention_forward(x, cu, 200, True, None, torch.bfloat16, config=cfg)
+                x = quantize_qkv(q, k, v, cu, "bf16", causal)
+                cfg = triton_forward_config(D, False, torch.device("cuda"))
+                attention_forward(x, cu, 200, causal, None, torch.bfloat16, config=cfg)
+            assert [name for name, _ in built] == ["_attn_fwd_kernel"], built
             for name, kern in built:
                 u = resource_usage(kern)
-                print(D, recipe, name, u)
-                # the D=64 FP8 forward's register cap, measured faster on the H200
-                # (triton_forward_config), spills, but not in the unmasked-tile loop (main_loop: there
-                # every tile would pay; the masked diagonal / document-end tiles are one or two
-                # per block)
-                capped = D == 64 and recipe == "fp8" and name == "_attn_fwd_kernel"
-                if capped and cfg.maxnreg:
-                    assert local_memory_ops(main_loop(parse(sass_of(kern)))) == 0, (D, name, u)
-                else:
-                    assert u["spill_stores"] == 0, (D, name, u)
-                assert not u["wgmma_serialized"], (D, name, u)
+                print(D, causal, name, u)
+                assert u["spill_stores"] == 0, (D, causal, name, u)
+                assert not u["wgmma_serialized"], (D, causal, name, u)
 """)
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90a():
+    """The bf16 Triton forward at the GPU's tiles compiles for sm_90a without spills or
+    serialized wgmma (ptxas C7515); the fp8 kernels: tests/test_forward_kvblock.py."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
                                                       env.get("PYTHONPATH")]))
@@ -351,9 +321,10 @@ def _fake_capability(monkeypatch, cap):
 
 
 def test_persistent_forward_rule(monkeypatch):
-    """Which calls the persistent Gluon forward takes: fp8 recipes at D=128, any document
-    lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the Triton kernel
-    / reference run); quantize_qkv's V^T order follows the kernel (token order for it)."""
+    """Which calls the persistent Gluon forward takes: fp8 (by name or Recipe) at D=128, any
+    document lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the
+    Triton kernel / reference run, nor for the reference-only recipes); quantize_qkv's V^T
+    order follows the kernel (token order for it)."""
     from flamia.ops import config as C
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")
@@ -361,7 +332,10 @@ def test_persistent_forward_rule(monkeypatch):
     _fake_capability(monkeypatch, (9, 0))
     ok = C.uses_persistent_forward(128, "fp8", cuda)
     assert ok == C.HAVE_GLUON
-    assert C.uses_persistent_forward(128, get_recipe("fp8_mixed"), cuda) == ok
+    assert C.uses_persistent_forward(128, get_recipe("fp8"), cuda) == ok
+    for name in ("fp8_mixed", "fp8_token"):             # emulated: no kernel runs them
+        assert get_recipe(name).emulated
+        assert not C.uses_persistent_forward(128, get_recipe(name), cuda), name
     assert isinstance(C.forward_config(128, "fp8", cuda), C.PersistentFwdConfig) == ok
     assert C.vt_mma_order(128, "fp8", cuda) == (not ok)
     for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.tools.compile import fake_state
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
 from flamia.ops.kmajor import (kmajor_copies, kmajor_copy, kmajor_layout, mma_key_order_host,
@@ -85,7 +84,7 @@ def test_plain_copy_in_mma_order():
 
 
 def test_padded_copy_in_mma_order():
-    """The padded layout in key order (the dK/dV kernel's qT8 / doT8 with key_order): column c
+    """The padded layout in key order (quantize_qkv's vt8 for the Triton forward): column c
     holds what column mma_order16(c) holds in token order, pads zero, no group leaves its
     document (documents start at multiples of 16)."""
     lengths = (37, 0, 16, 1, 50)
@@ -104,9 +103,9 @@ def test_padded_copy_in_mma_order():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_copies_in_one_launch_equal_the_separate_copies(n):
-    """kmajor_copies (the backward's dO, q, k copies in one launch): byte for byte what the
-    separate copies write, with different head counts, strides and orders per copy, every
-    column written (poisoned destinations)."""
+    """kmajor_copies (the one-pass fp8 backward's dO, q, k copies in one launch): byte for byte
+    what the separate copies write, with different head counts, strides and orders per copy,
+    every column written (poisoned destinations)."""
     lengths = (37, 0, 16, 1, 50)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     T, D = sum(lengths), 16
@@ -136,111 +135,3 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="same heads"):
         kmajor_copy(src, torch.zeros(3, 16, 16, dtype=torch.uint8))
 
-
-LOG2E = 1.4426950408889634
-
-
-def _packed_query_vectors(st):
-    """The fp8 dK/dV kernel's (Hq * 4, Tp) query vectors by torch ops: the padded lse, Delta,
-    sq, sdo (backward_gluon.padded_vectors), lse folded with sdo, interleaved per head."""
-    from flamia.ops import backward_gluon as G
-    lse, delta, sq, sdo = G.padded_vectors(st)
-    vecs = (lse * LOG2E - torch.log2(sdo), delta, sq, sdo)
-    return torch.stack(vecs, dim=1).reshape(-1, lse.shape[1])
-
-
-def _random_vectors(st, seed):
-    g = torch.Generator().manual_seed(seed)
-    for x in (st.lse, st.delta, st.sq):
-        x.copy_(torch.randn(x.shape, generator=g) * 30)
-    for x in (st.sdo, st.sk, st.sv):
-        x.copy_(torch.exp2(torch.randint(-30, 10, x.shape, generator=g).float()))
-    if st.T:
-        st.sdo[1, st.T // 2] = float("nan")         # NaN / zero sdo, -inf lse: as torch gives
-        st.sdo[2, 0] = 0.0
-        st.lse[0, 0] = float("-inf")
-    return g
-
-
-@pytest.mark.parametrize("lengths", [(300, 0, 1, 77, 45), (5,), (16, 32), (0, 3)])
-def test_copies_and_rows_in_one_launch_equal_torch(lengths):
-    """kmajor_copies_and_rows (the backward's K-major copies and its padded per-token vectors
-    after the preprocess kernel): the copies byte for byte kmajor_copies', poisoned destinations;
-    the fp8 dK/dV kernel's packed query vectors (lse folded with sdo) and the dQ kernel's key
-    vectors bitwise the torch gathers, pads (+inf / 0) included, every buffer TMA-legal."""
-    from flamia.ops import backward_gluon as G
-    from flamia.ops.kmajor import kmajor_copies_and_rows
-    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=list(lengths))
-    g = _random_vectors(st, 2)
-    T, D = st.T, 16
-    srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in (4, 4, 2)]
-    orders = (True, False, False)
-    want = [torch.full((s.shape[1], D, st.Tp), 0xFF, dtype=torch.uint8) for s in srcs]
-    got = [w.clone() for w in want]
-    kmajor_copies(list(zip(srcs, want, orders)), st.tok_of_col, block_c=64)
-    packed, kv = kmajor_copies_and_rows(list(zip(srcs, got, orders)), *G.vector_gathers(st),
-                                        st.tok_of_col, st.Tp)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    ref = _packed_query_vectors(st)
-    assert packed.shape == ref.shape == (4 * 4, st.Tp) and packed.is_contiguous()
-    assert torch.equal(ref.view(torch.int32), packed.view(torch.int32))
-    for a, b in zip(G.padded_kv_vectors(st), kv):
-        assert b.shape == a.shape and b.dtype == torch.float32 and b.is_contiguous()
-        assert (b.data_ptr() % 16) == 0 and (b.stride(0) * 4) % 16 == 0
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    with pytest.raises(ValueError, match="columns"):
-        kmajor_copies_and_rows(list(zip(srcs, got, orders)), *G.vector_gathers(st),
-                               st.tok_of_col, st.Tp + 16)
-
-
-def test_padded_vectors_layout():
-    """The fp8_mixed kernels' torch gathers: document d's tokens at columns pcu[d].., pads lse
-    +inf and 0 (key vectors 0); TMA-legal (16 | pcu, 16-byte row stride)."""
-    from flamia.ops import backward_gluon as G
-    lengths = [300, 0, 1, 777, 1024, 45]
-    st = fake_state(64, T=sum(lengths), Hq=4, Hkv=2, lengths=lengths, recipe="fp8_mixed")
-    _random_vectors(st, 0)
-    pcu, cu = st.pcu.tolist(), st.cu.tolist()
-    assert all(c % 16 == 0 for c in pcu) and st.Tp % 16 == 0
-    for vecs, srcs, fills in ((G.padded_vectors(st), (st.lse, st.delta, st.sq, st.sdo),
-                               (float("inf"), 0.0, 0.0, 0.0)),
-                              (G.padded_kv_vectors(st), (st.sk, st.sv), (0.0, 0.0))):
-        for y, x, fill in zip(vecs, srcs, fills):
-            assert y.shape == (x.shape[0], st.Tp) and y.is_contiguous()
-            assert (y.stride(0) * 4) % 16 == 0
-            for d in range(len(lengths)):
-                n = cu[d + 1] - cu[d]
-                assert torch.equal(y[:, pcu[d]:pcu[d] + n].view(torch.int32),
-                                   x[:, cu[d]:cu[d + 1]].view(torch.int32))
-                assert bool((y[:, pcu[d] + n:pcu[d + 1]] == fill).all())
-
-
-def test_preprocess_gathers_the_gluon_kernels_vectors():
-    """On an sm_90 state (GluonDkdvConfig) launch_preprocess writes qT8 / doT8 in the dK/dV
-    config's column orders and gathers the packed query vectors and the key vectors with the
-    copies (state.query_vecs / kv_vecs, what the Gluon launchers read); on the Triton state
-    neither, and token order."""
-    from flamia.ops import backward as B
-    from flamia.ops import backward_gluon as G
-    for gluon, D in ((True, 64), (True, 128), (False, 64)):
-        st = fake_state(D, T=40, Hq=4, Hkv=2, lengths=[33, 7], gluon=gluon)
-        st.interp = True                         # (run here, under the interpreter)
-        _random_vectors(st, 3)
-        g = torch.Generator().manual_seed(4)
-        st.dout.copy_(torch.randn(st.dout.shape, generator=g))
-        st.q8.copy_(torch.randn(st.q8.shape, generator=g).to(st.q8.dtype))
-        B.launch_preprocess(st)
-        order = gluon and D == 64                # (gluon_dkdv_config: key orders at D=64)
-        assert (st.cfg.dkdv is not None) == gluon
-        perm = mma_order16_host(torch.arange(st.Tp)) if order else torch.arange(st.Tp)
-        want = torch.zeros(4, D, st.Tp, dtype=torch.uint8)
-        kmajor_copy(st.q8.view(torch.uint8), want, st.tok_of_col)
-        assert torch.equal(st.qT8.view(torch.uint8), want[:, :, perm])
-        if gluon:
-            assert torch.equal(_packed_query_vectors(st).view(torch.int32),
-                               st.query_vecs.view(torch.int32))
-            for a, b in zip(G.padded_kv_vectors(st), st.kv_vecs):
-                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-        else:
-            assert st.query_vecs is None and st.kv_vecs is None

@@ -1,4 +1,4 @@
-"""The token-block scaling spec ("kvblock128": fp8_block, fp8_block_mixed; issue 27) in
+"""The token-block scaling spec ("kvblock128": fp8, fp8_mixed) in
 flamia/reference.py: the issue's accuracy targets, P1 / P2 bitwise on odd packed documents with
 multi-block documents, the structure of the blocks and of the backward's bounds, and the audit's
 relaxed backward rule. (The generic P1 / P2 / P3 / P5 tests over every recipe cover these
@@ -6,9 +6,7 @@ recipes too, on documents shorter than a block.)
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from flamia.inputs import cu_seqlens_from_lengths, make_qkv, rel_err
 from flamia.quant import E4M3_MAX
 from flamia.recipes import get_recipe
 
-BLOCK_RECIPES = ("fp8_block", "fp8_block_mixed")
+BLOCK_RECIPES = ("fp8", "fp8_mixed")
 
 # Packed documents at D=64 with GQA: empty, 1- and 2-token documents, documents of several
 # blocks whose last block is short (333 = 2 x 128 + 77, 129 = 128 + 1), one of exactly a block.
@@ -62,7 +60,7 @@ def issue_errors():
         q, k, v, cu = make_qkv((1024,), 8, 2, 128, family, torch.bfloat16, seed=0)
         do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
         ref = exact(q, k, v, cu, do)
-        for recipe in ("fp8", *BLOCK_RECIPES):
+        for recipe in ("fp8_token", *BLOCK_RECIPES):
             out, _, grads = run(q, k, v, cu, recipe, do)
             errs[family, recipe] = tuple(rel_err(a, b) for a, b in zip((out, *grads), ref))
     print("\nissue 27 targets: relative error vs float64 (T=1024, 8/2 heads, D=128)")
@@ -81,8 +79,8 @@ def test_issue_accuracy_targets(issue_errors, recipe, family):
 @pytest.mark.parametrize("family", tuple(TARGETS))
 def test_block_scales_cost_at_most_a_percent_over_per_token(issue_errors, family):
     """The study's finding (benchmarks/results/scales_v2_study-20261202.txt): the block scales
-    cost nothing measurable against today's per-token fp8 spec."""
-    for e, e0 in zip(issue_errors[family, "fp8_block"], issue_errors[family, "fp8"]):
+    cost nothing measurable against the per-token spec (fp8_token)."""
+    for e, e0 in zip(issue_errors[family, "fp8"], issue_errors[family, "fp8_token"]):
         assert e <= 1.01 * e0
 
 
@@ -208,7 +206,7 @@ def test_lse_uses_the_token_copy_on_diagonal_pairs():
     q, k, v, cu = make_qkv(lengths, hq, hkv, d, "mild", torch.bfloat16, seed=2)
     k[140] *= 4096
     k[210] *= 4096
-    out, lse, saved = R.forward(q, k, v, cu, "fp8_block")
+    out, lse, saved = R.forward(q, k, v, cu, "fp8")
     kb, kt = saved.k.dequant().double(), saved.k_diag.dequant().double()
     assert (kb - kt).abs().amax() > 0, "the copies should differ here"
     qd = saved.q.dequant().double()
@@ -258,7 +256,7 @@ def test_backward_bounds_hold(family):
     lengths, hq, hkv, d = (300, 2, 140), 4, 2, 64
     q, k, v, cu = make_qkv(lengths, hq, hkv, d, family, torch.bfloat16, seed=6)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
-    out, lse, saved = R.forward(q, k, v, cu, "fp8_block")
+    out, lse, saved = R.forward(q, k, v, cu, "fp8")
     doq = R.quantize_token_blocks(do.float(), "e4m3", cu, R.DO_BLOCK)
     sc = R.backward_scales(doq, doq.dequant(), out.bfloat16().float(), lse, saved, cu, True)
     blk, _ = R.token_blocks(cu)
@@ -291,7 +289,7 @@ def test_zero_query_row_keeps_its_gradient():
     q, k, v, cu = make_qkv((200,), 2, 1, 64, "mild", torch.bfloat16, seed=8)
     q[150] = 0
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
-    _, _, (dq, _, _) = run(q, k, v, cu, "fp8_block", do)
+    _, _, (dq, _, _) = run(q, k, v, cu, "fp8", do)
     ref = exact(q, k, v, cu, do)[1]
     assert ref[150].abs().amax() > 0 and rel_err(dq[150], ref[150]) < 0.15
 
@@ -301,15 +299,15 @@ def test_recipes():
         r = get_recipe(name)
         assert r.scaling == R.KVBLOCK and r.rotate_qk and not r.leaky
         assert r.shared_backward_scale
-    assert get_recipe("fp8_block_mixed").dp == "bf16" and get_recipe("fp8_block_mixed").ds == "bf16"
-    for name in ("fp8", "fp8_mixed", "bf16", "mxfp8", "nvfp4_mixed", "fp8_tensorwise"):
+    assert get_recipe("fp8_mixed").dp == "bf16" and get_recipe("fp8_mixed").ds == "bf16"
+    for name in ("fp8_token", "bf16", "mxfp8", "nvfp4_mixed", "fp8_tensorwise"):
         assert not get_recipe(name).shared_backward_scale
     from flamia import ops
     from flamia.interface import backend
-    # fp8_block has kernels (its backward kernel on sm_90 only); fp8_block_mixed is a spec
-    assert "fp8_block" in ops.KERNEL_RECIPES and "fp8_block_mixed" not in ops.KERNEL_RECIPES
-    assert get_recipe("fp8_block_mixed").emulated and not get_recipe("fp8_block").emulated
-    assert backend(torch.empty(1, 1, 64), "fp8_block_mixed") == "reference"
+    # fp8 has kernels (its backward kernel on sm_90 only); fp8_mixed is a reference-only spec
+    assert "fp8" in ops.KERNEL_RECIPES and "fp8_mixed" not in ops.KERNEL_RECIPES
+    assert get_recipe("fp8_mixed").emulated and not get_recipe("fp8").emulated
+    assert backend(torch.empty(1, 1, 64), "fp8_mixed") == "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +334,7 @@ class _ScaledGrad(torch.autograd.Function):
 
 
 def _with_scaled_grad(gain):
-    base = audit.recipe_fn("fp8_block")
+    base = audit.recipe_fn("fp8")
 
     def fn(q, k, v, cu_seqlens, max_seqlen):
         return base(_ScaledGrad.apply(q, k, gain), k, v, cu_seqlens, max_seqlen)
@@ -360,17 +358,3 @@ def test_relaxed_rule_passes_rounding_level_and_catches_more():
     assert "NOT below" in str(gross)
     with pytest.raises(ValueError, match="backward_rule"):
         audit(fn, backward_rule="loose", **SMALL)
-
-
-# ---------------------------------------------------------------------------------------------
-# The H200 check script's CPU path, on a tiny size.
-
-def test_check32k_script_runs_on_cpu(capsys):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scales_v2_check32k.py"
-    spec = importlib.util.spec_from_file_location("scales_v2_check32k", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--device", "cpu", "--tokens", "512", "--heads", "2", "1"]) == 0
-    out = capsys.readouterr().out
-    for word in ("fp8_block", "| fp8 |", "doc512", "doc128_x4", "mild", "outliers", "subnormal"):
-        assert word in out, word

@@ -4,4 +4,6 @@
   registers / spills / shared memory / wgmma serialization from the bundled ptxas, PTX
   instruction counts, zero-filled operands of the real shapes for such builds.
 - sass: the SASS of a compiled kernel and its main loop (the instruction stream per tile).
+- operands: the bf16 kernel layout of the reference emulation's saved operands (tests of the
+  split backward kernels).
 """

@@ -162,27 +162,26 @@ def build(fn, *args, **kwargs) -> dict:
 
 def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bool = True,
              vt_mma_order: bool = False):
-    """A QuantizedQKV of zeros (scales one) as quantize_qkv lays it out."""
-    from flamia.ops.layout import KVBLOCK_RECIPES, QuantizedQKV
+    """A QuantizedQKV of zeros (scales one) as quantize_qkv lays it out: fp8 (token-block
+    scaling: block and per-token diagonal copies, vt8 in padded columns for two documents) or
+    bf16."""
+    from flamia.ops.layout import QuantizedQKV
     if recipe == "bf16":
         b = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)        # noqa: E731
         return QuantizedQKV("bf16", b(T, Hq, D), b(T, Hkv, D), b(T, Hkv, D), None, None, None,
                             None, rotated=False)
+    if recipe != "fp8":
+        raise ValueError(f"fake_qkv lays out the kernel recipes fp8 and bf16, not {recipe!r}")
     z = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)       # noqa: E731
-    tp = (T + 15) // 16 * 16
     one = torch.ones
-    if recipe in KVBLOCK_RECIPES:   # block and token copies, padded columns (two documents)
-        tp += 64
-        return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), one(Hq, T),
-                            one(Hkv, T), one(Hkv, T), one(Hkv, T), rotated=rotated,
-                            vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order,
-                            k8_diag=z(T, Hkv, D), v8_diag=z(T, Hkv, D), sk_diag=one(Hkv, T),
-                            sv_diag=one(Hkv, T), vnorm=one(Hkv, T),
-                            kv_pcu=torch.tensor([0, T // 2, T], dtype=torch.int32),
-                            vt8_diag=z(Hkv, D, tp), scale_cols=one(4, Hkv, tp))
+    tp = (T + 15) // 16 * 16 + 64     # padded columns (two documents)
     return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), one(Hq, T),
-                        one(Hkv, T), one(Hkv, T), one(Hkv, T),
-                        rotated=rotated, vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order)
+                        one(Hkv, T), one(Hkv, T), one(Hkv, T), rotated=rotated,
+                        vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order,
+                        k8_diag=z(T, Hkv, D), v8_diag=z(T, Hkv, D), sk_diag=one(Hkv, T),
+                        sv_diag=one(Hkv, T), vnorm=one(Hkv, T),
+                        kv_pcu=torch.tensor([0, T // 2, T], dtype=torch.int32),
+                        vt8_diag=z(Hkv, D, tp), scale_cols=one(4, Hkv, tp))
 
 
 def cu_seqlens(lengths) -> torch.Tensor:
@@ -190,18 +189,17 @@ def cu_seqlens(lengths) -> torch.Tensor:
 
 
 def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
-               rotate: bool = True, lengths=None, grad_dtype=None, recipe: str = "fp8",
-               dtype=torch.bfloat16, gluon: bool = True):
-    """A backward state (flamia.ops.backward.make_state) of zeros on the CPU with the real
-    shapes and dtypes (dtype: of dO, O and the gradients), for compile-only launches of the split backward's kernels: its config is
-    an sm_90 GPU's (gluon: the Gluon dK/dV and dQ kernels of the fp8 recipes; False: the Triton
-    kernels), its kernels the GPU's build (not the interpreter's)."""
+               lengths=None, grad_dtype=None, dtype=torch.bfloat16):
+    """A state of the bf16 split backward (flamia.ops.backward.make_state) of zeros on the CPU
+    with the real shapes and dtypes (dtype: of dO, O and the gradients), for compile-only
+    launches of its kernels (_bwd_preprocess, _bwd_dkdv, _bwd_dq): the GPU's build (not the
+    interpreter's), with the tiles of config.split_backward_config(D)."""
     from flamia.ops import backward as B
     from flamia.ops.config import split_backward_config
     lengths = lengths or [T]
-    qkv = fake_qkv(T, Hq, Hkv, D, recipe, rotated=rotate)    # (bf16: bf16, as quantize_qkv's)
+    qkv = fake_qkv(T, Hq, Hkv, D, "bf16")
     dout = torch.zeros(T, Hq, D, dtype=dtype)
-    cfg = split_backward_config(D, recipe, max(lengths), gluon=gluon and recipe != "bf16")
+    cfg = split_backward_config(D)
     st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu_seqlens(lengths), max(lengths),
                       causal, config=cfg, grad_dtype=grad_dtype)
     st.interp = False      # the GPU's build, not the interpreter's

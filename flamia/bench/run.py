@@ -28,7 +28,7 @@ from .workloads import (
     workload_from_flags,
 )
 
-DEFAULT_RECIPES = "fp8,fp8_mixed,bf16"
+DEFAULT_RECIPES = "fp8,bf16"
 DEFAULT_OUT = "benchmarks/results"
 FULL = TimingSettings(warmup=3, reps=50, min_reps=5, target_s=1.0)
 QUICK = TimingSettings(warmup=2, reps=10, min_reps=3, target_s=0.25)

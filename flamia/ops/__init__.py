@@ -1,30 +1,28 @@
-"""Triton kernels. The contract between the public API (flamia/interface.py) and the kernels.
+"""The kernels. The contract between the public API (flamia/interface.py) and the kernels.
 
 Numerics: exactly flamia/reference.py (the kernels match it by the FlashAttention rule,
 |out - ref64| <= 2 |reference - ref64| + atol, and satisfy P1/P2 bitwise).
 
+Recipes with kernels: bf16 and fp8 (token-block scaling, reference.py "Token-block scaling").
 Kernel-side layout (packed tokens; the dense API reshapes (B, S, H, D) to (B*S, H, D) with
-cu_seqlens = [0, S, 2S, ...]):
-  q8  (T, Hq, D)  fp8 e4m3 (bf16 for the bf16 recipe): rotated q divided by its per-token scale
-  k8  (T, Hkv, D) likewise; v8 (T, Hkv, D)
-  sq  (Hq, T) fp32 power-of-two scales (softmax scale NOT folded in); sk, sv (Hkv, T)
-  vcap (Hkv, T) fp32: causal prefix max of sv inside each document (reference.py, point 3)
-  lse (Hq, T) fp32, natural log, of the softmax-scaled scores
+cu_seqlens = [0, S, 2S, ...]), for fp8 (layout.QuantizedQKV has every field):
+  q8  (T, Hq, D)  e4m3 (bf16 for the bf16 recipe): rotated q divided by its per-token scale sq
+  k8, v8 (T, Hkv, D): the block copies (one scale per document-local 128-token block and head,
+      sk / sv (Hkv, T) broadcast to the block's tokens); causal, k8_diag / v8_diag with per-token
+      scales sk_diag / sv_diag for the diagonal pairs
+  vcap (Hkv, T) fp32: the visible max of the V scales a row's pairs use (reference._visible_max)
+  lse (Hq, T) fp32, natural log, of the softmax-scaled scores; row_max (Hq, T) the row max
 Entry points (quantize.py / forward.py / backward.py; config.py says which kernel runs where):
-  quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV, with vt8 (the K-major V of
-      the PV GEMM) in the column order the device's forward kernel reads (config.vt_mma_order)
+  quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV
   attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
       -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32): the persistent Gluon kernel
-      (forward_gluon) for the fp8 recipes at D=128 on sm_90, the Triton kernel otherwise;
-      return_row_max=True adds the row max (Hq, T), which fp8_block's backward needs (qkv.row_max)
+      (forward_gluon) for fp8 at D=128 on sm_90, the Triton kernel otherwise;
+      return_row_max=True adds the row max (Hq, T), which fp8's backward needs (qkv.row_max)
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
-                     back to the input space: the one-pass Hopper kernel (backward_sm90) for
-                     bf16 and fp8_block on sm_90, the split kernels (backward, backward_gluon)
-                     for fp8 / fp8_mixed (and bf16 elsewhere), the reference for fp8_block
-                     elsewhere
-fp8_block (token-block scaling, recipes.py) adds to QuantizedQKV the block copies' per-token
-diagonal copies, vnorm and the padded K-major copies of V (layout.py).
+                     back to the input space: the one-pass Hopper kernel (backward_sm90) on
+                     sm_90; elsewhere the Triton split kernels (backward; bf16) and the
+                     reference backward on the kernel forward's operands (fp8)
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ import functools
 import os
 
 # Recipes the kernels implement; anything else runs on the reference (flamia/reference.py).
-KERNEL_RECIPES = ("fp8", "fp8_mixed", "bf16", "fp8_block")
+KERNEL_RECIPES = ("bf16", "fp8")
 
 
 def interpreting() -> bool:

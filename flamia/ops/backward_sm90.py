@@ -30,7 +30,8 @@ rows past the document end (loaded by TMA from the next document) are zeroed in 
 before a GEMM reduces over them (0 * Inf would be NaN); V's and masked scores are discarded by
 selects. So every document's gradients depend on that document alone (P2), NaN/Inf included.
 
-Recipes: bf16 (inputs bf16 or fp16, the tensors as given).
+Recipes: bf16 (inputs bf16 or fp16, the tensors as given) and fp8 (every GEMM in FP8, the
+token-block scales; the section "The fp8 recipe" below).
 """
 from __future__ import annotations
 
@@ -458,8 +459,8 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fp8 token-block recipe (fp8_block: scaling "kvblock128", reference.py "Token-block
-# scaling"): the same skeleton with every GEMM in FP8
+# The fp8 recipe (scaling "kvblock128", reference.py "Token-block scaling"): the same skeleton
+# with every GEMM in FP8
 # ---------------------------------------------------------------------------------------------
 #
 # Operands (e4m3). Row-major, as the forward quantized them: q8 (T, Hq, D) per-token scales sq;
@@ -1013,7 +1014,7 @@ def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
                                 softmax_scale=None, grad_dtype=None, deterministic=False,
                                 config: Sm90BwdConfig | None = None):
-    """(dq, dk, dv) of the fp8_block recipe (scaling kvblock128) from the forward's quantized
+    """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized
     operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
     lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
 

@@ -5,28 +5,30 @@ walks the KV tiles of its document only: first the tiles entirely left of the di
 any mask, then the diagonal / document-end tiles with the mask. Fully masked tiles are never
 visited and no tile crosses into another document's rows unmasked.
 
-FP8 numerics (flamia/reference.py): with scores S_ij = sq_i sk_j (q8_i . k8_j) * scale,
+FP8 numerics (flamia/reference.py, "Token-block scaling"): with scores S_ij = sq_i sk_j
+(q8_i . k8_j) * scale, sk_j / sv_j the scales of the pair's K / V copy,
     x_ij = dot(q8, k8^T)_ij * sk_j * (sq_i * scale * log2 e)          (log2 units)
     p'_ij = exp2(x_ij - m_i + lr_i),  lr_i = log2(256 / cap_i)           (= p_ij * 256 / cap_i)
     A_ij  = e4m3(p'_ij * sv_j)                                          (= p_ij sv_j/cap_i 256)
     acc_i = sum_j A_ij v8_j,   l'_i = sum_j p'_ij,   O_i = acc_i / l'_i
-Folding 256/cap_i into the exponent costs nothing per element (it shifts the row's max), and it
-cancels in acc / l'. With the online max the rounding of A happens at the running max instead of
-the final one (rescaled by alpha afterwards), as in every FlashAttention FP8 kernel: the result
-matches the reference emulation by the FlashAttention rule, not bitwise. lr_i is capped at 100 so
-l' cannot overflow; that only matters for V whose amax is below ~1e-26 (cap < 2^-92).
+cap_i = vcap (the visible max of the pairs' V scales). Folding 256/cap_i into the exponent costs
+nothing per element (it shifts the row's max), and it cancels in acc / l'. With the online max
+the rounding of A happens at the running max instead of the final one (rescaled by alpha
+afterwards), as in every FlashAttention FP8 kernel: the result matches the reference emulation
+by the FlashAttention rule, not bitwise. lr_i is capped at 100 so l' cannot overflow; that only
+matters for V whose amax is below ~1e-26 (cap < 2^-92).
+The key-tile grid sits at document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the
+128-token K/V block): the tiles of the query block's own 128-block (causal) read the per-token
+copies k8_diag / vt8_diag with their per-token scales, every other tile the block copies k8 /
+vt8 (one K and one V scale per tile, folded into per-row constants: _attn_inner's TILE_SCALES).
+vt8 is in kmajor's padded column layout (document d from column kv_pcu[d], a multiple of 16), so
+every tile's V^T box starts at a 16-aligned column; K tiles are read at any token row.
+return_row_max also stores the row max m (natural log), which the backward's bound needs
+(Saved.row_max).
 
-bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16.
-
-Token-block scaling (fp8_block, fp8_block_mixed; reference._forward_kvblock): the same
-arithmetic, with cap_i = vcap (the visible max of the pairs' V scales) and a key-tile grid at
-document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the 128-token K/V block): the
-tiles of the query block's own 128-block (causal) read the per-token copies k8_diag / vt8_diag
-with their per-token scales, every other tile the block copies k8 / vt8 (one K and one V scale
-per tile, folded into per-row constants: _attn_inner's TILE_SCALES). vt8 is then in kmajor's
-padded column layout (document d from column kv_pcu[d], a multiple of 16), so every tile's V^T
-box starts at a 16-aligned column; K tiles are read at any token row. return_row_max also stores the row max
-m (natural log), which the backward's bound needs (Saved.row_max).
+bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16; its KV tiles
+start at absolute token rows that are multiples of 16 (a head tile, masked, may hold keys of
+the previous document).
 """
 from __future__ import annotations
 
@@ -315,9 +317,9 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     with return_row_max=True (out, lse, row_max), row_max (Hq, T) fp32 the row max m of the
     softmax-scaled scores (natural log: the largest normalised P of a row is exp(m - lse)).
 
-    Token-block scaling (qkv.kvblock: fp8_block, fp8_block_mixed): key tiles at
-    document-local multiples of block_n, which must divide 128 (and so must block_m); off the
-    diagonal 128-block the block copies, on it the token copies (reference._forward_kvblock).
+    fp8 (token-block scaling): key tiles at document-local multiples of block_n, which must
+    divide 128 (and so must block_m); off the diagonal 128-block the block copies, on it the
+    token copies (reference._forward_kvblock).
 
     The work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths).
     config: the kernel and its tiles, config.forward_config(D, recipe, device) by default (a

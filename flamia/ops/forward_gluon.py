@@ -1,9 +1,9 @@
 """The fp8 attention forward for Hopper (sm_90a) in Gluon: a persistent, warp-specialized kernel.
 
-Same contract and numerics as flamia.ops.forward._attn_fwd_kernel for the fp8 recipes (that
-module's docstring), the same work list (flamia.ops.schedule) and the same KV tile grid inside
-each document (tile j covers doc-local keys [j*BN - shift, (j+1)*BN - shift), shift = start % 16,
-so every tile starts at a 16-aligned absolute token).
+Same contract and numerics as flamia.ops.forward._attn_fwd_kernel for the fp8 recipe (that
+module's docstring: token-block scaling), the same work list (flamia.ops.schedule) and the same
+KV tile grid inside each document (tile t covers the document's keys [t BN, (t + 1) BN), BN
+dividing the 128-token K/V block).
 
 Each CTA walks work indices w = pid, pid + G, ... (G = grid size, config.ctas_per_sm CTAs per
 SM; w = item * HQ + head) with one producer warp (24 registers) that issues every TMA load and
@@ -23,6 +23,13 @@ same way, so results agree with the Triton kernel to the fp32 rounding of the MM
 hold bitwise by construction (masked scores are -inf, V^T columns outside the document are
 zeroed in shared memory before the PV wgmma, masked sk / sv count as 0).
 
+The producer loads tile t of an item from the per-token copies (k8_diag, vt8_diag, scale_cols
+rows 2-3) when it lies in the query block's own 128-block (causal), else from the block copies
+(k8, vt8, scale_cols rows 0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN. On
+an unmasked tile (block copies: one K and one V scale) the consumer reads each scale once and
+folds it into per-row constants, so no per-element scale work is left
+(_online_softmax_block). return_row_max stores the row max too.
+
 Per item the consumer waits on no global load: the work-list entry and the per-row loads (sq,
 cap) of the next item are issued during this one, and a query block inside its document leaves
 through shared memory by one TMA store that nobody waits for (a block that reaches past its
@@ -33,15 +40,6 @@ stage g % STAGES; the consumer's release r_g (after S_g is read and PV_{g-1} ret
 and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES+1}. Q is double
 buffered (item i's Q goes to buffer i % 2 after the consumer's q_free of item i - 2), so the
 next item's Q loads while this one computes.
-
-Token-block scaling (fp8_block, fp8_block_mixed): the Triton kernel's tile grid for it (tiles at
-document-local multiples of BN, no shift; forward.py's docstring): the producer loads tile t of
-an item from the per-token copies (k8_diag, vt8_diag, scale_cols rows 2-3) when it lies in the
-query block's own 128-block (causal), else from the block copies (k8, vt8, scale_cols rows
-0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN. The consumer takes shift = 0,
-and on an unmasked tile (block copies: one K and one V scale) reads each scale once and folds it
-into per-row constants, so no per-element scale work is left (_online_softmax_block).
-return_row_max stores the row max too.
 
 bf16 recipe: not implemented here (the Triton kernel runs it).
 """
@@ -80,7 +78,7 @@ if HAVE_GLUON:
                                          instr_shape=[16, n, 32])
 
     @gluon.jit
-    def _kv_tiles(q_lo, L, shift, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    def _kv_tiles(q_lo, L, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
         """(full_end, n_tiles) of query rows [q_lo, q_lo + BM): keys < full_end are visible to
         every row, and the rows visit KV tiles 0 .. n_tiles - 1."""
         if CAUSAL:
@@ -89,7 +87,7 @@ if HAVE_GLUON:
         else:
             hi = L
             full_end = L
-        return full_end, (hi + shift + BN - 1) // BN
+        return full_end, (hi + BN - 1) // BN
 
     @gluon.jit
     def _query_rows(start, q_lo, L, BM: gl.constexpr, s_layout: gl.constexpr):
@@ -128,23 +126,13 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready, st, row, kvh):
-        """TMA of the K tile (BN x D) at absolute token row `row` and its sk / sv (1 x BN) into
-        ring stage st; the scales ride on K's barrier (S's softmax needs both). Sizes come from
-        the buffers' types: constexpr arguments of a worker partition arrive as tensors."""
-        D: gl.constexpr = k_smem.type.shape[2]
-        bk = k_ready.index(st)
-        mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sk_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], bk, k_smem.index(st))
-        tma.async_copy_global_to_shared(sk_desc, [kvh, row], bk, sk_smem.index(st))
-        tma.async_copy_global_to_shared(sv_desc, [kvh, row], bk, sv_smem.index(st))
-
-    @gluon.jit
     def _load_k_cols(k_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st, krow, col, kvh,
                      srow_k, srow_v):
-        """The token-block scaling's _load_k_at: the K tile at absolute token row krow (any
-        row), its sk / sv from rows srow_k / srow_v of the padded-column scales (scale_cols) at
-        column col (a multiple of 16)."""
+        """TMA of the K tile (BN x D) at absolute token row krow (any row) and its sk / sv (1 x
+        BN) from rows srow_k / srow_v of the padded-column scales (scale_cols) at column col (a
+        multiple of 16) into ring stage st; the scales ride on K's barrier (S's softmax needs
+        both). Sizes come from the buffers' types: constexpr arguments of a worker partition
+        arrive as tensors."""
         D: gl.constexpr = k_smem.type.shape[2]
         bk = k_ready.index(st)
         mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sc_desc.block_type.nbytes)
@@ -178,33 +166,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                        MASKED: gl.constexpr, CAUSAL: gl.constexpr, o_layout: gl.constexpr):
-        """Online softmax of one S tile, written like forward._attn_inner (log2 units, lr riding
-        on the subtracted max) -> (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
+                        CAUSAL: gl.constexpr, o_layout: gl.constexpr):
+        """Online softmax of one masked S tile (the token copies' diagonal tiles, the document's
+        end), written like forward._attn_inner (log2 units, lr riding on the subtracted max) ->
+        (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
 
-        sk / sv are read from their shared-memory stage here (short register live ranges). On
-        masked tiles keys outside the document hold a neighbour's scales (maybe NaN): their
-        scores become -inf and their sv 0, as the Triton kernel's masked loads give. Unmasked
-        tiles take the exponent as one FFMA per element, (s row_f) + (lr - m) with lr - m
-        rounded once per row (the Triton kernel's FwdConfig.fold_lr)."""
+        sk / sv are read from their shared-memory stage here (short register live ranges). Keys
+        past the document's end hold a neighbour's scales (maybe NaN): their scores become -inf
+        and their sv 0, as the Triton kernel's masked loads give."""
         BN: gl.constexpr = s.type.shape[1]
         col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
         s = s * gl.expand_dims(sk_s.load(col_layout), 0)
-        if MASKED:
-            cols = n0 + gl.arange(0, BN, layout=col_layout)
-            col_ok = (cols >= 0) & (cols < L)
-            sv = gl.where(col_ok, sv_s.load(col_layout), 0.0)
-            valid = gl.expand_dims(col_ok, 0)
-            if CAUSAL:
-                valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-            x = gl.where(valid, s * gl.expand_dims(row_f, 1), float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(x, axis=1))
-            p = gl.exp2((x - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1))
-        else:
-            sv = sv_s.load(col_layout)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_f)      # row_f >= 0
-            arg = gl.fma(s, gl.expand_dims(row_f, 1), gl.expand_dims(lr - m_new, 1))
-            p = gl.exp2(arg)
+        cols = n0 + gl.arange(0, BN, layout=col_layout)
+        col_ok = cols < L
+        sv = gl.where(col_ok, sv_s.load(col_layout), 0.0)
+        valid = gl.expand_dims(col_ok, 0)
+        if CAUSAL:
+            valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        x = gl.where(valid, s * gl.expand_dims(row_f, 1), float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        p = gl.exp2((x - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
@@ -245,22 +226,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
-                      CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr, o_layout: gl.constexpr):
+                      CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
-        stage st: masked where the tile reaches outside the document or past full_end. KVBLOCK:
-        an unmasked tile reads the block copies (one K and one V scale per tile)."""
+        stage st: masked where the tile reaches past the document's end or past full_end; an
+        unmasked tile reads the block copies (one K and one V scale per tile)."""
         BN: gl.constexpr = s.type.shape[1]
         sk_s = _scale_view(sk_smem, st, BN)
         sv_s = _scale_view(sv_smem, st, BN)
-        if (n0 < 0) | (n0 + BN > full_end):
+        if n0 + BN > full_end:
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                                 True, CAUSAL, o_layout)
-        elif KVBLOCK:
+                                                 CAUSAL, o_layout)
+        else:
             a, m_i, l_i, alpha = _online_softmax_block(s, sk_smem, sv_smem, st, m_i, l_i, row_f,
                                                        lr, o_layout)
-        else:
-            a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
-                                                 False, CAUSAL, o_layout)
         return a, m_i, l_i, alpha
 
 
@@ -346,12 +324,11 @@ if HAVE_GLUON:
     def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc, q_smem,
                        k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel,
                        ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM: gl.constexpr, BN: gl.constexpr,
-                       CAUSAL: gl.constexpr, QBUF: gl.constexpr, KVBLOCK: gl.constexpr):
-        """Every TMA load. KVBLOCK (token-block scaling): tile t of an item holds the
-        document's keys [t BN, (t + 1) BN) (no shift), from the token copies (kd_desc, vd_desc,
-        scale_cols rows 2-3) on the query block's own 128-block when causal, else from the block
-        copies (k_desc, v_desc, scale_cols rows 0-1; sk_desc is scale_cols); V^T and the scales
-        at the padded column PCU[doc] + t BN."""
+                       CAUSAL: gl.constexpr, QBUF: gl.constexpr):
+        """Every TMA load. Tile t of an item holds the document's keys [t BN, (t + 1) BN), from
+        the token copies (kd_desc, vd_desc, scale_cols rows 2-3) on the query block's own
+        128-block when causal, else from the block copies (k_desc, v_desc, scale_cols rows 0-1;
+        sk_desc is scale_cols); V^T and the scales at the padded column PCU[doc] + t BN."""
         STAGES: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[2]
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
@@ -360,51 +337,38 @@ if HAVE_GLUON:
             doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w)
             if doc >= 0:
                 q_lo = blk * BM
-                if KVBLOCK:
-                    shift = 0
-                    pcol = gl.load(PCU + doc)
-                    if CAUSAL:     # keys from d0 on: the query block's own 128-block
-                        d0 = (q_lo // 128) * 128
-                    else:          # (no diagonal pairs)
-                        d0 = L
-                    hkv = HQ // GROUP
-                else:
-                    shift = start % 16
-                _, n_tiles = _kv_tiles(q_lo, L, shift, BM, BN, CAUSAL)
+                pcol = gl.load(PCU + doc)
+                if CAUSAL:     # keys from d0 on: the query block's own 128-block
+                    d0 = (q_lo // 128) * 128
+                else:          # (no diagonal pairs)
+                    d0 = L
+                hkv = HQ // GROUP
+                _, n_tiles = _kv_tiles(q_lo, L, BM, BN, CAUSAL)
                 qb = it % QBUF
                 mbarrier.wait(q_free.index(qb), ((it // QBUF) + 1) & 1, pred=it >= QBUF)
                 mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D],
                                                 q_ready.index(qb), q_smem.index(qb))
-                row = start - shift
                 for t in range(n_tiles):
                     st = g % STAGES
                     # K_g after r_{g-STAGES} (K_{g-STAGES} read); V_g after r_{g-STAGES+1}
                     # (V_{g-STAGES} read), which K_{g+1} needs anyway. Re-waiting r_{g+1-STAGES}
                     # at the next tile is safe: its barrier cannot complete again before K_{g+1}.
                     mbarrier.wait(rel.index(st), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
-                    if KVBLOCK:
-                        n0 = t * BN
-                        col = pcol + n0
-                        if n0 >= d0:
-                            _load_k_cols(kd_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
-                                         start + n0, col, kvh, 2 * hkv + kvh, 3 * hkv + kvh)
-                        else:
-                            _load_k_cols(k_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
-                                         start + n0, col, kvh, kvh, hkv + kvh)
+                    n0 = t * BN
+                    col = pcol + n0
+                    if n0 >= d0:
+                        _load_k_cols(kd_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                                     start + n0, col, kvh, 2 * hkv + kvh, 3 * hkv + kvh)
                     else:
-                        _load_k_at(k_desc, sk_desc, sv_desc, k_smem, sk_smem, sv_smem, k_ready,
-                                   st, row, kvh)
+                        _load_k_cols(k_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                                     start + n0, col, kvh, kvh, hkv + kvh)
                     mbarrier.wait(rel.index((g + 1) % STAGES), (((g + 1) // STAGES) + 1) & 1,
                                   pred=g + 1 >= STAGES)
-                    if KVBLOCK:
-                        if n0 >= d0:
-                            _load_v_at(vd_desc, v_smem, v_ready, st, col, kvh)
-                        else:
-                            _load_v_at(v_desc, v_smem, v_ready, st, col, kvh)
+                    if n0 >= d0:
+                        _load_v_at(vd_desc, v_smem, v_ready, st, col, kvh)
                     else:
-                        _load_v_at(v_desc, v_smem, v_ready, st, row, kvh)
-                    row += BN
+                        _load_v_at(v_desc, v_smem, v_ready, st, col, kvh)
                     g += 1
                 it += 1
 
@@ -420,8 +384,7 @@ if HAVE_GLUON:
     def _pers_serial_step(s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready,
                           rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g,
                           RESCALE: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr,
-                          NW: gl.constexpr):
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
         """One tile g of _pers_serial_tiles: its S (in flight) -> softmax -> release r_g (K_g
         read; V_{g-1} read by the previous PV, retired) -> rescale (RESCALE: not on an item's
         first tile, whose acc is zero) -> PV_g; then (NEXT) S_{g+1} issued behind it, and PV_g
@@ -432,7 +395,7 @@ if HAVE_GLUON:
         st = g % STAGES
         s = warpgroup_mma_wait(0, deps=[s])
         a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows,
-                                           n0, L, full_end, CAUSAL, KVBLOCK, o_layout)
+                                           n0, L, full_end, CAUSAL, o_layout)
         _ws_release(rel, st)
         if RESCALE:
             acc = _mul_rows(acc, alpha)
@@ -451,9 +414,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_serial_tiles(q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
-                           m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, shift, g,
+                           m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, g,
                            BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, KVBLOCK: gl.constexpr, NW: gl.constexpr):
+                           CAUSAL: gl.constexpr, NW: gl.constexpr):
         """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
         _pers_serial_step per tile. What crosses the loop's back edge is S_{j+1} in flight
         (fp32 registers in the accumulator layout) and the retired acc, never P's e4m3 A
@@ -467,22 +430,20 @@ if HAVE_GLUON:
         if n_tiles == 1:     # (the last step's S is waited on: a plain tensor, not kept)
             _s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, -shift, L, full_end, g, False, False, BN, STAGES, CAUSAL,
-                KVBLOCK, NW)
+                l_i, row_f, lr, rows, 0, L, full_end, g, False, False, BN, STAGES, CAUSAL, NW)
         else:
             s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, -shift, L, full_end, g, False, True, BN, STAGES, CAUSAL,
-                KVBLOCK, NW)
+                l_i, row_f, lr, rows, 0, L, full_end, g, False, True, BN, STAGES, CAUSAL, NW)
             for j in range(1, n_tiles - 1):
                 s, acc, m_i, l_i, g = _pers_serial_step(
                     s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
-                    m_i, l_i, row_f, lr, rows, j * BN - shift, L, full_end, g, True, True, BN,
-                    STAGES, CAUSAL, KVBLOCK, NW)
+                    m_i, l_i, row_f, lr, rows, j * BN, L, full_end, g, True, True, BN,
+                    STAGES, CAUSAL, NW)
             _s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, (n_tiles - 1) * BN - shift, L, full_end, g, True, False,
-                BN, STAGES, CAUSAL, KVBLOCK, NW)
+                l_i, row_f, lr, rows, (n_tiles - 1) * BN, L, full_end, g, True, False,
+                BN, STAGES, CAUSAL, NW)
         return acc, m_i, l_i, g
 
     @gluon.jit
@@ -490,8 +451,7 @@ if HAVE_GLUON:
                        k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc, O,
                        LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D: gl.constexpr,
                        BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       NW: gl.constexpr, QBUF: gl.constexpr, KVBLOCK: gl.constexpr,
-                       ROW_MAX: gl.constexpr):
+                       NW: gl.constexpr, QBUF: gl.constexpr, ROW_MAX: gl.constexpr):
         """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
         Q buffer (every QK^T of the item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
@@ -512,11 +472,7 @@ if HAVE_GLUON:
                 row_f, lr = _row_constants(c_sq, c_cap, qk_scale)
                 q_lo = c_blk * BM
                 c_tok0, c_rows, c_row_ok = _query_rows(c_start, q_lo, c_L, BM, s_layout)
-                if KVBLOCK:
-                    shift = 0                        # tiles at document-local multiples of BN
-                else:
-                    shift = c_start % 16
-                full_end, n_tiles = _kv_tiles(q_lo, c_L, shift, BM, BN, CAUSAL)
+                full_end, n_tiles = _kv_tiles(q_lo, c_L, BM, BN, CAUSAL)
                 m_i = gl.full_like(row_f, float("-inf"))
                 l_i = gl.zeros_like(row_f)
                 qb = it % QBUF
@@ -525,8 +481,7 @@ if HAVE_GLUON:
                 mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
                 acc, m_i, l_i, g = _pers_serial_tiles(
                     q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
-                    row_f, lr, c_rows, c_L, full_end, n_tiles, shift, g, BN, D, STAGES,
-                    CAUSAL, KVBLOCK, NW)
+                    row_f, lr, c_rows, c_L, full_end, n_tiles, g, BN, D, STAGES, CAUSAL, NW)
                 # every QK^T of the item is done: its Q buffer may take item it + QBUF
                 mbarrier.arrive(q_free.index(qb), count=1)
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
@@ -545,11 +500,9 @@ if HAVE_GLUON:
                                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                           PRODUCER_REGS: gl.constexpr, QBUF: gl.constexpr,
-                                          KVBLOCK: gl.constexpr, ROW_MAX: gl.constexpr,
-                                          num_warps: gl.constexpr):
-        """KVBLOCK: the token-block scaling (kd_desc, vd_desc: the token copies; sk_desc =
-        sv_desc: scale_cols; PCU: the padded columns' document starts; _pers_producer).
-        ROW_MAX: the row max m into RMAX too."""
+                                          ROW_MAX: gl.constexpr, num_warps: gl.constexpr):
+        """kd_desc, vd_desc: the token copies; sk_desc = sv_desc: scale_cols; PCU: the padded
+        columns' document starts (_pers_producer). ROW_MAX: the row max m into RMAX too."""
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
@@ -571,11 +524,11 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP,
                               o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D, BN,
-                              STAGES, CAUSAL, num_warps, QBUF, KVBLOCK, ROW_MAX)),
+                              STAGES, CAUSAL, num_warps, QBUF, ROW_MAX)),
             (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc,
                               q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
-                              CAUSAL, QBUF, KVBLOCK)),
+                              CAUSAL, QBUF)),
         ], [1], [PRODUCER_REGS])
         for i in gl.static_range(QBUF):
             mbarrier.invalidate(q_ready.index(i))
@@ -591,25 +544,10 @@ def _layout(block_shape, dtype=None):
     return shared_layout(block_shape, dtype or gl.float8e4nv)
 
 
-def _scale_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(Hkv, T) fp32 scales as a TMA-able matrix: the row stride must be a multiple of 16 bytes.
-
-    quantize_qkv writes sk / sv contiguous, so this is free whenever T % 4 == 0 (every
-    benchmark workload). Otherwise one copy kernel into a padded-stride buffer (its pad columns
-    are never read: the descriptor's extent is the true T)."""
-    T = x.shape[1]
-    if x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
-        return x, x.stride(0)
-    tp = (T + 3) // 4 * 4
-    y = x.new_empty(x.shape[0], tp)
-    y[:, :T].copy_(x)
-    return y, tp
-
-
 def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
     """Host TMA descriptors (plain Python objects; the launcher encodes them at launch): q, k,
-    V^T, sk, sv, and the token copies' k and V^T (token-block scaling, causal; k's and V^T's
-    otherwise, unused). Token-block scaling: sk and sv are both scale_cols (n * Hkv, Tp)."""
+    V^T, sk, sv (both scale_cols as an (n * Hkv, Tp) matrix), and the token copies' k and V^T
+    (causal; k's and V^T's otherwise, unused)."""
     T, Hq, Hkv, D = qkv.shape
     q8, k8, vt = qkv.q8, qkv.k8, qkv.vt8
     # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix; vt8 (Hkv, D, Tp) is (Hkv*D, Tp).
@@ -617,28 +555,18 @@ def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
     kd = GluonTensorDescriptor(k8, [T, Hkv * D], [k8.stride(0), 1], [BN, D], _layout([BN, D]))
     vd = GluonTensorDescriptor(vt, [Hkv * D, vt.shape[2]], [vt.stride(1), 1], [D, BN],
                                _layout([D, BN]))
-    # Scales as (Hkv, T) with box (1, BN): tile j's box starts at the same 16-aligned token as
-    # K's; the true T bounds it (zeros past the end), the stride may be padded.
-    if qkv.kvblock:
-        # scale_cols (n, Hkv, Tp) as an (n * Hkv, Tp) matrix: box (1, BN) at 16-aligned columns
-        sc = qkv.scale_cols
-        n, _, tp = sc.shape
-        scd = GluonTensorDescriptor(sc, [n * Hkv, tp], [tp, 1], [1, BN],
-                                    _layout([1, BN], gl.float32))
-        kdd, vdd = kd, vd
-        if qkv.k8_diag is not None:
-            k8d, vt8d = qkv.k8_diag, qkv.vt8_diag
-            kdd = GluonTensorDescriptor(k8d, [T, Hkv * D], [k8d.stride(0), 1], [BN, D],
-                                        _layout([BN, D]))
-            vdd = GluonTensorDescriptor(vt8d, [Hkv * D, vt8d.shape[2]], [vt8d.stride(1), 1],
-                                        [D, BN], _layout([D, BN]))
-        return qd, kd, vd, scd, scd, kdd, vdd
-    sc = []
-    for x in (qkv.sk, qkv.sv):
-        xs, stride = _scale_rows(x)
-        sc.append(GluonTensorDescriptor(xs, [Hkv, T], [stride, 1], [1, BN],
-                                        _layout([1, BN], gl.float32)))
-    return qd, kd, vd, sc[0], sc[1], kd, vd
+    # scale_cols (n, Hkv, Tp) as an (n * Hkv, Tp) matrix: box (1, BN) at 16-aligned columns
+    sc = qkv.scale_cols
+    n, _, tp = sc.shape
+    scd = GluonTensorDescriptor(sc, [n * Hkv, tp], [tp, 1], [1, BN], _layout([1, BN], gl.float32))
+    kdd, vdd = kd, vd
+    if qkv.k8_diag is not None:
+        k8d, vt8d = qkv.k8_diag, qkv.vt8_diag
+        kdd = GluonTensorDescriptor(k8d, [T, Hkv * D], [k8d.stride(0), 1], [BN, D],
+                                    _layout([BN, D]))
+        vdd = GluonTensorDescriptor(vt8d, [Hkv * D, vt8d.shape[2]], [vt8d.stride(1), 1],
+                                    [D, BN], _layout([D, BN]))
+    return qd, kd, vd, scd, scd, kdd, vdd
 
 
 def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
@@ -647,13 +575,13 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
                             schedule: Schedule | None = None, poison: bool = False,
                             return_row_max: bool = False):
     """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (and row_max with return_row_max):
-    forward.attention_forward for the fp8 recipes (fp8, fp8_mixed: the same forward; fp8_block,
-    fp8_block_mixed: the token-block scaling) on an sm_90 GPU, reading V^T in token order
+    forward.attention_forward for the fp8 recipe on an sm_90 GPU, reading V^T in token order
     (quantize_qkv(vt_mma_order=False)). Raises NotImplementedError for bf16 or without Gluon."""
     if not HAVE_GLUON:
         raise NotImplementedError("triton.experimental.gluon is not available")
-    if qkv.recipe == "bf16":
-        raise NotImplementedError("the Gluon forward implements the fp8 recipes only")
+    if not qkv.kvblock:
+        raise NotImplementedError(f"the Gluon forward implements the fp8 recipe, not "
+                                  f"{qkv.recipe!r}")
     if qkv.vt8 is None or qkv.vt8_mma_order:
         raise ValueError("the Gluon forward reads the K-major V copy in token order: "
                          "quantize_qkv(..., vt_mma_order=False)")
@@ -679,8 +607,7 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
     if T == 0:
         return result
     BM, BN = cfg.block_m, cfg.block_n
-    if qkv.kvblock:
-        check_kvblock_tiles(qkv, causal, BM, BN)
+    check_kvblock_tiles(qkv, causal, BM, BN)
     schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
     n_items = schedule.items.shape[1]
     grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, dev)
@@ -688,9 +615,8 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
                                    _layout([BM, D], gl_dtype(out_dtype)))
     _attn_fwd_gluon_persistent_kernel[grid](
         *_descriptors(qkv, BM, BN), o_desc, qkv.sq, qkv.vcap, out, lse,
-        row_max if return_row_max else lse, qkv.kv_pcu if qkv.kvblock else schedule.items,
+        row_max if return_row_max else lse, qkv.kv_pcu,
         schedule.items, cu_seqlens, out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv,
         scale * LOG2E, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
-        PRODUCER_REGS=cfg.producer_regs, QBUF=cfg.q_buffers, KVBLOCK=qkv.kvblock,
-        ROW_MAX=bool(return_row_max), num_warps=4, maxnreg=cfg.maxnreg)
+        PRODUCER_REGS=cfg.producer_regs, QBUF=cfg.q_buffers, ROW_MAX=bool(return_row_max), num_warps=4, maxnreg=cfg.maxnreg)
     return result

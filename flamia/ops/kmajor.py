@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .numerics import log2_pow2
 
 ALIGN = 16      # tokens; TMA needs 16-byte aligned coordinates along the contiguous axis
 
@@ -144,29 +143,6 @@ def _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, s
                       MMA2)
 
 
-@triton.jit
-def _copies_and_rows_kernel(src0, dst0, src1, dst1, src2, dst2, stride0, stride1, stride2, H0, H1,
-                            a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, HA, HB, tok_of_col, T,
-                            Tp, HC, D: tl.constexpr, N: tl.constexpr, MMA0: tl.constexpr,
-                            MMA1: tl.constexpr, MMA2: tl.constexpr,
-                            NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr,
-                            INTERLEAVE_A: tl.constexpr, FOLD0_A: tl.constexpr,
-                            NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
-                            INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
-    """kmajor_copies and two row-vector gathers (a, b; _padded_rows_cols) in one launch: grid
-    axis 1 runs over the copies' HC heads, then row set a's heads, then b's; axis 0 over column
-    blocks of both."""
-    h = tl.program_id(1)
-    if h < HC:
-        _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1,
-                   stride2, H0, H1, h, D, BLOCK_C, N, MMA0, MMA1, MMA2)
-    else:
-        _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB,
-                     h - HC, NV_A, FILL0_INF_A, INTERLEAVE_A, FOLD0_A, NV_B, FILL0_INF_B,
-                     INTERLEAVE_B, FOLD0_B, BLOCK_C)
-
-
 def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
                 block_c: int = 64, mma_order: bool = False) -> torch.Tensor:
     """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
@@ -218,34 +194,6 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
         BLOCK_C=block_c, **plan.flags, num_warps=4)
 
 
-def kmajor_copies_and_rows(copies, a: dict, b: dict, tok_of_col: torch.Tensor, Tp: int,
-                           block_c: int = 64):
-    """kmajor_copies(copies, tok_of_col) and two gathers of per-token row vectors (H, T) into
-    (H, Tp) fp32 copies in the padded column layout, in one launch: the backward's K-major
-    copies and its padded query / key vectors after the preprocess kernel (one launch less per
-    call: host time at short documents). a, b: dict(srcs=(1-4 vectors of one shape),
-    fill0_inf=, interleave=, fold0=): column c holds src[:, tok_of_col[c]], pad columns 0 (the
-    first source's +inf with fill0_inf, for lse); interleave puts head h's vectors in rows
-    h * len(srcs) + v of one (H * len(srcs), Tp) buffer; fold0 (4 sources: lse, Delta, sq, sdo)
-    puts lse * log2(e) - log2(sdo) in the first row (sdo is a power of two). Returns a's and b's
-    results: the one interleaved buffer, or views of one (len(srcs), H, Tp) buffer, each
-    TMA-legal (row stride Tp * 4 bytes, 16 | Tp). Pure copies: bitwise torch's gathers
-    (tests/test_ops_kmajor.py)."""
-    plan = _CopiesPlan(copies)
-    ga, gb = (_RowsGather(tp=Tp, **x) for x in (a, b))
-    if plan.Tp != Tp or ga.T != gb.T or ga.T != plan.T:
-        raise ValueError(f"kmajor_copies_and_rows: copies of {plan.T} tokens into {plan.Tp} "
-                         f"columns, vectors of {ga.T} / {gb.T} tokens into {Tp}")
-    if Tp > 0 and plan.heads + ga.H + gb.H > 0:
-        sa, sb = ga.slots, gb.slots
-        _copies_and_rows_kernel[(triton.cdiv(Tp, block_c), plan.heads + ga.H + gb.H)](
-            *plan.slots, sa[0], sa[1], sa[2], sa[3], ga.dst, sb[0], sb[1], sb[2], sb[3], gb.dst,
-            ga.H, gb.H, tok_of_col, plan.T, Tp, plan.heads, D=plan.D, **plan.flags,
-            **ga.flags("_A"), **gb.flags("_B"), BLOCK_C=block_c, num_warps=4,
-            enable_fp_fusion=False)   # fold0: two roundings, as torch's mul then sub
-    return ga.result(), gb.result()
-
-
 class _CopiesPlan:
     """kmajor_copies' checked arguments: 1-3 (src, dst, mma_order) of one D and Tp, as the
     launch slots (src0, dst0, src1, dst1, src2, dst2, stride0, stride1, stride2, H0, H1; unused
@@ -270,86 +218,3 @@ class _CopiesPlan:
                       s0.stride(0), s1.stride(0), s2.stride(0), heads[0],
                       heads[1] if len(heads) > 1 else 0)
         self.flags = dict(N=max(len(copies), 2), MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2))
-
-
-@triton.jit
-def _rows_two_at(a0, a1, a2, a3, dst_a, b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HA, HB, h,
-                 NV_A: tl.constexpr, FILL0_INF_A: tl.constexpr, INTERLEAVE_A: tl.constexpr,
-                 FOLD0_A: tl.constexpr, NV_B: tl.constexpr, FILL0_INF_B: tl.constexpr,
-                 INTERLEAVE_B: tl.constexpr, FOLD0_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Row h of a two-gathers grid: set a's heads, then b's."""
-    if h < HA:
-        _padded_rows_cols(a0, a1, a2, a3, dst_a, tok_of_col, T, Tp, HA, h, NV_A, FILL0_INF_A,
-                          INTERLEAVE_A, FOLD0_A, BLOCK_C)
-    else:
-        _padded_rows_cols(b0, b1, b2, b3, dst_b, tok_of_col, T, Tp, HB, h - HA, NV_B,
-                          FILL0_INF_B, INTERLEAVE_B, FOLD0_B, BLOCK_C)
-
-
-@triton.jit
-def _padded_rows_cols(src0, src1, src2, src3, dst, tok_of_col, T, Tp, H, h,
-                      NV: tl.constexpr, FILL0_INF: tl.constexpr, INTERLEAVE: tl.constexpr,
-                      FOLD0: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst[v, h, c] (INTERLEAVE: dst[h, v, c]) = src_v[h, tok_of_col[c]] (fp32), pads
-    (tok < 0) 0, or +inf for v = 0 with FILL0_INF. FOLD0 (NV = 4): row 0 is src0 * log2(e) -
-    log2(src3), bitwise the torch ops' mul then sub (kmajor_copies_and_rows launches with fp
-    fusion off). The columns of program_id(0)'s block, head h: every column written."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < Tp
-    tok = tl.load(tok_of_col + c, mask=c_ok, other=-1)
-    ok = tok >= 0
-    src_off = h * T + tok            # H * Tp < 2^31 (backward.make_state's int32 rule)
-    if INTERLEAVE:
-        out = dst + h * NV * Tp + c
-        plane = Tp
-    else:
-        out = dst + h * Tp + c
-        plane = H * Tp
-    x = tl.load(src0 + src_off, mask=ok, other=0.0).to(tl.float32)
-    if FILL0_INF:
-        x = tl.where(ok, x, float("inf"))
-    if FOLD0:
-        x = x * 1.4426950408889634 - log2_pow2(tl.load(src3 + src_off, mask=ok,
-                                                         other=0.0).to(tl.float32))
-    tl.store(out, x, mask=c_ok)
-    if NV > 1:
-        x = tl.load(src1 + src_off, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + plane, x, mask=c_ok)
-    if NV > 2:
-        x = tl.load(src2 + src_off, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + 2 * plane, x, mask=c_ok)
-    if NV > 3:
-        x = tl.load(src3 + src_off, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + 3 * plane, x, mask=c_ok)
-
-
-class _RowsGather:
-    """One row-vector gather of kmajor_copies_and_rows: its checked sources (4 launch slots),
-    destination buffer and flags, and the views it returns."""
-
-    def __init__(self, srcs, tp: int, fill0_inf: bool = False, interleave: bool = False,
-                 fold0: bool = False):
-        nv = len(srcs)
-        if not 1 <= nv <= 4:
-            raise ValueError(f"kmajor_copies_and_rows: 1-4 sources, not {nv}")
-        if fold0 and nv != 4:
-            raise ValueError("kmajor_copies_and_rows: fold0 needs the four sources lse, Delta, sq, sdo")
-        H, T = srcs[0].shape
-        srcs = [x.contiguous() for x in srcs]
-        for x in srcs:
-            if tuple(x.shape) != (H, T):
-                raise ValueError(f"kmajor_copies_and_rows: sources of shape {(H, T)}, got {tuple(x.shape)}")
-        self.nv, self.H, self.T, self.Tp = nv, H, T, tp
-        self.fill0_inf, self.interleave, self.fold0 = fill0_inf, interleave, fold0
-        self.slots = srcs + [srcs[0]] * (4 - nv)
-        shape = (H, nv, tp) if interleave else (nv, H, tp)
-        self.dst = torch.empty(shape, dtype=torch.float32, device=srcs[0].device)
-
-    def flags(self, suffix: str) -> dict:
-        return {"NV" + suffix: self.nv, "FILL0_INF" + suffix: self.fill0_inf,
-                "INTERLEAVE" + suffix: self.interleave, "FOLD0" + suffix: self.fold0}
-
-    def result(self):
-        if self.interleave:
-            return self.dst.view(self.H * self.nv, self.Tp)
-        return tuple(self.dst[i] for i in range(self.nv))

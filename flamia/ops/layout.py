@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-# The recipes with token-block scaling ("kvblock128", flamia.recipes)
-KVBLOCK_RECIPES = ("fp8_block", "fp8_block_mixed")
 KV_BLOCK = 128          # tokens per K/V scale block (flamia.reference.KV_BLOCK)
 
 
@@ -14,10 +12,11 @@ KV_BLOCK = 128          # tokens per K/V scale block (flamia.reference.KV_BLOCK)
 class QuantizedQKV:
     """Q, K, V quantized once for every GEMM of forward and backward.
 
-    For the bf16 recipe the tensors are bf16 and every scale is None.
+    For the bf16 recipe the tensors are bf16 and every scale is None; fp8 (token-block
+    scaling, reference.py "Token-block scaling") fills the fields below.
     """
     recipe: str
-    q8: torch.Tensor              # (T, Hq, D)  rotated (fp8 recipes) q / sq
+    q8: torch.Tensor              # (T, Hq, D)  rotated (fp8) q / sq
     k8: torch.Tensor              # (T, Hkv, D)
     v8: torch.Tensor              # (T, Hkv, D)
     sq: torch.Tensor | None       # (Hq, T)  fp32 powers of two (or 0 for an all-zero token)
@@ -26,18 +25,17 @@ class QuantizedQKV:
     vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document (the
                                   #   visible max for token-block scaling)
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
-    vt8: torch.Tensor | None = None   # optional (Hkv, D, T_pad) K-major V copy for the PV GEMM
+    vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8)
                                       #   (token-block scaling: (Hkv, D, Tp), padded layout)
     # vt8_mma_order: in each 16-column group of vt8, column c holds token mma_order16(c) of the
     # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
     # FP8 wgmma A operand; False: column = token.
     vt8_mma_order: bool = False
-    # Token-block scaling (recipes fp8_block, fp8_block_mixed; reference.py "Token-block
-    # scaling"); None for the other recipes. k8 / v8 / sk / sv are then the BLOCK copies (one
-    # scale per document-local 128-token block and head, sk / sv broadcast to the block's tokens)
-    # and vcap is the visible max of the V scales (reference._visible_max).
+    # fp8: k8 / v8 / sk / sv are the BLOCK copies (one scale per document-local 128-token block
+    # and head, sk / sv broadcast to the block's tokens) and vcap is the visible max of the V
+    # scales (reference._visible_max); None for bf16.
     k8_diag: torch.Tensor | None = None   # (T, Hkv, D) per-token copies for the diagonal pairs
-    v8_diag: torch.Tensor | None = None   #   (causal only: the fp8 recipe's bytes)
+    v8_diag: torch.Tensor | None = None   #   (causal only; per-token scales)
     sk_diag: torch.Tensor | None = None   # (Hkv, T) their per-token scales (causal only)
     sv_diag: torch.Tensor | None = None
     vnorm: torch.Tensor | None = None     # (Hkv, T) visible max of the 2-norms of V's
@@ -57,8 +55,8 @@ class QuantizedQKV:
 
     @property
     def kvblock(self) -> bool:
-        """Token-block scaling (block copies plus per-token diagonal copies)?"""
-        return self.recipe in KVBLOCK_RECIPES
+        """Token-block scaling (block copies plus per-token diagonal copies): the fp8 recipe."""
+        return self.recipe == "fp8"
 
     @property
     def shape(self):
@@ -79,12 +77,12 @@ def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: 
 
 def reference_saved(qkv: QuantizedQKV, causal: bool):
     """The reference's Saved (flamia.reference) holding exactly the kernel forward's quantized
-    operands of a token-block recipe, with its row max: what reference.backward differentiates
+    operands of the fp8 recipe, with its row max: what reference.backward differentiates
     when no backward kernel runs for the recipe on this device (ops.config.backward_config)."""
     from ..quant import hadamard
     from ..reference import Operand, Saved
     if not qkv.kvblock or qkv.row_max is None:
-        raise ValueError("reference_saved needs a token-block recipe's operands with the "
+        raise ValueError("reference_saved needs the fp8 recipe's operands with the "
                          "forward's row_max (kernel_path.kernel_forward)")
     f32 = torch.float32
     T, Hq, Hkv, D = qkv.shape

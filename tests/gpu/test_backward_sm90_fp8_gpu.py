@@ -1,4 +1,4 @@
-"""The fp8_block recipe's one-pass Hopper backward (flamia.ops.backward_sm90,
+"""The fp8 recipe's one-pass Hopper backward (flamia.ops.backward_sm90,
 attention_backward_sm90_fp8) on the H200 (skipped without an sm_90 GPU), from the reference
 forward's quantized operands (flamia.reference._forward_kvblock): accuracy against float64 next
 to the reference emulation (reference._backward_kvblock, fp32) by the FlashAttention rule,
@@ -24,7 +24,7 @@ from flamia.ops.backward_sm90 import attention_backward_sm90_fp8  # noqa: E402
 from tests._kvblock import qkv_from_saved, random_case  # noqa: E402
 
 DEV = "cuda"
-RECIPE = "fp8_block"
+RECIPE = "fp8"
 FUZZ_CASES = int(os.environ.get("FLAMIA_FUZZ_CASES", "300"))
 FUZZ_SEED = int(os.environ.get("FLAMIA_FUZZ_SEED", "20261203"))
 

@@ -31,7 +31,7 @@ def _inputs(layout: str, D: int, gen: torch.Generator):
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_mixed", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_graph_replay_equals_eager(recipe, layout, D):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (x.clone() for x in _inputs(layout, D, gen))

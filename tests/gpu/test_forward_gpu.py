@@ -1,11 +1,15 @@
-"""Quantize + forward kernels on the H200 at realistic sizes (skipped without CUDA).
+"""Quantize + forward kernels (recipes bf16 and fp8) on the H200 at realistic sizes (skipped
+without CUDA).
 
     python -m pytest -q tests/gpu/test_forward_gpu.py
 
-Same checks as tests/test_ops_forward.py: quantized operands equal the reference's, forward out /
-lse match the reference emulation by the FlashAttention rule, every output written (NaN poison),
-P1 / P2 bitwise through flamia.audit. The float64 references run per KV-head group (the heads are
-independent) so an 8k-token document fits in memory.
+The checks of tests/test_ops_forward.py: fp8's quantized operands equal the reference's (up to
+the rotation's rounding ties), forward out / lse match the reference emulation by the
+FlashAttention rule, every output written (NaN poison), P1 / P2 bitwise through flamia.audit,
+and the persistent Gluon forward is the default at D=128. The float64 references run per KV-head
+group (the heads are independent) so an 8k-token document fits in memory. fp8's K-major copies,
+vcap, vnorm and row max, and the Gluon kernel against the Triton one:
+tests/gpu/test_forward_kvblock_gpu.py.
 """
 from __future__ import annotations
 
@@ -22,7 +26,6 @@ from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops.config import FwdConfig, triton_forward_config  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
-from flamia.ops.kmajor import mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
 DEV = "cuda"
@@ -106,13 +109,21 @@ def _check(out, lse, emul, emul_lse, exact):
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("family", ["mild", "outliers"])
 def test_quantize_matches_reference(D, family):
+    """fp8's operands against the reference's: q per token, k and v per 128-token block (the
+    block copies) and per token (the diagonal copies, causal); a rotated value may differ only
+    on a rounding tie of the rotation's fp32 sums."""
     q, k, v, cu = make_qkv(WORKLOADS["longtail8k"], HQ, HKV, D, family, device=DEV, seed=D)
-    qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True, vt_mma_order=True)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True)
     H = R.hadamard(D, torch.float32, DEV)
-    for name, x8, s, x, rot in (("q", qkv.q8, qkv.sq, q, True), ("k", qkv.k8, qkv.sk, k, True),
-                                ("v", qkv.v8, qkv.sv, v, False)):
-        xf = x.float() @ H if rot else x.float()
-        op = R.quantize_operand(xf, "e4m3", "token")
+    qc, kc, vc = q.float() @ H, k.float() @ H, v.float()
+    token = lambda x: R.quantize_operand(x, "e4m3", "token")                      # noqa: E731
+    block = lambda x: R.quantize_token_blocks(x, "e4m3", cu, R.KV_BLOCK)          # noqa: E731
+    for name, x8, s, x, xf, op, rot in (
+            ("q", qkv.q8, qkv.sq, q, qc, token(qc), True),
+            ("k", qkv.k8, qkv.sk, k, kc, block(kc), True),
+            ("k_diag", qkv.k8_diag, qkv.sk_diag, k, kc, token(kc), True),
+            ("v", qkv.v8, qkv.sv, v, vc, block(vc), False),
+            ("v_diag", qkv.v8_diag, qkv.sv_diag, v, vc, token(vc), False)):
         got = x8.float()
         bad = (got != op.values).sum().item()
         if rot:
@@ -126,23 +137,11 @@ def test_quantize_matches_reference(D, family):
             tol = (2.0 ** -16 * x.float().abs().sum(-1, keepdim=True) / op.scale).expand_as(xf)[diff]
             mid = (got[diff] + op.values[diff]) / 2
             assert ((y - mid).abs() <= tol).all(), (name, "a mismatch that is not a rounding tie")
-        # such ties are rare (same bound as tests/test_ops_forward.py; H200, outliers, D=128:
+        # such ties are rare (same bound as tests/test_forward_kvblock.py; H200, outliers, D=128:
         # 402 of 8.4M q/k values)
         assert bad <= (x8.numel() // 10000 if rot else 0), (name, bad)
         sbad = (s.t() != op.scale[..., 0]).sum().item()
         assert sbad <= (s.numel() // 10000 if rot else 0), (name, sbad)
-    T = q.shape[0]
-    assert qkv.vt8_mma_order                  # column c of vt8 holds token mma_order16(c)
-    tok = mma_order16_host(torch.arange(qkv.vt8.shape[2], device=qkv.vt8.device))
-    ok = tok < T
-    vt, v8 = qkv.vt8.view(torch.uint8), qkv.v8.view(torch.uint8)     # (fp8 indexing: bytes)
-    assert torch.equal(vt[:, :, ok], v8[tok[ok]].permute(1, 2, 0))
-    assert (vt[:, :, ~ok] == 0).all()
-    sv, cap, c = qkv.sv, torch.empty_like(qkv.sv), cu.tolist()
-    for a, b in zip(c[:-1], c[1:]):
-        if b > a:
-            cap[:, a:b] = torch.cummax(sv[:, a:b], -1).values
-    assert torch.equal(cap, qkv.vcap)
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

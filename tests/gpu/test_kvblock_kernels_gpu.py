@@ -1,9 +1,9 @@
-"""fp8_block through flamia's public API on the H200 (skipped without an sm_90 GPU): quantize_qkv,
-the forward with its row max and the one-pass backward from what the forward handed over
-(flamia.kernel_path), against the reference emulation (flamia.reference forward / backward, fp32)
-and float64 by the FlashAttention rule; P1 / P2 through flamia.audit (forward bitwise, the
-relaxed backward rule); and a fuzz over random packed shapes, GQA groups and head dims with P2
-bitwise per case.
+"""fp8 (token-block scaling) through flamia's public API on the H200 (skipped without an sm_90
+GPU): quantize_qkv, the forward with its row max and the one-pass backward from what the forward
+handed over (flamia.kernel_path), against the reference emulation (flamia.reference forward /
+backward, fp32) and float64 by the FlashAttention rule; P1 / P2 through flamia.audit (forward
+bitwise, the relaxed backward rule); and a fuzz over random packed shapes, GQA groups and head
+dims with P2 bitwise per case.
 
     python -m pytest -q -s tests/gpu/test_kvblock_kernels_gpu.py
 """
@@ -27,7 +27,7 @@ from flamia.ops.config import backward_config, forward_config  # noqa: E402
 from tests._kvblock import random_case  # noqa: E402
 
 DEV = "cuda"
-RECIPE = "fp8_block"
+RECIPE = "fp8"
 FUZZ_CASES = int(os.environ.get("FLAMIA_FUZZ_CASES", "100"))
 FUZZ_SEED = int(os.environ.get("FLAMIA_FUZZ_SEED", "20261203"))
 
@@ -89,7 +89,7 @@ def _check_case(lengths, Hq, Hkv, D, causal, seed):
 
 
 def test_routing():
-    """fp8_block runs the kernels on sm_90: the persistent Gluon forward at D=128 and the one-pass
+    """fp8 runs the kernels on sm_90: the persistent Gluon forward at D=128 and the one-pass
     backward at both head dims."""
     from flamia.ops.config import Sm90BwdConfig
     from flamia.ops.config import PersistentFwdConfig

@@ -11,6 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (te
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
@@ -18,6 +20,7 @@ from flamia.ops import interpreting  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.config import sm90_backward_config  # noqa: E402
 from flamia.ops.kmajor import mma_order16_host  # noqa: E402
+from flamia.ops.numerics import fwht, hadamard_signs  # noqa: E402
 from tests._kvblock import qkv_from_saved  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter")
@@ -106,3 +109,24 @@ def test_post_pass(D, rotated):
         want_q, want_k = want_q @ H, want_k @ H
     torch.testing.assert_close(dq.double(), want_q.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
     torch.testing.assert_close(dk.double(), want_k.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
+
+
+@triton.jit
+def _fwht_rows(X, Y, M: tl.constexpr, D: tl.constexpr):
+    r = tl.arange(0, M)
+    c = tl.arange(0, D)
+    x = tl.load(X + r[:, None] * D + c[None, :])
+    tl.store(Y + r[:, None] * D + c[None, :], fwht(x, M, D))
+
+
+@pytest.mark.parametrize("D", (16, 32, 64, 128, 256))
+def test_fwht_is_the_sylvester_hadamard_product(D):
+    """numerics.fwht (the post pass's rotation): x @ H_D for every supported D, to fp32 rounding
+    of its D-term sums (relative to the largest |x|, D * 2^-24 is a loose bound)."""
+    x = torch.randn(16, D, generator=torch.Generator().manual_seed(D))
+    x[3] = 0.0
+    y = torch.empty_like(x)
+    _fwht_rows[(1,)](x, y, 16, D)
+    want = x.double() @ hadamard_signs(D, torch.float64, "cpu")
+    assert (y.double() - want).abs().max() <= D * 2 ** -24 * x.abs().max() * D ** 0.5
+    assert torch.equal(y[3], torch.zeros(D))

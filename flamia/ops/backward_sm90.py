@@ -45,7 +45,7 @@ from . import interpreting
 from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
-from .numerics import hadamard_signs, log2_pow2, pow2_scale_bits
+from .numerics import fwht, log2_pow2, pow2_scale_bits
 from .schedule import per_cu_seqlens
 
 if interpreting():   # the Triton pre- and post-passes on the CPU: the GPU's float casts
@@ -582,19 +582,14 @@ def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.conste
 
 
 @triton.jit
-def _rotate_back(x, HMAT, D: tl.constexpr):
-    """x (M, D) fp32 @ H (H the +-1 Sylvester matrix, bf16, exact) / sqrt(D): two bf16 GEMMs on
-    x = hi + lo (relative error <= 2^-17)."""
-    dd = tl.arange(0, D)
-    hm = tl.load(HMAT + dd[:, None] * D + dd[None, :])
-    hi = x.to(tl.bfloat16)
-    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
-    acc = tl.dot(hi, hm, out_dtype=tl.float32) + tl.dot(lo, hm, out_dtype=tl.float32)
-    return acc * (1.0 / tl.sqrt(D * 1.0))
+def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
+    """x (M, D) fp32 @ H / sqrt(D), H the +-1 Sylvester matrix: fp32 butterflies in registers
+    (numerics.fwht), no matrix loaded per block."""
+    return fwht(x, M, D) * (1.0 / tl.sqrt(D * 1.0))
 
 
 @triton.jit
-def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE: tl.constexpr,
+def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, DQ, DK, T, HQ, scale, ROTATE: tl.constexpr,
                          D: tl.constexpr, BT: tl.constexpr):
     """Heads [0, HQ): dq = rotate_back(dq_acc * scale / sqf); heads HQ..: dk = rotate_back(dk).
     One BT-row block per program: blocks of several rows per program (H loaded once) measured
@@ -611,7 +606,7 @@ def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE
         sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
         acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
         if ROTATE:
-            acc = _rotate_back(acc, HMAT, D)
+            acc = _rotate_back(acc, BT, D)
         tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
                  acc.to(DQ.dtype.element_ty), mask=ok[:, None])
     else:
@@ -620,7 +615,7 @@ def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, HMAT, DQ, DK, T, HQ, scale, ROTATE
         offs = t64[:, None] * (HKV * D) + hk * D + d[None, :]
         acc = tl.load(DK32 + offs, mask=ok[:, None], other=0.0)
         if ROTATE:
-            acc = _rotate_back(acc, HMAT, D)
+            acc = _rotate_back(acc, BT, D)
         tl.store(DK + offs, acc.to(DK.dtype.element_ty), mask=ok[:, None])
 
 
@@ -1047,9 +1042,8 @@ def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk,
     T, Hq, D = dq.shape
     Hkv = dk.shape[1]
     grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq + Hkv)
-    _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, hadamard_signs(D, torch.bfloat16, dq.device),
-                               dq, dk, T, Hq, scale, ROTATE=rotated, D=D, BT=cfg.fp8_post_rows,
-                               num_warps=cfg.fp8_post_warps)
+    _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, dq, dk, T, Hq, scale, ROTATE=rotated, D=D,
+                               BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

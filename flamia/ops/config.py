@@ -217,8 +217,9 @@ def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
     rows per step at D=128 (128 rows do not fit the registers next to dK and dV), 128 at D=64
     (bf16: 12-16 % faster than 64; fp8: 14-18 % faster, its per-query vectors loaded one
     at a time). fp8's passes: preprocess at 8 warps (0.46 ms against 0.53 at 4, doc512_x64),
-    post pass at 64 rows x 4 warps (0.36-0.44 ms; 128 x 8 0.71-0.77, 32 x 4 0.57, several
-    blocks per program 0.37-0.39 at doc32k). The same for both recipes."""
+    post pass at 64 rows x 4 warps (its rotation by butterflies in registers: doc512_x64 0.257
+    ms; 128 x 4 0.302, 128 x 8 0.330, 32 x 4 0.252; d64_doc8k_x4 0.206 / 0.212 / 0.208 /
+    0.208). The same for both recipes."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)

@@ -42,6 +42,35 @@ def log2_pow2(s):
     return tl.where(s == s, lg, s)
 
 
+@triton.jit
+def _butterfly(x, M: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
+    """One stage of fwht: columns c and c + LO of every 2 LO-column group -> (a + b, a - b)."""
+    y = tl.permute(tl.reshape(x, (M, HI, 2, LO)), (0, 1, 3, 2))
+    a, b = tl.split(y)
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(y, (M, HI * 2 * LO))
+
+
+@triton.jit
+def fwht(x, M: tl.constexpr, D: tl.constexpr):
+    """x (M, D) fp32 @ H_D, H_D the +-1 Sylvester Hadamard matrix (hadamard_signs), D a power
+    of two in [16, 256], by log2 D butterfly stages in registers: every product is exact, the
+    sums are fp32 (each output a sum of D terms in a fixed tree order), no matrix to load."""
+    x = _butterfly(x, M, D // 2, 1)
+    x = _butterfly(x, M, D // 4, 2)
+    x = _butterfly(x, M, D // 8, 4)
+    x = _butterfly(x, M, D // 16, 8)
+    if D >= 32:
+        x = _butterfly(x, M, D // 32, 16)
+    if D >= 64:
+        x = _butterfly(x, M, D // 64, 32)
+    if D >= 128:
+        x = _butterfly(x, M, D // 128, 64)
+    if D >= 256:
+        x = _butterfly(x, M, D // 256, 128)
+    return x
+
+
 _HAD_CACHE: dict = {}
 
 

@@ -42,7 +42,8 @@ def backend(q: torch.Tensor, recipe: "str | Recipe") -> str:
             raise ValueError(
                 f"head dim {q.shape[-1]} with recipe {name!r} on CUDA: the flamia kernels support "
                 f"head dims {KERNEL_HEAD_DIMS}; head dim 256 runs only on the reference emulation "
-                f"(CPU tensors, or the emulated recipes mxfp8 / nvfp4_mixed)")
+                f"(CPU tensors, or the reference-only recipes fp8_mixed, fp8_token, mxfp8, "
+                f"nvfp4_mixed)")
         return "reference"
     entry, why = kernel_entry_points()
     if entry is None:

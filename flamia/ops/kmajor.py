@@ -21,7 +21,7 @@ instead of cross-lane shuffles (FlashAttention-3 reorders V for the same reason)
 
 `kmajor_copy` works in the destination's frame: each program owns a block of output columns,
 gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole
-columns contiguously, pads included. Two earlier ways were slow or wrong on the H200: torch's
+columns contiguously, pads included. The two alternatives are slow or wrong on the H200: torch's
 `index_copy_` / strided `copy_` along the transposed axis (2.0 ms per call for dO at 32k tokens,
 32 heads, 0.2 ms for V: byte-wise uncoalesced stores; benchmarks/NOTES.md) and a transposed
 store of freshly converted fp8 values inside the quantization kernels (Triton 3.6 miscompiles

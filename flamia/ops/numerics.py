@@ -1,6 +1,7 @@
 """Exact power-of-two scale arithmetic, the +-1 Hadamard matrix and its in-register transform
-(fwht), shared by the quantize pass, the K-major copies and the backward kernels (one definition each; this module imports nothing
-from flamia.ops, so every kernel module can use it without an import cycle)."""
+(fwht), shared by the quantize pass, the K-major copies and the backward kernels (one
+definition each; this module imports nothing from flamia.ops, so every kernel module can use it
+without an import cycle)."""
 from __future__ import annotations
 
 import math

@@ -29,9 +29,10 @@ from .ops.layout import QuantizedQKV
 from .recipes import get_recipe
 from .validate import check_values
 
-_FP8_SAVED = ("q8", "k8", "v8", "sq", "sk", "sv", "vcap")
-_KVBLOCK_SAVED = ("k8_diag", "v8_diag", "sk_diag", "sv_diag", "vnorm", "row_max")
-_SAVED = _FP8_SAVED + _KVBLOCK_SAVED
+# fp8's fields: always present, and the diagonal copies (causal only; empty placeholders else)
+_FP8_SAVED = ("q8", "k8", "v8", "sq", "sk", "sv", "vcap", "vnorm", "row_max")
+_DIAG_SAVED = ("k8_diag", "v8_diag", "sk_diag", "sv_diag")
+_SAVED = _FP8_SAVED + _DIAG_SAVED
 
 
 def resolve_cu_seqlens(cu_seqlens, q, seqlen: int):

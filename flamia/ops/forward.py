@@ -178,10 +178,10 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
                      MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
-                     KVBLOCK: tl.constexpr, ROW_MAX: tl.constexpr):
-    """One (query block, head) of the work list. KVBLOCK: the token-block scaling, K, V (vt8),
-    SK, SV the block copies and KD, VD (vt8_diag), SKD, SVD the token copies (causal), vt8's
-    columns in the padded layout (PCU). ROW_MAX: the row max m (natural log) into RMAX too."""
+                     ROW_MAX: tl.constexpr):
+    """One (query block, head) of the work list. FP8 (token-block scaling): K, V (vt8), SK, SV
+    the block copies and KD, VD (vt8_diag), SKD, SVD the token copies (causal), vt8's columns in
+    the padded layout (PCU). ROW_MAX: the row max m (natural log) into RMAX too."""
     # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
     # and the item list is sorted heaviest first across all heads.
     pid = tl.program_id(0)
@@ -228,7 +228,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
     else:
         Vh = V + kvh * stride_vh
         VDh = VD + kvh * stride_vh
-    if KVBLOCK:
+    if FP8:
         # Key tiles at document-local multiples of BLOCK_N, which divides the 128-token K/V block
         # (as BLOCK_M does), so every tile lies in one block. Causal: the tiles of the query
         # block's own 128-block use the token copies (KD, VD, SKD, SVD), the earlier ones the
@@ -264,8 +264,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                                         stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
                                         FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
     else:
-        # KV tiles start at absolute token rows that are multiples of 16 (TMA needs 16-byte
-        # aligned coordinates along vt8's token axis), so in doc-local keys tile j is
+        # bf16: KV tiles start at absolute token rows that are multiples of 16 (the K and V row
+        # loads are hinted 16-aligned: K_ALIGNED, vrow0), so in doc-local keys tile j is
         # [j*BN - shift, ...): a head tile holding `shift` keys of the previous document
         # (masked), if shift > 0; full tiles left of the diagonal (no mask); the diagonal /
         # document-end tiles (masked).
@@ -328,7 +328,9 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     sizes). poison=True: outputs start as NaN (tests).
     """
     T, Hq, Hkv, D = qkv.shape
-    fp8 = qkv.recipe != "bf16"
+    if qkv.recipe not in ("bf16", "fp8"):
+        raise ValueError(f"the forward kernels implement bf16 and fp8, not {qkv.recipe!r}")
+    fp8 = qkv.kvblock
     dev = qkv.q8.device
     if config is None:
         config = forward_config(D, qkv.recipe, dev)
@@ -345,7 +347,6 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     use_tma = bool(config.use_tma and TensorDescriptor is not None)
     alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
         (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
-    kvblock = qkv.kvblock
     out = alloc((T, Hq, D), out_dtype)
     lse = alloc((Hq, T), torch.float32)
     row_max = alloc((Hq, T), torch.float32) if return_row_max else None
@@ -353,7 +354,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     if T == 0:
         return result
     BM, BN = config.block_m, config.block_n
-    if kvblock:
+    if fp8:
         check_kvblock_tiles(qkv, causal, BM, BN)
     schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
 
@@ -384,7 +385,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     vcap = qkv.vcap if fp8 else dummy
     # the token copies (token-block scaling, causal); placeholders of the same kind otherwise
     KDa, VDa, skd, svd = Ka, Va, sk, sv
-    if kvblock and causal:
+    if fp8 and causal:
         skd, svd = qkv.sk_diag, qkv.sv_diag
         if use_tma:
             KDa = _descriptor(qkv.k8_diag, (T, Hkv * D), (qkv.k8_diag.stride(0), 1), (BN, D))
@@ -392,7 +393,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
                               (qkv.vt8_diag.stride(1), 1), (D, BN))
         else:
             KDa, VDa = qkv.k8_diag, qkv.vt8_diag
-    pcu = qkv.kv_pcu if kvblock else schedule.items
+    pcu = qkv.kv_pcu if fp8 else schedule.items
     n_items = schedule.items.shape[1]
     grid = (n_items * Hq,)
     _attn_fwd_kernel[grid](
@@ -403,7 +404,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order), KVBLOCK=kvblock,
+        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order),
         ROW_MAX=bool(return_row_max),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

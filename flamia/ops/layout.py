@@ -22,11 +22,11 @@ class QuantizedQKV:
     sq: torch.Tensor | None       # (Hq, T)  fp32 powers of two (or 0 for an all-zero token)
     sk: torch.Tensor | None       # (Hkv, T)
     sv: torch.Tensor | None       # (Hkv, T)
-    vcap: torch.Tensor | None     # (Hkv, T) causal prefix max of sv within the document (the
-                                  #   visible max for token-block scaling)
+    vcap: torch.Tensor | None     # (Hkv, T) the visible max of the V scales a row's pairs use
+                                  #   (reference._visible_max)
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
-    vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8)
-                                      #   (token-block scaling: (Hkv, D, Tp), padded layout)
+    vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8), in
+                                      #   kmajor's padded column layout (kv_pcu)
     # vt8_mma_order: in each 16-column group of vt8, column c holds token mma_order16(c) of the
     # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
     # FP8 wgmma A operand; False: column = token.

@@ -5,8 +5,10 @@ the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
         [--settings 4:64:4,8:64:8,4:128:8]          # pre warps : post rows : post warps
+        [--ab name=path,...]     # copies of backward_sm90.py, each at its default config
 
-Every setting is checked bitwise against the first one (the launch sizes do not change values).
+Every setting and copy is checked bitwise against the first setting (the launch sizes do not
+change values; deterministic mode).
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="doc512_x64,doc32k,d64_doc8k_x4")
     ap.add_argument("--settings", default="4:64:4,8:64:4,4:64:8,4:128:8,8:128:8,4:32:4")
+    ap.add_argument("--ab", default="", help="name=path,... copies of backward_sm90.py")
     args = ap.parse_args()
+    from bwd_sm90_dev import load_ab_base   # (benchmarks/ is the script's directory)
+    mods = {n: load_ab_base(p, "ab_" + n) for n, p in
+            (x.split("=") for x in filter(None, args.ab.split(",")))}
     wl = {w["name"]: w for w in json.load(open(os.path.join(
         os.path.dirname(__file__), "..", "flamia", "data", "workloads.json")))["workloads"]}
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
@@ -65,11 +71,13 @@ def main():
         out, lse, rmax = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16,
                                            return_row_max=True)
         first = None
-        for pre_w, post_bt, post_w in settings:
-            cfg = replace(sm90_backward_config(D), fp8_pre_warps=pre_w,
-                          fp8_post_rows=post_bt, fp8_post_warps=post_w)
-            run = lambda: B.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu, True,  # noqa
-                                                        deterministic=True, config=cfg)
+        runs = [(f"{pre_w}:{post_bt}:{post_w}", B, replace(
+            sm90_backward_config(D), fp8_pre_warps=pre_w, fp8_post_rows=post_bt,
+            fp8_post_warps=post_w)) for pre_w, post_bt, post_w in settings]
+        runs += [(n, m, None) for n, m in mods.items()]
+        for label, mod, cfg in runs:
+            run = lambda: mod.attention_backward_sm90_fp8(do, out, lse, rmax, qkv, cu,  # noqa
+                                                          True, deterministic=True, config=cfg)
             got = run()
             if first is None:
                 first = got
@@ -77,10 +85,10 @@ def main():
             ms = kernel_ms(run)
             pre = sum(t for k_, t in ms.items() if "preprocess" in k_)
             post = sum(t for k_, t in ms.items() if "postprocess" in k_)
-            rows.append((name, f"{pre_w}:{post_bt}:{post_w}", pre, post, sum(ms.values()), same))
+            rows.append((name, label, pre, post, sum(ms.values()), same))
             print(rows[-1], {k_: round(t, 3) for k_, t in ms.items()}, flush=True)
-    print("\n| workload | pre warps:post rows:post warps | preprocess ms | post ms | all kernels ms "
-          "| bitwise = first |")
+    print("\n| workload | pre warps:post rows:post warps or copy | preprocess ms | post ms "
+          "| all kernels ms | bitwise = first |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]} |")

@@ -17,7 +17,7 @@
 # BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
 # --quick), fwd-cands (Triton forward FP8 configs FWD_CANDS vs the default), quant
-# (quantize_qkv's knobs QUANT_CONFIGS, benchmarks/quant_dev.py), profile (PROFILE_ARGS),
+# (benchmarks/quant_ab.py QUANT_ARGS: launch configs and copies of quantize.py), profile (PROFILE_ARGS),
 # profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host
 # syncs of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side,
 # benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of the forward and
@@ -114,8 +114,7 @@ for spec in "$@"; do
              --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" --rounds "${FWD_ROUNDS:-3}" \
              ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
-    quant) run_stage "$name" "$secs" python benchmarks/quant_dev.py \
-             --configs "${QUANT_CONFIGS:-64x2w4,64x1w4,128x2w8,128x1w8,64x4w8,128x2w4,32x4w4}" ;;
+    quant) run_stage "$name" "$secs" python benchmarks/quant_ab.py ${QUANT_ARGS:-} ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;
     train) run_stage "$name" "$secs" python -m flamia.train --out "$OUT/train_check" \
              --time-limit $((secs - 40)) ${TRAIN_ARGS:-} ;;
@@ -123,9 +122,10 @@ for spec in "$@"; do
     gaps) run_stage "$name" "$secs" python benchmarks/profile_call.py --gaps \
              --only "${GAP_WORKLOADS:-doc32k,doc8k_x4,doc512_x64,d64_doc8k_x4}" ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ${HOST_ARGS:-} ;;
-    ncu) # hardware counters of one doc8k_x4 fp8 fwd+bwd call (Firecracker devices only)
+    ncu) # hardware counters of one fp8 fwd+bwd call (NCU_CALL_ARGS, default doc8k_x4)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \
-        --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py
+        --set detailed --import-source no -f -o "$OUT/ncu" python benchmarks/ncu_call.py \
+        ${NCU_CALL_ARGS:-}
       "$NCU" --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu-details.txt" 2>&1
       "$NCU" --import "$OUT/ncu.ncu-rep" --page raw --csv >"$OUT/ncu-raw.csv" 2>&1
       rm -f "$OUT/ncu.ncu-rep"   # (too large to come back; the CSV holds every metric)

@@ -1,10 +1,12 @@
-"""A/B of quantize_qkv (the fp8 recipe's quantization) against copies of flamia/ops/quantize.py
-in one process on the H200 (e.g. `git show HEAD:flamia/ops/quantize.py > base.py`).
+"""A/B of quantize_qkv (the fp8 recipe's quantization) on the H200, in one process: the working
+tree under launch configs (config.QuantizeConfig) against copies of flamia/ops/quantize.py
+(e.g. `git show HEAD:flamia/ops/quantize.py > base.py`).
 
-    python benchmarks/quant_ab.py --ab base=base.py [--workloads doc512_x64,...] [--warps 4,8]
+    python benchmarks/quant_ab.py --ab base=base.py [--workloads doc512_x64,...]
+        [--configs 64:4:8,128:8:8]          # tokens per q program : q warps : K/V warps
 
 Per workload: every variant's outputs (q8, the K / V block and diagonal copies, scales, vcap,
-vnorm) compared with the working tree's at 4 warps (bytes that differ: rotation ties only are
+vnorm) compared with the working tree's default (bytes that differ: rotation ties only are
 expected when the rotation's summation order differs), then CUDA-event medians of the whole
 quantize_qkv call, variants interleaved over --rounds rounds. A short table comes last.
 """
@@ -23,6 +25,7 @@ from benchmarks.bwd_sm90_dev import cuda_ms, load_ab_base  # noqa: E402
 from flamia.bench.workloads import load_workloads  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import quantize as current  # noqa: E402
+from flamia.ops.config import QuantizeConfig  # noqa: E402
 
 FIELDS = ("q8", "k8", "v8", "sq", "sk", "sv", "k8_diag", "v8_diag", "sk_diag", "sv_diag", "vcap",
           "vnorm")
@@ -40,26 +43,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ab", default="", help="name=path,... copies of quantize.py")
     ap.add_argument("--workloads", default="doc512_x64,doc32k,d64_doc8k_x4")
-    ap.add_argument("--warps", default="4", help="num_warps values of the working tree's module")
+    ap.add_argument("--configs", default="", help="block_t:q_warps:kv_warps,... of the working "
+                    "tree's kernels, besides the default")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     mods = {}
     for item in filter(None, args.ab.split(",")):
         name, path = item.split("=")
         mods[name] = load_ab_base(path, "ab_" + name)
-    warps = [int(w) for w in args.warps.split(",")]
+    configs = {"current": None}
+    for c in filter(None, args.configs.split(",")):
+        configs[f"current {c}"] = QuantizeConfig(*(int(x) for x in c.split(":")))
     suite = {w.name: w for w in load_workloads()[0]}
     rows = []
     for wname in args.workloads.split(","):
         w = suite[wname]
         q, k, v, cu = make_qkv(w.doc_lengths, w.heads_q, w.heads_kv, w.head_dim, "outliers",
                                device="cuda", seed=0)
-        variants = {f"current w{n}": (lambda n=n: current.quantize_qkv(q, k, v, cu, "fp8", True,
-                                                                       num_warps=n))
-                    for n in warps}
+        variants = {name: (lambda c=c: current.quantize_qkv(q, k, v, cu, "fp8", True, launch=c))
+                    for name, c in configs.items()}
         variants.update({name: (lambda m=m: m.quantize_qkv(q, k, v, cu, "fp8", True))
                          for name, m in mods.items()})
-        ref = variants[f"current w{warps[0]}"]()
+        ref = variants["current"]()
         checks = {}
         for name, fn in variants.items():
             got = fn()

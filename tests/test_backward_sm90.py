@@ -36,13 +36,13 @@ def test_key_blocks(causal, BM):
         assert sorted((doc[i], blk[i], kvh[i]) for i in valid) == want
         assert len(doc) == kb.n_items >= len(want)
         assert valid == list(range(len(valid)))
-        # order: cost class (floor log2 of the query blocks seen) descending, then KV head,
-        # then document (heaviest first, ties in packed order), then cost descending, then
-        # key block
+        # order: cost class (floor log2 of the query blocks seen, every cost below 8 in the
+        # class of 8) descending, then KV head, then document (heaviest first, ties in packed
+        # order), then cost descending, then key block
         nq = [-(-n // BM) for n in lengths]
         drank = {d: r for r, d in enumerate(sorted(range(len(lengths)), key=lambda d: -nq[d]))}
         cost = [nq[doc[i]] - (blk[i] * BN // BM if causal else 0) for i in valid]
-        keys = [(-math.floor(math.log2(c)), kvh[i], drank[doc[i]], -c, blk[i])
+        keys = [(-math.floor(math.log2(max(c, 8))), kvh[i], drank[doc[i]], -c, blk[i])
                 for c, i in zip(cost, valid)]
         assert keys == sorted(keys)
         # within one (document, KV head) lower key blocks earlier (deterministic mode waits)

@@ -29,7 +29,7 @@ from _sm90 import compile_report  # noqa: E402
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths, make_qkv, rel_err  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
-from flamia.ops.config import FwdConfig  # noqa: E402
+from flamia.ops.config import FwdConfig, QuantizeConfig  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.kmajor import kmajor_layout, mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
@@ -150,7 +150,8 @@ def test_quantize_tiling_free_and_reference_only_recipes_refused():
     """The launch tiling does not change a byte; the recipes without kernels (fp8_mixed,
     fp8_token: reference only) are refused."""
     q, k, v, cu, x = _case(64, True)
-    y = quantize_qkv(q, k, v, cu, "fp8", True, block_t=32, sub=2)
+    y = quantize_qkv(q, k, v, cu, "fp8", True,
+                     launch=QuantizeConfig(block_t=32, q_warps=8, kv_warps=4))
     assert y.recipe == "fp8"
     for name in ("q8", "k8", "v8", "k8_diag", "v8_diag", "vt8", "vt8_diag"):
         assert torch.equal(getattr(x, name).view(torch.uint8), getattr(y, name).view(torch.uint8)), name
@@ -364,15 +365,18 @@ print("REPORT" + json.dumps(out))
 def test_kernels_compile_for_sm90a():
     """The token-block quantize kernels, the Triton forward at the GPU's tiles and the Gluon
     persistent forward compile for sm_90a: no spills, no serialized wgmma (ptxas C7515); the
-    Gluon kernel keeps its register split and two CTAs per SM."""
+    Gluon kernel keeps its register split and two CTAs per SM; the K / V block kernel fits two
+    8-warp CTAs per SM (128 registers)."""
     reports = compile_report(_COMPILE_SCRIPT)
     names = {u["name"] for u in reports}
-    assert names == {"_quantize_kvblock_kernel", "_kvblock_cols_kernel", "_attn_fwd_kernel",
-                     "_attn_fwd_gluon_persistent_kernel"}, names
+    assert names == {"_quantize_q_kernel", "_quantize_kv_kernel", "_kvblock_cols_kernel",
+                     "_attn_fwd_kernel", "_attn_fwd_gluon_persistent_kernel"}, names
     for u in reports:
         tag = f"{u['name']} D={u['D']} causal={u['causal']}"
         assert (u["spill_stores"] or 0) == 0 and u["local"] == 0, tag
         assert not u["wgmma_serialized"], tag
+        if u["name"] == "_quantize_kv_kernel":
+            assert u["regs"] <= 128, tag
         if u["name"] == "_attn_fwd_gluon_persistent_kernel":
             assert u["regs"] <= 128 and 24 in u["partition_regs"], tag
             assert max(u["partition_regs"]) >= 232 and 2 * u["shared"] <= 227 * 1024, tag

@@ -82,11 +82,14 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
                n_kv_heads: int = 1, pad: int | None = None) -> KeyBlocks:
     """The CTAs' work, one (key block, KV head) each, in launch order:
 
-    - heaviest first by cost class (floor(log2(query blocks seen))): the long items of every
-      KV head start early, so none of them ends the launch alone;
+    - heaviest first by cost class (floor(log2(query blocks seen)), every item of fewer than 8
+      query blocks in one class): the long items of every KV head start early, so none of
+      them ends the launch alone;
     - within a class, KV head, then document (heaviest first), then key block (heaviest first,
       ties in packed order): the CTAs resident at one time share one KV head and a few
-      documents, so the Q, dO and dQ rows they all walk stay in L2;
+      documents, so the Q, dO and dQ rows they all walk stay in L2. The short items' one class
+      keeps a short document's key blocks together (H200: longtail bf16 -9 %, d64_longtail
+      fp8 -5 %, the rest within noise; benchmarks/NOTES.md);
     - padding items (doc -1) last.
     Within one (document, KV head), a lower key block never comes later (deterministic mode's
     dQ adds wait on them). In the padded row layout every document starts at a multiple of
@@ -116,7 +119,7 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
     blk = idx - (ends[d] - nk[d])
     cost = nq[d] - (blk * BN) // BM if causal else nq[d]
     cost = torch.where(valid, cost, torch.full_like(cost, 0))
-    cls = torch.where(valid, torch.floor(torch.log2(cost.clamp(min=1).double())).long(),
+    cls = torch.where(valid, torch.floor(torch.log2(cost.clamp(min=8).double())).long(),
                       torch.full_like(cost, -1))
     doc_order = torch.argsort(nq, descending=True, stable=True)
     rank = torch.empty_like(doc_order)
@@ -501,22 +504,24 @@ def _pow2_bound(amax):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, T, QR, GROUP,
-                        qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, T, QR, HQ,
+                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
     block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
     the block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
     and zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
-    reduce-adds start from."""
-    h = tl.program_id(1)
-    blk = tl.program_id(0)
+    reduce-adds start from. Program blk * HQ + head: the CTAs resident together hold one
+    block's heads, so they read and write whole (token, head, D) rows (H200: -4 to -9 % against
+    one head's blocks side by side)."""
+    pid = tl.program_id(0)
+    h = pid % HQ
+    blk = pid // HQ
     r = blk * BT + tl.arange(0, BT)
     tok = tl.load(PTOK + r)
     ok = tok >= 0
     t = tl.where(ok, tok, 0).to(tl.int64)
     d = tl.arange(0, D)
-    HQ = tl.num_programs(1)
     tl.store(DQA + (r.to(tl.int64)[:, None] * HQ + h) * D + d[None, :],
              tl.zeros([BT, D], tl.float32))
     offs = t[:, None] * stride_t + h * D + d[None, :]
@@ -953,9 +958,9 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
-    _bwd_preprocess_fp8[(nb, Hq)](
+    _bwd_preprocess_fp8[(nb * Hq,)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, dq_acc, T, QR, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK,
+        bds, dq_acc, T, QR, Hq, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK,
         num_warps=cfg.fp8_pre_warps)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)

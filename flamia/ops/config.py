@@ -99,23 +99,22 @@ class PersistentFwdConfig:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """quantize_qkv's launch (flamia.ops.quantize): tokens per row block, row blocks per
-    program of the q rows, warps. Only the schedule: every choice writes the same bytes."""
-    block_t: int
-    sub: int
-    num_warps: int = 4
+    """quantize_qkv's launches (flamia.ops.quantize): tokens per q program, warps of the q
+    programs and of the K / V block programs (one 128-token block each). Only the schedule:
+    every choice writes the same bytes."""
+    block_t: int = 64
+    q_warps: int = 4
+    kv_warps: int = 8
 
 
 def quantize_config() -> QuantizeConfig:
-    """64-token row blocks, one per q program: the launch is as wide as the K/V blocks' (T / 128
-    per K or V head), so with four per program only half of the q programs had work. H200,
-    quantize_qkv(fp8) ms (benchmarks/quant_dev.py, results/quant_dev-20261203-840ce81-
-    fp8_block.log, the recipe's name then): doc512_x64 0.400 -> 0.344 at one, 0.387 at two;
-    d64_doc8k_x4 0.451 -> 0.454 (even). The interpreter takes a K/V block in one chunk: fewer
-    interpreted steps."""
-    if interpreting():
-        return QuantizeConfig(128, 1)
-    return QuantizeConfig(64, 1)
+    """64-token q programs at 4 warps, K / V blocks as one tile at 8 warps (128 registers, 2
+    CTAs per SM; at 4 warps 255 with spills). H200, whole quantize_qkv(fp8) ms against one
+    kernel that walked each K / V block twice in 64-token halves (benchmarks/quant_ab.py,
+    results/quant_ab-20261203-split.log): doc512_x64 0.521 -> 0.482, doc32k 0.504 -> 0.482,
+    d64_longtail 0.667 -> 0.594, d64_doc8k_x4 0.558 -> 0.494. The interpreter takes the same
+    tiles."""
+    return QuantizeConfig()
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:

@@ -2,15 +2,16 @@
 scaling (reference.py "Token-block scaling"; ops/__init__.py and layout.QuantizedQKV have the
 layout).
 
-Two launches. The first (_quantize_kvblock_kernel) quantizes q per (token, head):
-  q8 = e4m3(rotate(q) / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0)
-and walks K and V one document-local 128-token block per program (the blocks of
-build_schedule's non-causal 128-row list): it writes the per-token copies (causal only: the
-diagonal pairs' bytes and scales, computed as q's) and the V token norms while it takes the
-block's amax, then re-reads the block and writes the block copy with the block's scale
-(broadcast to its tokens) and the block copy's V norms. The block scale is pow2(max amax) over
-the block's tokens and heads' values, as reference.quantize_token_blocks. The second
-(_kvblock_cols_kernel) writes the K-major V copies (block and, causal, token; Hopper's FP8 wgmma
+Three launches. The first (_quantize_q_kernel) quantizes q per (token, head):
+  q8 = e4m3(rotate(q) / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0).
+The second (_quantize_kv_kernel) takes each document-local 128-token K or V block of one head
+(the blocks of build_schedule's non-causal 128-row list) as one tile: from the same registers
+it writes the per-token copies (causal only: the diagonal pairs' bytes and scales, computed as
+q's) and the V token norms, then the block copy with the block's scale (broadcast to its
+tokens) and the block copy's V norms. The block scale is pow2 of the block's amax over its
+tokens (one head), as reference.quantize_token_blocks. Two kernels, so that each runs at its own
+warps: q's 64-token programs at 4 warps (126 registers at D=128), the K / V blocks at 8 (128
+registers; 255 with spills at 4). The third (_kvblock_cols_kernel) writes the K-major V copies (block and, causal, token; Hopper's FP8 wgmma
 takes its B operand K-major only, and the forward's PV GEMM reduces over tokens) in kmajor's
 padded column layout, the scales in the same columns (scale_cols, for the Gluon forward's TMA)
 and, per K/V block, the visible maxima vcap and vnorm (reference._visible_max).
@@ -61,29 +62,103 @@ def _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D: tl.constexpr,
 
 
 @triton.jit
-def _quantize_rows(X, stride_xt, Y, stride_yt, S, HAD, rot_scale, T, t_base,
-                   D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                   ROTATE: tl.constexpr):
-    """SUB consecutive blocks of BLOCK_T tokens of one head: (rotate), scale, cast, store."""
+def _row_scales(xf):
+    """Per row of xf: (scale, 1/scale) of its amax (quant.pow2_scale), the amax and whether
+    the row holds a NaN / Inf (a NaN comparison is false; tl.max may drop NaNs)."""
+    ax = tl.abs(xf)
+    amax = tl.max(ax, axis=1)
+    bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
+    scale, inv = pow2_scale_bits(amax, bad)
+    return scale, inv, amax, bad
+
+
+@triton.jit
+def _load_had(HAD, rot_scale, D: tl.constexpr, ROTATE: tl.constexpr):
+    """The +-1 matrix (D x D, 16-bit) when ROTATE, else a placeholder."""
     offs_d = tl.arange(0, D)
     if ROTATE:
-        # Loaded once per program and reused for SUB token blocks (it is D*D*2 bytes of L2 traffic).
         had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
     else:
         had = rot_scale                          # (unused without the rotation)
-    for i in tl.static_range(SUB):
-        offs_t = t_base + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = offs_t < T
-        rows = offs_t.to(tl.int64)
-        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
-        ax = tl.abs(xf)
-        amax = tl.max(ax, axis=1)
-        # NaN/Inf anywhere in the row (a NaN comparison is false); tl.max may drop NaNs.
-        bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
-        scale, inv = pow2_scale_bits(amax, bad)
-        y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
-        tl.store(Y + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
-        tl.store(S + offs_t, scale, mask=tmask)
+    return had
+
+
+@triton.jit
+def _quantize_q_kernel(Q, Q8, SQ, HAD, stride_qt, stride_qh, T, HQ, rot_scale,
+                       D: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
+    """BLOCK_T tokens (axis 1) of one q head (axis 0): rotate, scale per token, cast, store."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    tmask = offs_t < T
+    had = _load_had(HAD, rot_scale, D, ROTATE)
+    xf = _load_rows_f32(Q + h * stride_qh, stride_qt, offs_t, tmask, had, rot_scale, D, ROTATE)
+    scale, inv, _, _ = _row_scales(xf)
+    y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
+    tl.store(Q8 + offs_t.to(tl.int64)[:, None] * (HQ * D) + h * D + offs_d[None, :], y,
+             mask=tmask[:, None])
+    tl.store(SQ + h * T + offs_t, scale, mask=tmask)
+
+
+@triton.jit
+def _quantize_block(X, stride_xt, YB, YT, SB, ST, NB, NT, HAD, rot_scale, lo, hi, HKV,
+                    D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
+                    TOKEN_COPY: tl.constexpr, NORMS: tl.constexpr):
+    """Tokens [lo, hi) of one head (one document-local block, hi - lo <= KVB) as one tile: the
+    per-token copy YT / ST (TOKEN_COPY; q's values) and, from the same registers, the block
+    copy YB / SB, and with NORMS the 2-norms over D of the dequantized copies (NT, NB). X, Y*
+    ((T, HKV, D)), S*, N* ((T,) rows) point at the head's first token."""
+    offs_d = tl.arange(0, D)
+    offs_t = lo + tl.arange(0, KVB)
+    tmask = offs_t < hi
+    had = _load_had(HAD, rot_scale, D, ROTATE)
+    xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
+    scale, inv, amax, bad = _row_scales(xf)       # masked rows: zeros, amax 0, not bad
+    yoffs = offs_t.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
+    if TOKEN_COPY:
+        y = (xf * inv[:, None]).to(tl.float8e4nv)
+        tl.store(YT + yoffs, y, mask=tmask[:, None])
+        tl.store(ST + offs_t, scale, mask=tmask)
+        if NORMS:
+            yd = y.to(tl.float32) * scale[:, None]
+            tl.store(NT + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
+    # pow2 is monotone: the block's scale is also the max of its tokens' scales
+    sb, invb = pow2_scale_bits(tl.max(amax, axis=0), tl.max(bad.to(tl.int32), axis=0) != 0)
+    y = (xf * invb).to(tl.float8e4nv)
+    tl.store(YB + yoffs, y, mask=tmask[:, None])
+    tl.store(SB + offs_t, tl.zeros([KVB], tl.float32) + sb, mask=tmask)
+    if NORMS:
+        yd = y.to(tl.float32) * sb
+        tl.store(NB + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
+
+
+@triton.jit
+def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, ITEMS, N_ITEMS,
+                        stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
+                        D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
+                        CAUSAL: tl.constexpr):
+    """Axis 0: k heads, then v heads; axis 1: the document-local KVB-token blocks of the work
+    list ITEMS (_quantize_block). NORMS (2, HKV, T): the block copy's and the token copy's V
+    norms."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    doc = tl.load(ITEMS + j)
+    if doc >= 0:
+        blk = tl.load(ITEMS + N_ITEMS + j)
+        start = tl.load(ITEMS + 2 * N_ITEMS + j)
+        L = tl.load(ITEMS + 3 * N_ITEMS + j)
+        lo = start + blk * KVB
+        hi = start + tl.minimum((blk + 1) * KVB, L)
+        if row < HKV:
+            h = row
+            _quantize_block(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D, SK + h * T,
+                            SKD + h * T, NORMS, NORMS, HAD, rot_scale, lo, hi, HKV, D, KVB,
+                            ROTATE, CAUSAL, False)
+        else:
+            h = row - HKV
+            _quantize_block(V + h * stride_vh, stride_vt, V8 + h * D, V8D + h * D, SV + h * T,
+                            SVD + h * T, NORMS + h * T, NORMS + (HKV + h) * T, HAD, rot_scale,
+                            lo, hi, HKV, D, KVB, False, CAUSAL, True)
 
 
 @triton.jit
@@ -94,91 +169,6 @@ def _max_combine(a, b):
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
     """x (T, H, D) with unit stride over D (a copy only when that is not already so)."""
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-@triton.jit
-def _quantize_block(X, stride_xt, YB, YT, stride_yt, SB, ST, NB, NT, HAD, rot_scale, lo, hi,
-                    D: tl.constexpr, BLOCK_T: tl.constexpr, KVB: tl.constexpr,
-                    ROTATE: tl.constexpr, TOKEN_COPY: tl.constexpr, NORMS: tl.constexpr):
-    """Tokens [lo, hi) of one head (one document-local block, hi - lo <= KVB): the per-token
-    copy YT / ST (TOKEN_COPY; _quantize_rows' values) and the block copy YB / SB, and with
-    NORMS the 2-norms over D of the dequantized copies (NT, NB). X, Y*, S*, N* point at the
-    head's first token (S*, N*: (T,) rows)."""
-    offs_d = tl.arange(0, D)
-    if ROTATE:
-        had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
-    else:
-        had = rot_scale                          # (unused without the rotation)
-    blk_amax = tl.max(tl.zeros([BLOCK_T], tl.float32), axis=0)
-    blk_bad = tl.max(tl.zeros([BLOCK_T], tl.int32), axis=0)
-    for i in tl.static_range(KVB // BLOCK_T):
-        offs_t = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = offs_t < hi
-        rows = offs_t.to(tl.int64)
-        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
-        ax = tl.abs(xf)
-        amax = tl.max(ax, axis=1)
-        bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
-        if TOKEN_COPY:
-            scale, inv = pow2_scale_bits(amax, bad)
-            y = (xf * inv[:, None]).to(tl.float8e4nv)
-            tl.store(YT + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
-            tl.store(ST + offs_t, scale, mask=tmask)
-            if NORMS:
-                yd = y.to(tl.float32) * scale[:, None]
-                tl.store(NT + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
-        # masked rows loaded as zeros: amax 0, not bad
-        blk_amax = tl.maximum(blk_amax, tl.max(amax, axis=0))
-        blk_bad = tl.maximum(blk_bad, tl.max(bad.to(tl.int32), axis=0))
-    # pow2 is monotone: the block's scale is also the max of its tokens' scales
-    sb, invb = pow2_scale_bits(blk_amax, blk_bad != 0)
-    for i in tl.static_range(KVB // BLOCK_T):
-        offs_t = lo + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = offs_t < hi
-        rows = offs_t.to(tl.int64)
-        xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
-        y = (xf * invb).to(tl.float8e4nv)
-        tl.store(YB + rows[:, None] * stride_yt + offs_d[None, :], y, mask=tmask[:, None])
-        tl.store(SB + offs_t, tl.zeros([BLOCK_T], tl.float32) + sb, mask=tmask)
-        if NORMS:
-            yd = y.to(tl.float32) * sb
-            tl.store(NB + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
-
-
-@triton.jit
-def _quantize_kvblock_kernel(Q, K, V, Q8, K8, V8, K8D, V8D, SQ, SK, SV, SKD, SVD, NORMS, HAD,
-                             ITEMS, N_ITEMS, stride_qt, stride_qh, stride_kt, stride_kh,
-                             stride_vt, stride_vh, T, HQ, HKV, rot_scale,
-                             D: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-                             KVB: tl.constexpr, ROTATE: tl.constexpr, CAUSAL: tl.constexpr):
-    """Axis 0: q heads (token chunks of BLOCK_T * SUB along axis 1, _quantize_rows), then k
-    heads, then v heads (axis 1: the document-local KVB-token blocks of the work list ITEMS,
-    _quantize_block). NORMS (2, HKV, T): the block copy's and the token copy's V norms."""
-    row = tl.program_id(0)
-    j = tl.program_id(1)
-    if row < HQ:
-        t_base = j * (BLOCK_T * SUB)
-        if t_base < T:
-            _quantize_rows(Q + row * stride_qh, stride_qt, Q8 + row * D, HQ * D, SQ + row * T,
-                           HAD, rot_scale, T, t_base, D, BLOCK_T, SUB, ROTATE)
-    elif j < N_ITEMS:
-        doc = tl.load(ITEMS + j)
-        if doc >= 0:
-            blk = tl.load(ITEMS + N_ITEMS + j)
-            start = tl.load(ITEMS + 2 * N_ITEMS + j)
-            L = tl.load(ITEMS + 3 * N_ITEMS + j)
-            lo = start + blk * KVB
-            hi = start + tl.minimum((blk + 1) * KVB, L)
-            if row < HQ + HKV:
-                h = row - HQ
-                _quantize_block(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D, HKV * D,
-                                SK + h * T, SKD + h * T, NORMS, NORMS, HAD, rot_scale, lo, hi,
-                                D, BLOCK_T, KVB, ROTATE, CAUSAL, False)
-            else:
-                h = row - HQ - HKV
-                _quantize_block(V + h * stride_vh, stride_vt, V8 + h * D, V8D + h * D, HKV * D,
-                                SV + h * T, SVD + h * T, NORMS + h * T, NORMS + (HKV + h) * T,
-                                HAD, rot_scale, lo, hi, D, BLOCK_T, KVB, False, CAUSAL, True)
 
 
 @triton.jit
@@ -227,7 +217,7 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
                          CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
-    """After _quantize_kvblock_kernel, one launch: grid axis 1 < HKV copies the block copy of V
+    """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V
     into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
     HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of
     the K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
@@ -258,8 +248,8 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
 
 
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | None = None,
-                 block_t: int | None = None, sub: int | None = None,
-                 num_warps: int | None = None, poison: bool = False) -> QuantizedQKV:
+                 launch: config.QuantizeConfig | None = None,
+                 poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
     fp8 (token-block scaling, module docstring): q rotated, per-(token, head) e4m3 values and
@@ -270,10 +260,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     those columns. vt8's columns are in wgmma key order within 16-token groups
     (flamia.ops.kmajor) or in token order (vt_mma_order=False); None: the order of the forward
     kernel this device runs (config.vt_mma_order). bf16: the inputs themselves (bf16; fp16
-    inputs are rounded to bf16 as the reference does), no scales. block_t / sub / num_warps:
-    launch tiling of the q rows (tokens per block dividing 128, blocks per program; the values
-    do not depend on them). poison=True fills outputs with NaN first (tests: every element
-    written).
+    inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
+    program and warps (config.quantize_config() by default; the values do not depend on it).
+    poison=True fills outputs with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
     if rec.name == "bf16":
@@ -290,10 +279,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
     if vt_mma_order is None:
         vt_mma_order = config.vt_mma_order(D, rec.name, q.device)
-    launch = config.quantize_config()
-    block_t = launch.block_t if block_t is None else block_t
-    sub = launch.sub if sub is None else sub
-    num_warps = launch.num_warps if num_warps is None else num_warps
+    launch = launch or config.quantize_config()
     fill = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=q.device)) \
         if poison else (lambda shape, dt: torch.empty(shape, dtype=dt, device=q.device))
     dev = q.device
@@ -320,19 +306,18 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
         return out
     rotate = bool(rec.rotate_qk)
     had = hadamard_signs(D, q.dtype, dev) if rotate else q
-    if KV_BLOCK % block_t:
-        raise ValueError(f"block_t={block_t} must divide the K/V block of {KV_BLOCK} tokens")
     items = work_list(cu_seqlens, T, KV_BLOCK, KV_BLOCK, False).items    # the K/V blocks
     n_items = items.shape[1]
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
-    grid = (Hq + 2 * Hkv, max(triton.cdiv(T, block_t * sub), n_items))
-    _quantize_kvblock_kernel[grid](
-        q, k, v, q8, k8, v8, k8d_, v8d_, sq, sk, sv, skd_, svd_, norms, had, items, n_items,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T, Hq, Hkv, 1.0 / math.sqrt(D),
-        D=D, BLOCK_T=block_t, SUB=sub, KVB=KV_BLOCK, ROTATE=rotate, CAUSAL=bool(causal),
-        num_warps=num_warps)
+    rot_scale = 1.0 / math.sqrt(D)
+    _quantize_q_kernel[(Hq, triton.cdiv(T, launch.block_t))](
+        q, q8, sq, had, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D, BLOCK_T=launch.block_t,
+        ROTATE=rotate, num_warps=launch.q_warps)
+    _quantize_kv_kernel[(2 * Hkv, n_items)](
+        k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
+        ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
     check_copy(v8, vt8, vt_mma_order)
     block_c = 64
     n_cols = triton.cdiv(Tp, block_c)

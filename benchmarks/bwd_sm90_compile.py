@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.config import Sm90BwdConfig, sm90_backward_config  # noqa: E402
-from benchmarks.tools.compile import compile_only, fake_qkv, resource_usage  # noqa: E402
+from benchmarks.tools.compile import (  # noqa: E402
+    compile_only, fake_qkv, ptx_counts, resource_usage)
 
 
 def build(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, dtype=torch.bfloat16,
@@ -65,8 +66,7 @@ def main():
             kern = built["_attn_bwd_sm90_kernel"]
         u = resource_usage(kern)
         ptx = kern.asm["ptx"]
-        import re
-        regs = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+        regs = ptx_counts(ptx)["partition_regs"]
         print(f"D={D} {cfg.name}: regs={u['regs']} setmaxnreg={regs} stack={u['stack']} "
               f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
               f"wgmma={ptx.count('wgmma.mma_async')}")

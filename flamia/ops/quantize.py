@@ -10,11 +10,12 @@ it writes the per-token copies (causal only: the diagonal pairs' bytes and scale
 q's) and the V token norms, then the block copy with the block's scale (broadcast to its
 tokens) and the block copy's V norms. The block scale is pow2 of the block's amax over its
 tokens (one head), as reference.quantize_token_blocks. Two kernels, so that each runs at its own
-warps: q's 64-token programs at 4 warps (126 registers at D=128), the K / V blocks at 8 (128
-registers; 255 with spills at 4). The third (_kvblock_cols_kernel) writes the K-major V copies (block and, causal, token; Hopper's FP8 wgmma
-takes its B operand K-major only, and the forward's PV GEMM reduces over tokens) in kmajor's
-padded column layout, the scales in the same columns (scale_cols, for the Gluon forward's TMA)
-and, per K/V block, the visible maxima vcap and vnorm (reference._visible_max).
+warps: q's 64-token programs at 4 warps (127 registers at D=128), the K / V blocks at 8 (128
+registers; 255 with spills at 4). The third (_kvblock_cols_kernel) writes the K-major V copies
+(block and, causal, token; Hopper's FP8 wgmma takes its B operand K-major only, and the
+forward's PV GEMM reduces over tokens) in kmajor's padded column layout, the scales in the
+same columns (scale_cols, for the Gluon forward's TMA) and, per K/V block, the visible maxima
+vcap and vnorm (reference._visible_max).
 
 Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in
 its own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32
@@ -42,8 +43,6 @@ from ..recipes import Recipe, get_recipe
 if interpreting():
     from . import interpreter
     interpreter.install()
-
-E4M3_MAX = 448.0
 
 
 @triton.jit

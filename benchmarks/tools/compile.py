@@ -186,21 +186,3 @@ def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bo
 
 def cu_seqlens(lengths) -> torch.Tensor:
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-
-
-def fake_state(D: int, T: int = 4096, Hq: int = 16, Hkv: int = 4, causal: bool = True,
-               lengths=None, grad_dtype=None, dtype=torch.bfloat16):
-    """A state of the bf16 split backward (flamia.ops.backward.make_state) of zeros on the CPU
-    with the real shapes and dtypes (dtype: of dO, O and the gradients), for compile-only
-    launches of its kernels (_bwd_preprocess, _bwd_dkdv, _bwd_dq): the GPU's build (not the
-    interpreter's), with the tiles of config.split_backward_config(D)."""
-    from flamia.ops import backward as B
-    from flamia.ops.config import split_backward_config
-    lengths = lengths or [T]
-    qkv = fake_qkv(T, Hq, Hkv, D, "bf16")
-    dout = torch.zeros(T, Hq, D, dtype=dtype)
-    cfg = split_backward_config(D)
-    st = B.make_state(dout, dout, torch.zeros(Hq, T), qkv, cu_seqlens(lengths), max(lengths),
-                      causal, config=cfg, grad_dtype=grad_dtype)
-    st.interp = False      # the GPU's build, not the interpreter's
-    return st

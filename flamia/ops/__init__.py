@@ -21,8 +21,7 @@ Entry points (quantize.py / forward.py / backward.py; config.py says which kerne
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
                      back to the input space: the one-pass Hopper kernel (backward_sm90) on
-                     sm_90; elsewhere the Triton split kernels (backward; bf16) and the
-                     reference backward on the kernel forward's operands (fp8)
+                     sm_90, elsewhere the reference backward on the kernel forward's operands
 """
 from __future__ import annotations
 

@@ -9,12 +9,10 @@ measured on the H200 (benchmarks/NOTES.md).
     forward   fp8 at D=128 on sm_90: the persistent Gluon kernel (forward_gluon),
               PersistentFwdConfig, V^T in token order
               otherwise: the Triton kernel (forward), FwdConfig, V^T in wgmma key order (fp8)
-    backward  bf16 (bf16 or fp16 inputs) and fp8 at D=64/128 on sm_90: the one-pass kernel
-              (backward_sm90), Sm90BwdConfig (sm90_backward_config)
-              fp8 elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the
-              reference backward on the kernel forward's operands
-              bf16 elsewhere (other GPUs, fp32 inputs, the CPU interpreter): the Triton split
-              kernels (backward), BwdConfig
+    backward  bf16 and fp8 at D=64/128 on sm_90: the one-pass kernel (backward_sm90),
+              Sm90BwdConfig (sm90_backward_config)
+              elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the reference
+              backward on the kernel forward's operands
 """
 from __future__ import annotations
 
@@ -149,34 +147,10 @@ def vt_mma_order(head_dim: int, recipe, device) -> bool:
 # Backward
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class BwdConfig:
-    """The bf16 split backward (backward.py): preprocess, then dK/dV and dQ. dK/dV: kv_bn kv
-    rows per program, kv_bm query rows per step (kv_bn % kv_bm == 0); dQ: q_bm query rows per
-    program, q_bn kv rows per step."""
-    kv_bn: int = 128
-    kv_bm: int = 64
-    kv_warps: int = 8
-    kv_stages: int = 2
-    q_bm: int = 128
-    q_bn: int = 64
-    q_warps: int = 8
-    q_stages: int = 2
-    pre_bt: int = 64
-    pre_warps: int = 4
-
-
-def split_backward_config(head_dim: int) -> BwdConfig:
-    """The split backward's tiles: 128-key CTAs and 64-row query steps for dK/dV, 128-row
-    programs and 64-key steps for dQ, at 8 warps (sm_90a compile analysis and H200 A/Bs,
-    benchmarks/NOTES.md); the same at both head dims."""
-    return BwdConfig()
-
-
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
-    """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (bf16 and
-    fp16 inputs: P and dS feed its GEMMs in the inputs' dtype, as the split kernels do) and of
-    fp8, on an sm_90 GPU at head dims 64 and 128."""
+    """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (16-bit
+    operands: P and dS feed its GEMMs in their dtype) and of fp8, on an sm_90 GPU at head dims
+    64 and 128."""
     name = _recipe_name(recipe)
     if head_dim not in (64, 128) or interpreting() or not HAVE_GLUON:
         return False
@@ -226,19 +200,17 @@ def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
 
 @dataclass(frozen=True)
 class ReferenceBwdConfig:
-    """fp8's backward where the one-pass kernel does not run (other GPUs, the CPU
-    interpreter): flamia.reference.backward in fp32 on the kernel forward's operands
+    """The backward where the one-pass kernel does not run (other GPUs, the CPU interpreter):
+    flamia.reference.backward in fp32 on the kernel forward's operands
     (layout.reference_saved). The same function as the kernel's, not its speed."""
 
 
 def backward_config(head_dim: int, recipe, device, dtype=torch.bfloat16):
-    """The config of the backward a call runs: Sm90BwdConfig (the one-pass kernel),
-    ReferenceBwdConfig (fp8 off sm_90) or the bf16 split backward's BwdConfig."""
+    """The config of the backward a call runs: Sm90BwdConfig (the one-pass kernel) or
+    ReferenceBwdConfig."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
         return sm90_backward_config(head_dim)
-    if _recipe_name(recipe) == FP8_RECIPE:
-        return ReferenceBwdConfig()
-    return split_backward_config(head_dim)
+    return ReferenceBwdConfig()
 
 
 @dataclass(frozen=True)
@@ -246,7 +218,7 @@ class Selection:
     """What one call runs (select)."""
     vt_mma_order: bool          # the V^T column order quantize_qkv writes for the forward
     forward: FwdConfig | PersistentFwdConfig
-    backward: object            # BwdConfig, Sm90BwdConfig or ReferenceBwdConfig
+    backward: object            # Sm90BwdConfig or ReferenceBwdConfig
 
 
 def select(head_dim: int, recipe, device, dtype=torch.bfloat16) -> Selection:

@@ -76,12 +76,15 @@ def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: 
 
 
 def reference_saved(qkv: QuantizedQKV, causal: bool):
-    """The reference's Saved (flamia.reference) holding exactly the kernel forward's quantized
-    operands of the fp8 recipe, with its row max: what reference.backward differentiates
-    when no backward kernel runs for the recipe on this device (ops.config.backward_config)."""
+    """The reference's Saved (flamia.reference) holding exactly the kernel forward's operands
+    (fp8: the quantized ones, with the forward's row max): what reference.backward
+    differentiates where no backward kernel runs (ops.config.backward_config)."""
     from ..quant import hadamard
     from ..reference import Operand, Saved
-    if not qkv.kvblock or qkv.row_max is None:
+    if qkv.recipe == "bf16":
+        q, k, v = (Operand(x.float(), None, "none") for x in (qkv.q8, qkv.k8, qkv.v8))
+        return Saved(q, k, v, None, None, causal)
+    if qkv.row_max is None:
         raise ValueError("reference_saved needs the fp8 recipe's operands with the "
                          "forward's row_max (kernel_path.kernel_forward)")
     f32 = torch.float32

@@ -67,7 +67,7 @@ def main():
         u = resource_usage(kern)
         ptx = kern.asm["ptx"]
         regs = ptx_counts(ptx)["partition_regs"]
-        print(f"D={D} {cfg.name}: regs={u['regs']} setmaxnreg={regs} stack={u['stack']} "
+        print(f"D={D} m{cfg.block_m}n128: regs={u['regs']} setmaxnreg={regs} stack={u['stack']} "
               f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
               f"wgmma={ptx.count('wgmma.mma_async')}")
         if args.ptx:

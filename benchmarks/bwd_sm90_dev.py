@@ -109,10 +109,10 @@ def check(seed: int, configs):
                 for x, y in zip(det[0], new))
             ok = ok and det_ok
             p2 += f" det={'ok' if det_ok else 'FAIL'}"
-            rows.append((f"D{D} {Hq}/{Hkv} {'c' if causal else 'nc'} {lengths}", cfg.name,
-                         errs, bars, finite, p2, ok))
+            rows.append((f"D{D} {Hq}/{Hkv} {'c' if causal else 'nc'} {lengths}",
+                         f"m{cfg.block_m}n128", errs, bars, finite, p2, ok))
             print(f"{'PASS' if ok else 'FAIL'} D={D} H={Hq}/{Hkv} causal={causal} L={lengths} "
-                  f"{cfg.name}: dq/dk/dv {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} "
+                  f"m{cfg.block_m}n128: dq/dk/dv {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} "
                   f"finite={finite} P2={p2}",
                   flush=True)
     return all(r[-1] for r in rows)
@@ -187,9 +187,9 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
         for cfg in configs(D):
             ms = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
                                                            config=cfg))
-            row[f"sm90 {cfg.name}"] = ms
+            row[f"sm90 m{cfg.block_m}n128"] = ms
             if args_det:
-                row[f"sm90 {cfg.name} det"] = cuda_ms(lambda: B.attention_backward_sm90(
+                row[f"sm90 m{cfg.block_m}n128 det"] = cuda_ms(lambda: B.attention_backward_sm90(
                     do, o, lse, q, k, v, cu, causal, scale, deterministic=True, config=cfg))
         if fp8:
             # the bf16 forward's out and lse stand in for fp8's, lse for its row max: the values
@@ -197,7 +197,7 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             qkv8 = fp8_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
             for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
-                row[f"fp8 {cfg.name}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                row[f"fp8 m{cfg.block_m}n128"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkv8, cu, causal, scale, config=cfg))
             for name, mod in AB_BASE.items():
                 row[f"{name} fp8"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(

@@ -4,9 +4,9 @@ copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > 
     python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
         [--workloads doc32k,...] [--rounds 3] [--d64-gluon]
 
---gluon copies of forward_gluon.py run the D=128 workloads (attention_forward_gluon, V^T in
-token order), --triton copies of forward.py the D=64 ones (attention_forward with the Triton
-config, V^T in wgmma order); "current" is the working tree's module. Per workload: one
+--gluon copies of forward_gluon.py run the D=128 workloads (their launch(), V^T in token order,
+outputs allocated here as attention_forward does), --triton copies of forward.py the D=64 ones
+(attention_forward with the Triton config, V^T in wgmma order); "current" is the working tree's module. Per workload: one
 quantize_qkv (fp8, causal), every variant's out / lse / row max on poisoned outputs
 compared with the first variant's (bitwise, or the largest difference relative to max |out|),
 then CUDA-event medians of the forward kernel alone, the variants interleaved over --rounds
@@ -30,6 +30,7 @@ from flamia.ops import forward as current_triton  # noqa: E402
 from flamia.ops import forward_gluon as current_gluon  # noqa: E402
 from flamia.ops.config import PersistentFwdConfig, triton_forward_config  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
+from flamia.ops.schedule import work_list  # noqa: E402
 
 WORKLOADS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "flamia", "data",
                          "workloads.json")
@@ -44,11 +45,22 @@ def variants(spec: str, current):
     return out
 
 
+def gluon_forward(mod, x, cu):
+    """attention_forward's persistent path with forward_gluon module `mod` (causal, poisoned
+    outputs): (out, lse, row_max)."""
+    T, Hq, _, D = x.shape
+    cfg = PersistentFwdConfig()
+    out = torch.full((T, Hq, D), float("nan"), dtype=torch.bfloat16, device=x.q8.device)
+    lse, rmax = (torch.full((Hq, T), float("nan"), device=x.q8.device) for _ in range(2))
+    mod.check_operands(x)
+    mod.launch(x, work_list(cu, T, cfg.block_m, cfg.block_n, True), True, D ** -0.5, out, lse,
+               rmax, cfg)
+    return out, lse, rmax
+
+
 def runner(mod, gluon: bool, x, cu, L, D):
     if gluon:
-        return lambda: mod.attention_forward_gluon(x, cu, L, True, None, torch.bfloat16,
-                                                   config=PersistentFwdConfig(), poison=True,
-                                                   return_row_max=True)
+        return lambda: gluon_forward(mod, x, cu)
     cfg = triton_forward_config(D, True, torch.device("cuda"))
     return lambda: mod.attention_forward(x, cu, L, True, None, torch.bfloat16, config=cfg,
                                          poison=True, return_row_max=True)

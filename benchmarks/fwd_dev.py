@@ -283,16 +283,13 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
         fns = {}
         for cfg in cands:
             c = cfg or default_config(D, recipe != "bf16", q.device)
-            sch = build_schedule(cu, T, c.block_m, c.block_n, True)
-            fns[cfg_name(cfg)] = (cfg, functools.partial(
-                attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=c,
-                schedule=sch))
+            fns[cfg_name(cfg)] = (cfg, functools.partial(   # work list memoized on cu
+                attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=c))
         if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order (the Gluon kernel's)
             c = default_config(D, True, q.device)
             qkv_tok = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
             fns["default-vt-token-order"] = (None, functools.partial(
-                attention_forward, qkv_tok, cu, max(lengths), True, None, q.dtype, config=c,
-                schedule=build_schedule(cu, T, c.block_m, c.block_n, True)))
+                attention_forward, qkv_tok, cu, max(lengths), True, None, q.dtype, config=c))
         times: dict = {n: [] for n in fns}
         for _ in range(ROUNDS):
             for n, (cfg, fn) in fns.items():

@@ -61,9 +61,9 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
 def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str]):
     """The persistent Gluon forward as attention_forward launches it on the H200 (D=128)."""
     from flamia.ops.config import PersistentFwdConfig
-    from flamia.ops.forward_gluon import attention_forward_gluon
+    from flamia.ops.forward import attention_forward
     cfg = with_sets(PersistentFwdConfig(), sets)
-    built = tools.build(attention_forward_gluon, tools.fake_qkv(2048, 8, 2, D, recipe),
+    built = tools.build(attention_forward, tools.fake_qkv(2048, 8, 2, D, recipe),
                         tools.cu_seqlens([1024, 1024]), 1024, causal, None, torch.bfloat16,
                         config=cfg)
     return built["_attn_fwd_gluon_persistent_kernel"], cfg

@@ -16,6 +16,7 @@ forward kernels, against flamia.reference:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (tests/conftest.py too)
@@ -229,7 +230,7 @@ def test_forward_defaults_and_refusals():
     assert len(two) == 2 and torch.equal(two[0], got[0]) and torch.equal(two[1], got[1])
     with pytest.raises(ValueError, match="dividing 128"):
         attention_forward(x, cu, max(LENGTHS), True, None, torch.bfloat16,
-                          config=CFG_TMA.with_(block_m=256))
+                          config=dataclasses.replace(CFG_TMA, block_m=256))
     noncausal = quantize_qkv(q, k, v, cu, "fp8", False)
     with pytest.raises(ValueError, match="token copies"):
         attention_forward(noncausal, cu, max(LENGTHS), True, None, torch.bfloat16, config=CFG_TMA)
@@ -293,7 +294,7 @@ def test_p1_prefix_invariance_bitwise():
     t_d only (documents are independent: P2), so one run checks a t per document: inside a first
     block, the last token of a block, the first of the next, a 2-token document."""
     q, k, v, cu = _inputs(64, seed=5)
-    cfg = CFG_TMA.with_(block_n=32)
+    cfg = dataclasses.replace(CFG_TMA, block_n=32)
     base = _kernels(q, k, v, cu, True, cfg)
     T = q.shape[0]
     pos = torch.arange(T)
@@ -340,7 +341,6 @@ from benchmarks.tools.compile import compile_only, cu_seqlens, report
 from flamia.inputs import make_qkv
 from flamia.ops.config import PersistentFwdConfig, triton_forward_config
 from flamia.ops.forward import attention_forward
-from flamia.ops.forward_gluon import attention_forward_gluon
 from flamia.ops.quantize import quantize_qkv
 lengths = [1000, 3000, 128, 1]
 cu = cu_seqlens(lengths)
@@ -349,8 +349,8 @@ for D, causal in ((128, True), (128, False), (64, True)):
     q, k, v, _ = make_qkv(lengths, 8, 2, D)
     with compile_only() as built:   # outputs unwritten: compile only
         x = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=False)
-        attention_forward_gluon(x, cu, 3000, causal, None, torch.bfloat16,
-                                config=PersistentFwdConfig(), return_row_max=True)
+        attention_forward(x, cu, 3000, causal, None, torch.bfloat16,
+                          config=PersistentFwdConfig(), return_row_max=True)
         xm = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=True)
         attention_forward(xm, cu, 3000, causal, None, torch.bfloat16,
                           config=triton_forward_config(D, True, torch.device("cuda")),

@@ -17,6 +17,7 @@ tests/test_forward_kvblock.py has fp8's quantize layout, tile shapes and bitwise
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (tests/conftest.py too)
@@ -101,7 +102,7 @@ def test_schedule_covers_each_block_once_heaviest_first(causal):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     BM, BN = 64, 32
     sch = build_schedule(cu, sum(lengths), BM, BN, causal)
-    doc, blk, start, length = sch.items.tolist()
+    doc, blk, start, length = sch.tolist()
     real = [(d, b) for d, b in zip(doc, blk) if d >= 0]
     expect = [(d, b) for d, L in enumerate(lengths) for b in range(-(-L // BM))]
     assert sorted(real) == sorted(expect)
@@ -166,7 +167,7 @@ def test_forward_fold_lr(recipe, D, family, causal, hkv, seed, scale):
     fp32 rounding of the exponent of the default (P moves by ~|m - lr| 2^-24 relative, far
     below e4m3's step)."""
     q, k, v, cu = make_qkv(LENGTHS, 4, hkv, D, family, seed=seed)
-    out, lse = _check_forward(q, k, v, cu, recipe, causal, CFG_TMA.with_(fold_lr=True), family,
+    out, lse = _check_forward(q, k, v, cu, recipe, causal, dataclasses.replace(CFG_TMA, fold_lr=True), family,
                               scale)
     out0, lse0 = _run(q, k, v, cu, recipe, causal, CFG_TMA, scale)
     torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)

@@ -19,12 +19,13 @@ from _sm90 import compile_report, gluon_available
 _SCRIPT = r"""
 import json, sys, torch
 from benchmarks.tools.compile import build, cu_seqlens, fake_qkv, report
-from flamia.ops.forward_gluon import attention_forward_gluon
+from flamia.ops.config import PersistentFwdConfig
+from flamia.ops.forward import attention_forward
 out = []
 for D, causal in json.loads(sys.argv[1]):
     qkv = fake_qkv(4096, 8, 2, D, vt_mma_order=False)
-    built = build(attention_forward_gluon, qkv, cu_seqlens([4096]), 4096, causal, None,
-                  torch.bfloat16)
+    built = build(attention_forward, qkv, cu_seqlens([4096]), 4096, causal, None,
+                  torch.bfloat16, config=PersistentFwdConfig())
     u = report(built["_attn_fwd_gluon_persistent_kernel"])
     out.append(u | {"D": D, "causal": causal})
 print("REPORT" + json.dumps(out))
@@ -51,12 +52,13 @@ def test_launcher_checks():
     """bf16 is refused (the Triton kernel runs it), and so is a V^T in wgmma key order (the
     kernel reads token order)."""
     from flamia.inputs import make_qkv
-    from flamia.ops import forward_gluon as G
+    from flamia.ops.config import PersistentFwdConfig
+    from flamia.ops.forward import attention_forward
     from flamia.ops.quantize import quantize_qkv
     q, k, v, cu = make_qkv((40, 23), 4, 2, 64)
     with pytest.raises(NotImplementedError):
-        G.attention_forward_gluon(quantize_qkv(q, k, v, cu, "bf16", True), cu, 40, True, None,
-                                  torch.bfloat16)
+        attention_forward(quantize_qkv(q, k, v, cu, "bf16", True), cu, 40, True, None,
+                          torch.bfloat16, config=PersistentFwdConfig())
     with pytest.raises(ValueError, match="vt_mma_order=False"):
-        G.attention_forward_gluon(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True), cu,
-                                  40, True, None, torch.bfloat16)
+        attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True), cu,
+                          40, True, None, torch.bfloat16, config=PersistentFwdConfig())

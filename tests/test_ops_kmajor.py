@@ -6,10 +6,33 @@ import torch
 
 from flamia.inputs import cu_seqlens_from_lengths
 from flamia.ops import interpreting
-from flamia.ops.kmajor import (kmajor_copies, kmajor_copy, kmajor_layout, mma_key_order_host,
-                               mma_order16_host, padded_columns)
+import triton
+import triton.language as tl
+
+from flamia.ops.kmajor import (check_copy, copy_columns, kmajor_copies, kmajor_layout,
+                               mma_key_order_host, mma_order16_host, padded_columns)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
+
+
+@triton.jit
+def _copy_kernel(src, dst, tok_of_col, Tp, stride_t, D: tl.constexpr, BLOCK_C: tl.constexpr,
+                 MMA_ORDER: tl.constexpr):
+    copy_columns(src, dst, tok_of_col, Tp, stride_t, tl.program_id(1), D, BLOCK_C, MMA_ORDER)
+
+
+def kmajor_copy(src, dst, tok_of_col=None, block_c=16, mma_order=False):
+    """One copy_columns launch (the kernel the library's copies are built on); tok_of_col=None:
+    column c holds token c (zeros for c >= T)."""
+    check_copy(src, dst, mma_order)
+    T, H, D = src.shape
+    Tp = dst.shape[2]
+    if tok_of_col is None:
+        tok_of_col = torch.arange(Tp, dtype=torch.int32).masked_fill_(torch.arange(Tp) >= T, -1)
+    _copy_kernel[(triton.cdiv(Tp, block_c), H)](src.view(torch.uint8), dst.view(torch.uint8),
+                                               tok_of_col, Tp, src.stride(0), D=D,
+                                               BLOCK_C=block_c, MMA_ORDER=mma_order)
+    return dst
 
 
 def _expected_columns(lengths):
@@ -101,8 +124,7 @@ def test_padded_copy_in_mma_order():
     assert torch.equal(doc_of_col, doc_of_col[mma_order16_host(torch.arange(Tp))])
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_copies_in_one_launch_equal_the_separate_copies(n):
+def test_copies_in_one_launch_equal_the_separate_copies():
     """kmajor_copies (the one-pass fp8 backward's dO, q, k copies in one launch): byte for byte
     what the separate copies write, with different head counts, strides and orders per copy,
     every column written (poisoned destinations)."""
@@ -110,12 +132,11 @@ def test_copies_in_one_launch_equal_the_separate_copies(n):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     T, D = sum(lengths), 16
     _, tok_of_col, Tp = kmajor_layout(cu, T)
-    g = torch.Generator().manual_seed(n)
-    heads, orders = (3, 3, 1)[:n], (True, False, False)[:n]
+    g = torch.Generator().manual_seed(3)
+    heads, orders = (3, 3, 1), (True, False, False)
     # the third source is a strided (T, H, D) view: token stride larger than H * D
     srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in heads[:2]]
-    if n == 3:
-        srcs.append(torch.randint(1, 256, (T, 2, D), generator=g, dtype=torch.uint8)[:, :1])
+    srcs.append(torch.randint(1, 256, (T, 2, D), generator=g, dtype=torch.uint8)[:, :1])
     want = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
     got = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
     for src, dst, order in zip(srcs, want, orders):
@@ -124,8 +145,10 @@ def test_copies_in_one_launch_equal_the_separate_copies(n):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="same D and Tp"):
-        kmajor_copies([(srcs[0], got[0], False), (srcs[1], got[1][:, :, :16].contiguous(), False)],
-                      tok_of_col)
+        kmajor_copies([(srcs[0], got[0], False), (srcs[1], got[1][:, :, :16].contiguous(), False),
+                       (srcs[2], got[2], False)], tok_of_col)
+    with pytest.raises(ValueError, match="3 copies"):
+        kmajor_copies(list(zip(srcs, got, orders))[:2], tok_of_col)
 
 
 def test_bad_arguments():

@@ -41,16 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
 from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
-from .numerics import fwht, log2_pow2, pow2_scale_bits
+from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits
 from .schedule import per_cu_seqlens
-
-if interpreting():   # the Triton pre- and post-passes on the CPU: the GPU's float casts
-    from . import interpreter
-    interpreter.install()
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -58,10 +53,9 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_common import descriptor_2d, tma_reduce_add, wgmma_layout
+    from .gluon_common import (alloc_barriers, descriptor_2d, invalidate_barriers, tma_reduce_add,
+                               wgmma_layout)
     from .kmajor import mma_key_order_gluon
-
-LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,20 +420,10 @@ if HAVE_GLUON:
                                                        element_bitwidth=16, rank=2)
         ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(dq_ready.index(i), count=1)
-            mbarrier.init(dq_free.index(i), count=1)
+        kv_ready = alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         gl.warp_specialize([
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
@@ -452,13 +436,7 @@ if HAVE_GLUON:
                               GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(q_ready.index(i))
-            mbarrier.invalidate(do_ready.index(i))
-            mbarrier.invalidate(q_free.index(i))
-        for i in gl.static_range(2):
-            mbarrier.invalidate(dq_ready.index(i))
-            mbarrier.invalidate(dq_free.index(i))
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -823,22 +801,10 @@ if HAVE_GLUON:
                                                        rank=2)
         ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kt_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_ready, count=1)
-        mbarrier.init(kt_ready, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(dq_ready.index(i), count=1)
-            mbarrier.init(dq_free.index(i), count=1)
+        kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
@@ -853,13 +819,7 @@ if HAVE_GLUON:
         ], [1, 1], [LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
         mbarrier.invalidate(kt_ready)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(q_ready.index(i))
-            mbarrier.invalidate(do_ready.index(i))
-            mbarrier.invalidate(q_free.index(i))
-        for i in gl.static_range(2):
-            mbarrier.invalidate(dq_ready.index(i))
-            mbarrier.invalidate(dq_free.index(i))
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -882,12 +842,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     cfg = config or sm90_backward_config(D)
     BM, BN = cfg.block_m, SM90_BLOCK_N
     dev = q.device
-    grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
-    dq = torch.empty((T, Hq, D), dtype=grad_dtype, device=dev)
-    dk = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
-    dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
     if T == 0:
         return dq, dk, dv
     kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal), Hkv),
@@ -906,10 +863,9 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     lse_desc = descriptor_2d(lse2, Hq, QR, QR, [1, BM])
     dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
-    sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
-           else kb.items)      # (never read when not deterministic)
     _attn_bwd_sm90_kernel[(kb.n_items,)](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv, sem, kb.items,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
+        _semaphores(deterministic, kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
@@ -925,15 +881,12 @@ class Fp8Prep:
     ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
     do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
     vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E per padded row
-    bpt: torch.Tensor       # (Hq, QR / 64) block maxima of the row bounds
-    bds: torch.Tensor
     cpt: torch.Tensor       # (n_items,) the CTA scales c_pt, c_ds per work-list column
     cds: torch.Tensor
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
     dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
-    cfg: Sm90BwdConfig
 
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
@@ -970,45 +923,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cpt, cds, qt8, dot8, kt8, dq_acc, cfg)
-
-
-def fp8_main(prep: Fp8Prep, qkv, causal, scale, deterministic, dv):
-    """The kernel: (dq_acc (QR, Hq, D) fp32 in dQ's units, dk32 (T, Hkv, D) fp32 rotated);
-    writes dv."""
-    T, Hq, D = qkv.q8.shape
-    Hkv = qkv.k8.shape[1]
-    cfg, kb = prep.cfg, prep.kb
-    BM, BN = cfg.block_m, SM90_BLOCK_N
-    QR = kb.q_rows
-    dev = qkv.q8.device
-    dq_acc = prep.dq_acc
-    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
-    k8d = qkv.k8_diag if causal else qkv.k8
-    v8d = qkv.v8_diag if causal else qkv.v8
-    skd = qkv.sk_diag if causal else qkv.sk
-    svd = qkv.sv_diag if causal else qkv.sv
-    descs = (
-        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
-        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
-        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
-        descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
-        descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]),
-    )
-    sem = (torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev) if deterministic
-           else kb.items)      # (never read when not deterministic)
-    _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
-        *descs, dk32, dv, sem, kb.items, kb.n_items, Hq // Hkv, Hq, QR // BM, prep.cpt, prep.cds,
-        qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES,
-        CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
-        DETERMINISTIC=bool(deterministic), num_warps=8)
-    return dq_acc, dk32
+    return Fp8Prep(kb, ptok, do8, vec, cpt, cds, qt8, dot8, kt8, dq_acc)
 
 
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
@@ -1025,18 +940,37 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     cfg = config or sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
     dev = dout.device
-    grad_dtype = grad_dtype or dout.dtype
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     dout, out = dout.contiguous(), out.contiguous()
-    dq = torch.empty((T, Hq, D), dtype=grad_dtype, device=dev)
-    dk = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
-    dv = torch.empty((T, Hkv, D), dtype=grad_dtype, device=dev)
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
     if T == 0:
         return dq, dk, dv
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
-    dq_acc, dk32 = fp8_main(prep, qkv, causal, scale, deterministic, dv)
-    fp8_post(dq_acc, dk32, prep.kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
+    kb, QR = prep.kb, prep.kb.q_rows
+    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)   # rotated, in c_ds units
+    k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
+                          else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
+    descs = (
+        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+    )
+    _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
+        *descs, dk32, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
+        Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
+        BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
+        DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
+    fp8_post(prep.dq_acc, dk32, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
     return dq, dk, dv
 
 
@@ -1049,6 +983,20 @@ def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk,
     grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq + Hkv)
     _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, dq, dk, T, Hq, scale, ROTATE=rotated, D=D,
                                BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
+
+
+def _grads(T, Hq, Hkv, D, dtype, dev):
+    """Empty (dq, dk, dv)."""
+    return (torch.empty((T, Hq, D), dtype=dtype, device=dev),
+            *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
+
+
+def _semaphores(deterministic: bool, kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:
+    """Deterministic mode's per-(query head, query block) counters of finished dQ adds; any
+    int32 tensor otherwise (never read)."""
+    if deterministic:
+        return torch.zeros((Hq, kb.q_rows // BM), dtype=torch.int32, device=kb.items.device)
+    return kb.items
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

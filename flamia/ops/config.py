@@ -16,7 +16,7 @@ measured on the H200 (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -55,21 +55,13 @@ class FwdConfig:
     # defining accumulator registers inside a pipeline stage).
     masked_stages: int | None = None
 
-    def with_(self, **kw) -> "FwdConfig":
-        return replace(self, **kw)
-
 
 def triton_forward_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
-    """Tile shapes of the Triton forward per head dim (benchmarks/fwd_dev.py on the H200).
-
-    FP8: 64x128 tiles with 4 warps, so one CTA's softmax overlaps another's MMAs (Triton waits
-    on each wgmma at once: there is no ping-pong inside a program). The unmasked-tile loop
-    prefetches two (D=128) or three (D=64) tiles ahead and the masked loops (one or two tiles per
-    block) not at all: with one stage of lead the warps waited on K's TMA barrier at the top of
-    every iteration (17 % of the forward's warp samples), and pipelining the masked loops as well
-    makes ptxas serialize every wgmma (C7515). D=64 caps registers at 168 so that three CTAs fit
-    per SM: 12 warps to hide latency for 120 B of spills, none in the unmasked-tile loop. The CPU
-    (the interpreter) takes small tiles and pointer loads."""
+    """Tile shapes of the Triton forward per head dim (H200, benchmarks/NOTES.md). FP8: 64x128
+    tiles at 4 warps, so one CTA's softmax overlaps another's MMAs (Triton has no ping-pong
+    inside a program); the unmasked loop prefetches 2 (D=128) or 3 (D=64) tiles, the masked loops
+    none (pipelined, ptxas serializes every wgmma: C7515); D=64 caps registers at 168 for three
+    CTAs per SM. The CPU (the interpreter) takes small tiles and pointer loads."""
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, use_tma=False)
     if fp8:
@@ -98,32 +90,17 @@ class PersistentFwdConfig:
 @dataclass(frozen=True)
 class QuantizeConfig:
     """quantize_qkv's launches (flamia.ops.quantize): tokens per q program, warps of the q
-    programs and of the K / V block programs (one 128-token block each). Only the schedule:
-    every choice writes the same bytes."""
+    programs and of the K / V block programs (one 128-token block each: 128 registers, 2 CTAs
+    per SM; H200, benchmarks/NOTES.md). Only the schedule: every choice writes the same bytes."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
 
 
-def quantize_config() -> QuantizeConfig:
-    """64-token q programs at 4 warps, K / V blocks as one tile at 8 warps (128 registers, 2
-    CTAs per SM; at 4 warps 255 with spills). H200, whole quantize_qkv(fp8) ms against one
-    kernel that walked each K / V block twice in 64-token halves (benchmarks/quant_ab.py,
-    results/quant_ab-20261203-split.log): doc512_x64 0.521 -> 0.482, doc32k 0.504 -> 0.482,
-    d64_longtail 0.667 -> 0.594, d64_doc8k_x4 0.558 -> 0.494. The interpreter takes the same
-    tiles."""
-    return QuantizeConfig()
-
-
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:
-    """fp8 at D=128 on an sm_90 GPU runs the persistent Gluon kernel.
-
-    Its producer warp loads the next item's Q, K and V while the consumer computes, which short
-    documents need: one program per (query block, head) pays a chain of exposed latencies (work
-    list, Q, the diagonal tile's K then V) that 1-8 tiles cannot hide. H200, forward kernel ms,
-    Triton -> persistent: doc512_x64 0.599 -> 0.485, doc2k_x16 1.117 -> 1.039, longtail 2.886 ->
-    2.827, doc32k 12.88 -> 12.77, doc8k_x4 3.283 -> 3.344. At D=64 it is 9 % slower
-    (d64_doc8k_x4 2.507 -> 2.736): D=64 keeps the Triton kernel."""
+    """fp8 at D=128 on an sm_90 GPU runs the persistent Gluon kernel: its producer warp loads the
+    next item's Q, K and V while the consumer computes, which short documents need (doc512_x64
+    -19 %, doc8k_x4 +2 %); at D=64 it is 9 % slower than the Triton kernel (benchmarks/NOTES.md)."""
     if interpreting() or _recipe_name(recipe) != FP8_RECIPE or head_dim != 128:
         return False
     return is_sm90(torch.device(device)) and HAVE_GLUON
@@ -180,19 +157,12 @@ class Sm90BwdConfig:
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4
 
-    @property
-    def name(self) -> str:
-        return f"m{self.block_m}n{SM90_BLOCK_N}"
 
 
 def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
-    """The one-pass backward's tiles (H200, benchmarks/NOTES.md): 128 keys per CTA; 64 query
-    rows per step at D=128 (128 rows do not fit the registers next to dK and dV), 128 at D=64
-    (bf16: 12-16 % faster than 64; fp8: 14-18 % faster, its per-query vectors loaded one
-    at a time). fp8's passes: preprocess at 8 warps (0.46 ms against 0.53 at 4, doc512_x64),
-    post pass at 64 rows x 4 warps (its rotation by butterflies in registers: doc512_x64 0.257
-    ms; 128 x 4 0.302, 128 x 8 0.330, 32 x 4 0.252; d64_doc8k_x4 0.206 / 0.212 / 0.208 /
-    0.208). The same for both recipes."""
+    """The one-pass backward's tiles (H200, benchmarks/NOTES.md): 64 query rows per step at
+    D=128 (128 do not fit the registers next to dK and dV), 128 at D=64 (12-18 % faster than
+    64); fp8's preprocess at 8 warps, post pass at 64 rows x 4 warps. Both recipes alike."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)

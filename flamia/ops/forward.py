@@ -36,22 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from .config import FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
-from .layout import QuantizedQKV, check_kvblock_tiles
-from .schedule import Schedule, work_list
-
-if interpreting():
-    from . import interpreter
-    interpreter.install()
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:   # pragma: no cover - older triton
-    TensorDescriptor = None
-
-LOG2E = 1.4426950408889634
+from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
+from .numerics import LOG2E
+from .schedule import work_list
 
 
 @triton.jit
@@ -311,8 +302,7 @@ def _descriptor(x: torch.Tensor, shape, strides, block_shape):
 def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
                       causal: bool, softmax_scale: float | None, out_dtype, *,
                       config: FwdConfig | PersistentFwdConfig | None = None,
-                      schedule: Schedule | None = None, poison: bool = False,
-                      return_row_max: bool = False):
+                      poison: bool = False, return_row_max: bool = False):
     """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores);
     with return_row_max=True (out, lse, row_max), row_max (Hq, T) fp32 the row max m of the
     softmax-scaled scores (natural log: the largest normalised P of a row is exp(m - lse)).
@@ -323,51 +313,49 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
 
     The work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths).
     config: the kernel and its tiles, config.forward_config(D, recipe, device) by default (a
-    PersistentFwdConfig runs forward_gluon's kernel, a FwdConfig _attn_fwd_kernel); schedule
-    may be passed in to reuse one across calls (it must have been built for the same block
-    sizes). poison=True: outputs start as NaN (tests).
+    PersistentFwdConfig runs forward_gluon's kernel, a FwdConfig _attn_fwd_kernel).
+    poison=True: outputs start as NaN (tests).
     """
     T, Hq, Hkv, D = qkv.shape
     if qkv.recipe not in ("bf16", "fp8"):
         raise ValueError(f"the forward kernels implement bf16 and fp8, not {qkv.recipe!r}")
-    fp8 = qkv.kvblock
-    dev = qkv.q8.device
-    if config is None:
-        config = forward_config(D, qkv.recipe, dev)
-    if isinstance(config, PersistentFwdConfig):
-        from . import forward_gluon
-        return forward_gluon.attention_forward_gluon(
-            qkv, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype, config=config,
-            schedule=schedule, poison=poison, return_row_max=return_row_max)
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if fp8 and qkv.vt8 is None:
+    fp8 = qkv.kvblock
+    dev = qkv.q8.device
+    config = config or forward_config(D, qkv.recipe, dev)
+    persistent = isinstance(config, PersistentFwdConfig)
+    if persistent:
+        from . import forward_gluon
+        forward_gluon.check_operands(qkv)
+    elif fp8 and qkv.vt8 is None:
         raise ValueError("the fp8 forward reads V from its K-major copy: quantize_qkv's vt8")
+    q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
+    for name, x in (("q", q8), ("k", k8), ("v", v8)):
+        if x.stride(2) != 1 or x.stride(1) != D:
+            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    use_tma = bool(config.use_tma and TensorDescriptor is not None)
-    alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
-        (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
-    out = alloc((T, Hq, D), out_dtype)
-    lse = alloc((Hq, T), torch.float32)
-    row_max = alloc((Hq, T), torch.float32) if return_row_max else None
+    fill = float("nan") if poison else None
+    out = new_tensor((T, Hq, D), out_dtype, dev, fill)
+    lse = new_tensor((Hq, T), torch.float32, dev, fill)
+    row_max = new_tensor((Hq, T), torch.float32, dev, fill) if return_row_max else None
     result = (out, lse, row_max) if return_row_max else (out, lse)
     if T == 0:
         return result
     BM, BN = config.block_m, config.block_n
     if fp8:
         check_kvblock_tiles(qkv, causal, BM, BN)
-    schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
-
-    q8, k8, v8 = qkv.q8, qkv.k8, qkv.v8
-    for name, x in (("q", q8), ("k", k8), ("v", v8)):
-        if x.stride(2) != 1 or x.stride(1) != D:
-            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
+    items = work_list(cu_seqlens, T, BM, BN, causal)
+    if persistent:
+        forward_gluon.launch(qkv, items, causal, scale, out, lse, row_max, config)
+        return result
     if fp8:
         vt = qkv.vt8                                  # (Hkv, D, T_pad)
         stride_vn, stride_vd, stride_vh = 1, vt.stride(1), vt.stride(0)
     else:
         vt = v8
         stride_vn, stride_vd, stride_vh = v8.stride(0), 1, D
+    use_tma = bool(config.use_tma)
     if use_tma:
         # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix of row stride stride(0).
         Qa = _descriptor(q8, (T, Hq * D), (q8.stride(0), 1), (BM, D))
@@ -378,11 +366,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
             Va = _descriptor(v8, (T, Hkv * D), (v8.stride(0), 1), (BN, D))
     else:
         Qa, Ka, Va = q8, k8, vt
-    dummy = lse
-    sq = qkv.sq if fp8 else dummy
-    sk = qkv.sk if fp8 else dummy
-    sv = qkv.sv if fp8 else dummy
-    vcap = qkv.vcap if fp8 else dummy
+    sq, sk, sv, vcap = (qkv.sq, qkv.sk, qkv.sv, qkv.vcap) if fp8 else (lse,) * 4
     # the token copies (token-block scaling, causal); placeholders of the same kind otherwise
     KDa, VDa, skd, svd = Ka, Va, sk, sv
     if fp8 and causal:
@@ -393,21 +377,19 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
                               (qkv.vt8_diag.stride(1), 1), (D, BN))
         else:
             KDa, VDa = qkv.k8_diag, qkv.vt8_diag
-    pcu = qkv.kv_pcu if fp8 else schedule.items
-    n_items = schedule.items.shape[1]
+    pcu = qkv.kv_pcu if fp8 else items
+    n_items = items.shape[1]
     grid = (n_items * Hq,)
     _attn_fwd_kernel[grid](
-        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, schedule.items, cu_seqlens, KDa, VDa, skd, svd,
-        pcu, row_max if return_row_max else dummy,
+        Qa, Ka, Va, sq, sk, sv, vcap, out, lse, items, cu_seqlens, KDa, VDa, skd, svd,
+        pcu, lse if row_max is None else row_max,
         q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order),
-        ROW_MAX=bool(return_row_max),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order), ROW_MAX=bool(return_row_max),
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return result
 

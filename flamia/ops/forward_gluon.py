@@ -47,25 +47,20 @@ from __future__ import annotations
 
 import torch
 
-try:   # Gluon ships with triton >= 3.5; keep this module importable without it
+from .config import PersistentFwdConfig
+from .gluon_common import HAVE_GLUON, descriptor_2d
+from .layout import QuantizedQKV
+from .numerics import LOG2E
+from .schedule import persistent_grid
+
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-    HAVE_GLUON = True
-except Exception:   # pragma: no cover - older triton
-    HAVE_GLUON = False
 
-from .config import PersistentFwdConfig
-from .gluon_common import gl_dtype, shared_layout
-from .layout import QuantizedQKV, check_kvblock_tiles
-from .schedule import Schedule, persistent_grid, work_list
-
-if HAVE_GLUON:
+    from .gluon_common import alloc_barriers, invalidate_barriers
     from .schedule import work_item
-
-LOG2E = 1.4426950408889634
 
 
 if HAVE_GLUON:
@@ -114,14 +109,14 @@ if HAVE_GLUON:
         return sq * qk_scale, lr
 
     @gluon.jit
-    def _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc, STAGES: gl.constexpr, BN: gl.constexpr,
+    def _alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr):
-        """Shared memory of the STAGES-deep ring: K (BN x D), V^T (D x BN), sk and sv (1 x BN)
-        per stage, in the layouts of their TMA descriptors."""
+        """Shared memory of the STAGES-deep ring: K (BN x D), V^T (D x BN), sk and sv (1 x BN,
+        boxes of scale_cols) per stage, in the layouts of their TMA descriptors."""
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BN], v_desc.layout)
-        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sk_desc.layout)
-        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sv_desc.layout)
+        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sc_desc.layout)
+        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sc_desc.layout)
         return k_smem, v_smem, sk_smem, sv_smem
 
 
@@ -321,14 +316,14 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _pers_producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc, q_smem,
+    def _pers_producer(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
                        k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel,
                        ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM: gl.constexpr, BN: gl.constexpr,
                        CAUSAL: gl.constexpr, QBUF: gl.constexpr):
         """Every TMA load. Tile t of an item holds the document's keys [t BN, (t + 1) BN), from
         the token copies (kd_desc, vd_desc, scale_cols rows 2-3) on the query block's own
         128-block when causal, else from the block copies (k_desc, v_desc, scale_cols rows 0-1;
-        sk_desc is scale_cols); V^T and the scales at the padded column PCU[doc] + t BN."""
+        sc_desc is scale_cols); V^T and the scales at the padded column PCU[doc] + t BN."""
         STAGES: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[2]
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
@@ -358,10 +353,10 @@ if HAVE_GLUON:
                     n0 = t * BN
                     col = pcol + n0
                     if n0 >= d0:
-                        _load_k_cols(kd_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                        _load_k_cols(kd_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st,
                                      start + n0, col, kvh, 2 * hkv + kvh, 3 * hkv + kvh)
                     else:
-                        _load_k_cols(k_desc, sk_desc, k_smem, sk_smem, sv_smem, k_ready, st,
+                        _load_k_cols(k_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st,
                                      start + n0, col, kvh, kvh, hkv + kvh)
                     mbarrier.wait(rel.index((g + 1) % STAGES), (((g + 1) // STAGES) + 1) & 1,
                                   pred=g + 1 >= STAGES)
@@ -493,90 +488,37 @@ if HAVE_GLUON:
         tma.store_wait(0)       # o_smem stays valid until the last O store has read it
 
     @gluon.jit
-    def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc,
-                                          vd_desc, o_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS,
-                                          CU, stride_ot, stride_oh, T, N_ITEMS, HQ, GROUP,
-                                          qk_scale,
+    def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc,
+                                          o_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS, stride_ot,
+                                          stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,
                                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                           PRODUCER_REGS: gl.constexpr, QBUF: gl.constexpr,
                                           ROW_MAX: gl.constexpr, num_warps: gl.constexpr):
-        """kd_desc, vd_desc: the token copies; sk_desc = sv_desc: scale_cols; PCU: the padded
+        """kd_desc, vd_desc: the token copies; sc_desc: scale_cols; PCU: the padded
         columns' document starts (_pers_producer). ROW_MAX: the row max m into RMAX too."""
         W = N_ITEMS * HQ
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
-        k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sk_desc, sv_desc,
-                                                          STAGES, BN, D)
-        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        rel = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(QBUF):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(rel.index(i), count=1)
+        k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES, BN, D)
+        q_ready, q_free = alloc_barriers(QBUF), alloc_barriers(QBUF)
+        k_ready, v_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        rel = alloc_barriers(STAGES)
         gl.warp_specialize([
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP,
                               o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D, BN,
                               STAGES, CAUSAL, num_warps, QBUF, ROW_MAX)),
-            (_pers_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, kd_desc, vd_desc,
+            (_pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc,
                               q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
                               CAUSAL, QBUF)),
         ], [1], [PRODUCER_REGS])
-        for i in gl.static_range(QBUF):
-            mbarrier.invalidate(q_ready.index(i))
-            mbarrier.invalidate(q_free.index(i))
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_ready.index(i))
-            mbarrier.invalidate(v_ready.index(i))
-            mbarrier.invalidate(rel.index(i))
+        invalidate_barriers((q_ready, q_free, k_ready, v_ready, rel))
 
 
-def _layout(block_shape, dtype=None):
-    """The shared layout of a box of fp8 (default) or `dtype` elements (memoized)."""
-    return shared_layout(block_shape, dtype or gl.float8e4nv)
-
-
-def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
-    """Host TMA descriptors (plain Python objects; the launcher encodes them at launch): q, k,
-    V^T, sk, sv (both scale_cols as an (n * Hkv, Tp) matrix), and the token copies' k and V^T
-    (causal; k's and V^T's otherwise, unused)."""
-    T, Hq, Hkv, D = qkv.shape
-    q8, k8, vt = qkv.q8, qkv.k8, qkv.vt8
-    # (T, H, D) with unit-stride heads/dims is a (T, H*D) matrix; vt8 (Hkv, D, Tp) is (Hkv*D, Tp).
-    qd = GluonTensorDescriptor(q8, [T, Hq * D], [q8.stride(0), 1], [BM, D], _layout([BM, D]))
-    kd = GluonTensorDescriptor(k8, [T, Hkv * D], [k8.stride(0), 1], [BN, D], _layout([BN, D]))
-    vd = GluonTensorDescriptor(vt, [Hkv * D, vt.shape[2]], [vt.stride(1), 1], [D, BN],
-                               _layout([D, BN]))
-    # scale_cols (n, Hkv, Tp) as an (n * Hkv, Tp) matrix: box (1, BN) at 16-aligned columns
-    sc = qkv.scale_cols
-    n, _, tp = sc.shape
-    scd = GluonTensorDescriptor(sc, [n * Hkv, tp], [tp, 1], [1, BN], _layout([1, BN], gl.float32))
-    kdd, vdd = kd, vd
-    if qkv.k8_diag is not None:
-        k8d, vt8d = qkv.k8_diag, qkv.vt8_diag
-        kdd = GluonTensorDescriptor(k8d, [T, Hkv * D], [k8d.stride(0), 1], [BN, D],
-                                    _layout([BN, D]))
-        vdd = GluonTensorDescriptor(vt8d, [Hkv * D, vt8d.shape[2]], [vt8d.stride(1), 1],
-                                    [D, BN], _layout([D, BN]))
-    return qd, kd, vd, scd, scd, kdd, vdd
-
-
-def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: int | None,
-                            causal: bool, softmax_scale: float | None, out_dtype, *,
-                            config: PersistentFwdConfig | None = None,
-                            schedule: Schedule | None = None, poison: bool = False,
-                            return_row_max: bool = False):
-    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (and row_max with return_row_max):
-    forward.attention_forward for the fp8 recipe on an sm_90 GPU, reading V^T in token order
-    (quantize_qkv(vt_mma_order=False)). Raises NotImplementedError for bf16 or without Gluon."""
+def check_operands(qkv: QuantizedQKV) -> None:
+    """What the persistent kernel needs beyond forward.attention_forward's checks."""
     if not HAVE_GLUON:
         raise NotImplementedError("triton.experimental.gluon is not available")
     if not qkv.kvblock:
@@ -585,38 +527,40 @@ def attention_forward_gluon(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seq
     if qkv.vt8 is None or qkv.vt8_mma_order:
         raise ValueError("the Gluon forward reads the K-major V copy in token order: "
                          "quantize_qkv(..., vt_mma_order=False)")
-    T, Hq, Hkv, D = qkv.shape
-    if Hq % Hkv:
-        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if D not in (64, 128):
-        raise ValueError(f"head dim {D}: the Gluon forward supports 64 and 128")
-    cfg = config or PersistentFwdConfig()
-    dev = qkv.q8.device
-    for name, x in (("q", qkv.q8), ("k", qkv.k8)):
-        if x.stride(2) != 1 or x.stride(1) != D:
-            raise ValueError(f"{name}8 must have layout (T, H, D) with unit-stride heads/dims")
+    if qkv.shape[3] not in (64, 128):
+        raise ValueError(f"head dim {qkv.shape[3]}: the Gluon forward supports 64 and 128")
     if qkv.vt8.stride(2) != 1:
         raise ValueError("vt8 must be (Hkv, D, T_pad) with unit stride over tokens")
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    alloc = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=dev)) if poison else \
-        (lambda shape, dt: torch.empty(shape, dtype=dt, device=dev))
-    out = alloc((T, Hq, D), out_dtype)
-    lse = alloc((Hq, T), torch.float32)
-    row_max = alloc((Hq, T), torch.float32) if return_row_max else None
-    result = (out, lse, row_max) if return_row_max else (out, lse)
-    if T == 0:
-        return result
+
+
+def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
+    """Host TMA descriptors: q, k, V^T, scale_cols (an (n * Hkv, Tp) matrix, box (1, BN) at
+    16-aligned columns), and the token copies' k and V^T (causal; k's and V^T's otherwise,
+    unused). (T, H, D) with unit-stride heads / dims is a (T, H*D) matrix, vt8 (Hkv, D, Tp) an
+    (Hkv*D, Tp) one."""
+    T, Hq, Hkv, D = qkv.shape
+    sc = qkv.scale_cols
+
+    def kv(k8, vt8):
+        return (descriptor_2d(k8, T, Hkv * D, k8.stride(0), [BN, D]),
+                descriptor_2d(vt8, Hkv * D, vt8.shape[2], vt8.stride(1), [D, BN]))
+    kd, vd = kv(qkv.k8, qkv.vt8)
+    kdd, vdd = kv(qkv.k8_diag, qkv.vt8_diag) if qkv.k8_diag is not None else (kd, vd)
+    return (descriptor_2d(qkv.q8, T, Hq * D, qkv.q8.stride(0), [BM, D]), kd, vd,
+            descriptor_2d(sc, sc.shape[0] * Hkv, sc.shape[2], sc.shape[2], [1, BN]), kdd, vdd)
+
+
+def launch(qkv: QuantizedQKV, items, causal: bool, scale: float, out, lse, row_max,
+           cfg: PersistentFwdConfig) -> None:
+    """The persistent kernel over the work list `items` (forward.attention_forward has checked the
+    operands, check_operands included, and allocated out, lse and row_max, None or not)."""
+    T, Hq, Hkv, D = qkv.shape
     BM, BN = cfg.block_m, cfg.block_n
-    check_kvblock_tiles(qkv, causal, BM, BN)
-    schedule = work_list(cu_seqlens, T, BM, BN, causal, schedule)
-    n_items = schedule.items.shape[1]
-    grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, dev)
-    o_desc = GluonTensorDescriptor(out, [T, Hq * D], [Hq * D, 1], [BM, D],
-                                   _layout([BM, D], gl_dtype(out_dtype)))
+    n_items = items.shape[1]
+    grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, out.device)
     _attn_fwd_gluon_persistent_kernel[grid](
-        *_descriptors(qkv, BM, BN), o_desc, qkv.sq, qkv.vcap, out, lse,
-        row_max if return_row_max else lse, qkv.kv_pcu,
-        schedule.items, cu_seqlens, out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv,
-        scale * LOG2E, D=D, BM=BM, BN=BN, STAGES=cfg.stages, CAUSAL=bool(causal),
-        PRODUCER_REGS=cfg.producer_regs, QBUF=cfg.q_buffers, ROW_MAX=bool(return_row_max), num_warps=4, maxnreg=cfg.maxnreg)
-    return result
+        *_descriptors(qkv, BM, BN), descriptor_2d(out, T, Hq * D, Hq * D, [BM, D]), qkv.sq,
+        qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
+        out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BM=BM, BN=BN,
+        STAGES=cfg.stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
+        QBUF=cfg.q_buffers, ROW_MAX=row_max is not None, num_warps=4, maxnreg=cfg.maxnreg)

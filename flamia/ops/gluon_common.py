@@ -1,5 +1,5 @@
-"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors and the fp32 TMA
-reduce-add.
+"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors, mbarrier rings and
+the fp32 TMA reduce-add.
 
 Importable without Gluon (HAVE_GLUON is False then and nothing here may be used).
 """
@@ -10,6 +10,7 @@ try:   # Gluon ships with triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except Exception:   # pragma: no cover - older triton
@@ -59,3 +60,23 @@ if HAVE_GLUON:
         when warps_m > 4, side by side along N when warps_n > 1), instruction m16 x n x k."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
                                          instr_shape=[16, n, k])
+
+    @gluon.jit
+    def alloc_barriers(n: gl.constexpr):
+        """A ring of n mbarriers (arrival count 1) in shared memory, initialized."""
+        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n):
+            mbarrier.init(bars.index(i), count=1)
+        return bars
+
+    @gluon.jit
+    def _invalidate_ring(ring):
+        n: gl.constexpr = ring.type.shape[0]
+        for i in gl.static_range(n):
+            mbarrier.invalidate(ring.index(i))
+
+    @gluon.jit
+    def invalidate_barriers(rings):
+        """Invalidate every mbarrier of a tuple of alloc_barriers rings (at the kernel's end)."""
+        for r in gl.static_range(len(rings)):
+            _invalidate_ring(rings[r])

@@ -11,7 +11,7 @@ the same line on the GPU and here.
 
 Also fixes tl.dot on bf16 operands (the interpreter multiplies their raw uint16 storage).
 
-Called by flamia.ops.quantize / forward / backward / backward_sm90 at import time, only when
+Called by flamia.ops.numerics (which every kernel module imports) at import time, only when
 interpreting (TRITON_INTERPRET=1). Idempotent.
 """
 from __future__ import annotations

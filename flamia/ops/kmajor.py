@@ -7,9 +7,8 @@ Hopper's FP8 wgmma takes 8-bit operands only K-major, so every GEMM that reduces
 Column layout (`kmajor_layout`): document d occupies columns [pcu[d], pcu[d] + len_d) with
 pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA (16-byte
 aligned coordinates along the contiguous axis) can read every tile whatever cu_seqlens is.
-Columns that hold no token are zero. The forward's V copy uses the plain layout (column = token;
-`tok_of_col=None`), optionally with the tokens of each 16-column group in wgmma order
-(`mma_order=True`, below).
+Columns that hold no token are zero. A copy may hold the tokens of each 16-column group in
+wgmma order (`mma_order=True`, below).
 
 wgmma order. The FP8 wgmma A operand from registers (m64 k32) gives lane group c of a quad the
 keys 4c..4c+3 and 16+4c..16+4c+3 of each 32-key block; the fp32 accumulator that produced P
@@ -19,7 +18,7 @@ bits 0-3, so within every 16-key group. Storing V^T with column p = that key mak
 the same sum over keys, and the compiler's layout conversion of P an in-register byte shuffle
 instead of cross-lane shuffles (FlashAttention-3 reorders V for the same reason).
 
-`kmajor_copy` works in the destination's frame: each program owns a block of output columns,
+`copy_columns` works in the destination's frame: each program owns a block of output columns,
 gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole
 columns contiguously, pads included. The two alternatives are slow or wrong on the H200: torch's
 `index_copy_` / strided `copy_` along the transposed axis (2.0 ms per call for dO at 32k tokens,
@@ -93,128 +92,68 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 
 @triton.jit
-def copy_columns(src, dst, tok_of_col, T, Tp, stride_t, h,
-                  D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
-                  MMA_ORDER: tl.constexpr):
+def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, D: tl.constexpr, BLOCK_C: tl.constexpr,
+                 MMA_ORDER: tl.constexpr):
     """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :]."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
-    if PLAIN:
-        tok = mma_order16(c) if MMA_ORDER else c
-        ok = tok < T
-    else:
-        tok = tl.load(tok_of_col + (mma_order16(c) if MMA_ORDER else c), mask=c < Tp, other=-1)
-        ok = tok >= 0
+    tok = tl.load(tok_of_col + (mma_order16(c) if MMA_ORDER else c), mask=c < Tp, other=-1)
+    ok = tok >= 0
     x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None], mask=ok[None, :],
                 other=0)
     tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=(c < Tp)[None, :])
 
 
 @triton.jit
-def _kmajor_copy_kernel(src, dst, tok_of_col, T, Tp, stride_t,
-                        D: tl.constexpr, BLOCK_C: tl.constexpr, PLAIN: tl.constexpr,
-                        MMA_ORDER: tl.constexpr):
-    copy_columns(src, dst, tok_of_col, T, Tp, stride_t, tl.program_id(1), D, BLOCK_C, PLAIN,
-                  MMA_ORDER)
-
-
-@triton.jit
-def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp,
+def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, Tp,
                           stride0, stride1, stride2, H0, H1,
-                          D: tl.constexpr, BLOCK_C: tl.constexpr, N: tl.constexpr,
+                          D: tl.constexpr, BLOCK_C: tl.constexpr,
                           MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
-    """N (2 or 3) padded-layout copies in one launch: grid axis 1 runs over the heads of copy
-    0, then of copy 1, then of copy 2."""
-    _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1, stride2,
-               H0, H1, tl.program_id(1), D, BLOCK_C, N, MMA0, MMA1, MMA2)
-
-
-@triton.jit
-def _copies_at(src0, dst0, src1, dst1, src2, dst2, tok_of_col, T, Tp, stride0, stride1, stride2,
-               H0, H1, h, D: tl.constexpr, BLOCK_C: tl.constexpr, N: tl.constexpr,
-               MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
-    """Row h of a copies grid: the heads of copy 0, then of copy 1, then of copy 2."""
+    """Three padded-layout copies in one launch: grid axis 1 runs over the heads of copy 0, then
+    of copy 1, then of copy 2."""
+    h = tl.program_id(1)
     if h < H0:
-        copy_columns(src0, dst0, tok_of_col, T, Tp, stride0, h, D, BLOCK_C, False, MMA0)
-    elif (N == 2) or (h < H0 + H1):
-        copy_columns(src1, dst1, tok_of_col, T, Tp, stride1, h - H0, D, BLOCK_C, False, MMA1)
+        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, D, BLOCK_C, MMA0)
+    elif h < H0 + H1:
+        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, D, BLOCK_C, MMA1)
     else:
-        copy_columns(src2, dst2, tok_of_col, T, Tp, stride2, h - H0 - H1, D, BLOCK_C, False,
-                      MMA2)
-
-
-def kmajor_copy(src: torch.Tensor, dst: torch.Tensor, tok_of_col: torch.Tensor | None = None,
-                block_c: int = 64, mma_order: bool = False) -> torch.Tensor:
-    """dst[h, :, c] = src[tok_of_col[c], h, :] (zeros where tok_of_col[c] < 0); every column of
-    dst (heads, D, Tp) is written. tok_of_col=None: column c holds token c (zeros for c >= T).
-    mma_order=True: column c holds what column mma_order16(c) would (Tp a multiple of 16; the
-    padded layout's documents start at multiples of 16, so every 16-column group stays in its
-    document). src (T, heads, D) with unit-stride heads and dims; both are moved as bytes."""
-    check_copy(src, dst, mma_order)
-    T, H, D = src.shape
-    Tp = dst.shape[2]
-    plain = tok_of_col is None
-    if Tp == 0 or H == 0:
-        return dst
-    _kmajor_copy_kernel[(triton.cdiv(Tp, block_c), H)](
-        src.view(torch.uint8), dst.view(torch.uint8), dst if plain else tok_of_col, T, Tp,
-        src.stride(0), D=D, BLOCK_C=block_c, PLAIN=plain, MMA_ORDER=bool(mma_order),
-        num_warps=4)
-    return dst
+        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, D, BLOCK_C, MMA2)
 
 
 def check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -> None:
-    """The argument rules of kmajor_copy (and of every launch built on copy_columns)."""
+    """The argument rules of every launch built on copy_columns: dst[h, :, c] = src[tok_of_col[c],
+    h, :] (zeros where tok_of_col[c] < 0) for src (T, heads, D) with unit-stride heads and dims,
+    dst (heads, D, Tp) contiguous, both moved as bytes; mma_order: column c holds what column
+    mma_order16(c) would (Tp a multiple of 16; the padded layout's documents start at multiples
+    of 16, so every 16-column group stays in its document)."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
-        raise ValueError(f"kmajor_copy: src {tuple(src.shape)} {src.dtype} -> dst "
+        raise ValueError(f"K-major copy: src {tuple(src.shape)} {src.dtype} -> dst "
                          f"{tuple(dst.shape)} {dst.dtype}: need 1-byte types, same heads and D")
     if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
-        raise ValueError("kmajor_copy: src must be (T, H, D) with unit-stride heads/dims and dst "
+        raise ValueError("K-major copy: src must be (T, H, D) with unit-stride heads/dims and dst "
                          "contiguous")
     if mma_order and Tp % 16:
-        raise ValueError(f"kmajor_copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
+        raise ValueError(f"K-major copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
 
 
 def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
-    """Several kmajor_copy(src, dst, tok_of_col, mma_order=...) into the padded layout, in one
+    """Three K-major copies (src, dst, mma_order) of one D and Tp into the padded layout, in one
     launch (the backward's dO, q and k copies: two launches fewer per call, which at short
-    documents are host time). copies: 1-3 (src, dst, mma_order)
-    with one D and one Tp; the results are those of the separate copies, byte for byte."""
-    plan = _CopiesPlan(copies)
-    if plan.n == 1:
-        src, dst, order = plan.copies[0]
-        kmajor_copy(src, dst, tok_of_col, block_c=block_c, mma_order=order)
+    documents are host time); every column of each dst is written (check_copy)."""
+    if len(copies) != 3:
+        raise ValueError(f"kmajor_copies: 3 copies, got {len(copies)}")
+    for src, dst, order in copies:
+        check_copy(src, dst, order)
+    (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = copies
+    D, Tp = d0.shape[1], d0.shape[2]
+    if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
+        raise ValueError("kmajor_copies: every copy needs the same D and Tp")
+    heads = s0.shape[1] + s1.shape[1] + s2.shape[1]
+    if Tp == 0 or heads == 0:
         return
-    if plan.Tp == 0 or plan.heads == 0:
-        return
-    _kmajor_copies_kernel[(triton.cdiv(plan.Tp, block_c), plan.heads)](
-        *plan.slots[:6], tok_of_col, plan.T, plan.Tp, *plan.slots[6:11], D=plan.D,
-        BLOCK_C=block_c, **plan.flags, num_warps=4)
-
-
-class _CopiesPlan:
-    """kmajor_copies' checked arguments: 1-3 (src, dst, mma_order) of one D and Tp, as the
-    launch slots (src0, dst0, src1, dst1, src2, dst2, stride0, stride1, stride2, H0, H1; unused
-    slots repeat the last copy and are never taken) and constexpr flags."""
-
-    def __init__(self, copies):
-        copies = list(copies)
-        if not 1 <= len(copies) <= 3:
-            raise ValueError(f"kmajor_copies: 1-3 copies, got {len(copies)}")
-        for src, dst, order in copies:
-            check_copy(src, dst, order)
-        D, Tp = copies[0][1].shape[1], copies[0][1].shape[2]
-        if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
-            raise ValueError("kmajor_copies: every copy needs the same D and Tp")
-        self.copies, self.n, self.D, self.Tp = copies, len(copies), D, Tp
-        self.T = copies[0][0].shape[0]
-        heads = [src.shape[1] for src, _, _ in copies]
-        self.heads = sum(heads)
-        (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = copies + [copies[-1]] * (3 - len(copies))
-        self.slots = (s0.view(torch.uint8), d0.view(torch.uint8), s1.view(torch.uint8),
-                      d1.view(torch.uint8), s2.view(torch.uint8), d2.view(torch.uint8),
-                      s0.stride(0), s1.stride(0), s2.stride(0), heads[0],
-                      heads[1] if len(heads) > 1 else 0)
-        self.flags = dict(N=max(len(copies), 2), MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2))
+    u8 = [x.view(torch.uint8) for x in (s0, d0, s1, d1, s2, d2)]
+    _kmajor_copies_kernel[(triton.cdiv(Tp, block_c), heads)](
+        *u8, tok_of_col, Tp, s0.stride(0), s1.stride(0), s2.stride(0), s0.shape[1], s1.shape[1],
+        D=D, BLOCK_C=block_c, MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2), num_warps=4)

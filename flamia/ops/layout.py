@@ -63,6 +63,13 @@ class QuantizedQKV:
         return self.q8.shape[0], self.q8.shape[1], self.k8.shape[1], self.q8.shape[2]
 
 
+def new_tensor(shape, dtype, device, fill: float | None = None) -> torch.Tensor:
+    """torch.empty, or torch.full with `fill` (the NaN poison of tests: every element written)."""
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 def check_kvblock_tiles(qkv: QuantizedQKV, causal: bool, block_m: int, block_n: int) -> None:
     """The token-block forward's rules (both kernels): tiles inside the 128-token K/V blocks and
     16-aligned in vt8's padded columns, and the operands quantize_qkv makes for it."""

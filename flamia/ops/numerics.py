@@ -1,7 +1,8 @@
 """Exact power-of-two scale arithmetic, the +-1 Hadamard matrix and its in-register transform
-(fwht), shared by the quantize pass, the K-major copies and the backward kernels (one
-definition each; this module imports nothing from flamia.ops, so every kernel module can use it
-without an import cycle)."""
+(fwht), log2 e, shared by the quantize pass and the forward and backward kernels (one definition
+each; this module imports only flamia.ops' package and its interpreter shim, so every kernel
+module can use it without an import cycle). Importing it under the Triton interpreter installs
+flamia.ops.interpreter."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from ..quant import hadamard
+
+if interpreting():   # every kernel module imports this one: the GPU's float casts on the CPU
+    from . import interpreter
+    interpreter.install()
+
+LOG2E = 1.4426950408889634
 
 
 @triton.jit

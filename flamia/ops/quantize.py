@@ -27,6 +27,7 @@ finite), as the reference's safe_reciprocal gives.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,14 +36,10 @@ import triton.language as tl
 
 from . import config, interpreting
 from .kmajor import check_copy, copy_columns, kmajor_layout
-from .layout import KV_BLOCK, QuantizedQKV
+from .layout import KV_BLOCK, QuantizedQKV, new_tensor
 from .numerics import hadamard_signs, pow2_scale_bits
 from .schedule import per_cu_seqlens, work_list
 from ..recipes import Recipe, get_recipe
-
-if interpreting():
-    from . import interpreter
-    interpreter.install()
 
 
 @triton.jit
@@ -224,14 +221,13 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
     j = tl.program_id(1)
     if j < HKV:
         if i < N_COL_BLOCKS:
-            copy_columns(V8, VT8, TOK_OF_COL, T, Tp, stride_t, j, D, BLOCK_C, False, MMA_ORDER)
+            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, D, BLOCK_C, MMA_ORDER)
             _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j,
                            4 if CAUSAL else 2, BLOCK_C)
     elif j < 2 * HKV:
         if CAUSAL:
             if i < N_COL_BLOCKS:
-                copy_columns(V8D, VT8D, TOK_OF_COL, T, Tp, stride_t, j - HKV, D, BLOCK_C, False,
-                             MMA_ORDER)
+                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, D, BLOCK_C, MMA_ORDER)
     elif i < N_ITEMS:
         if tl.load(ITEMS + i) >= 0:
             h = (j - 2 * HKV).to(tl.int64)
@@ -260,7 +256,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     (flamia.ops.kmajor) or in token order (vt_mma_order=False); None: the order of the forward
     kernel this device runs (config.vt_mma_order). bf16: the inputs themselves (bf16; fp16
     inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
-    program and warps (config.quantize_config() by default; the values do not depend on it).
+    program and warps (QuantizeConfig() by default; the values do not depend on it).
     poison=True fills outputs with NaN first (tests: every element written).
     """
     rec: Recipe = get_recipe(recipe)
@@ -278,9 +274,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
     if vt_mma_order is None:
         vt_mma_order = config.vt_mma_order(D, rec.name, q.device)
-    launch = launch or config.quantize_config()
-    fill = (lambda shape, dt: torch.full(shape, float("nan"), dtype=dt, device=q.device)) \
-        if poison else (lambda shape, dt: torch.empty(shape, dtype=dt, device=q.device))
+    launch = launch or config.QuantizeConfig()
+    fill = functools.partial(new_tensor, device=q.device, fill=float("nan") if poison else None)
     dev = q.device
     f8, f32 = torch.float8_e4m3fn, torch.float32
     pcu, tok_of_col, Tp = per_cu_seqlens(cu_seqlens, ("kmajor", T),
@@ -305,7 +300,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
         return out
     rotate = bool(rec.rotate_qk)
     had = hadamard_signs(D, q.dtype, dev) if rotate else q
-    items = work_list(cu_seqlens, T, KV_BLOCK, KV_BLOCK, False).items    # the K/V blocks
+    items = work_list(cu_seqlens, T, KV_BLOCK, KV_BLOCK, False)    # the K/V blocks
     n_items = items.shape[1]
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)

@@ -13,8 +13,6 @@ tail of the list holds doc = -1 items that exit at once. `max_seqlen` is not nee
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from . import sm_count
@@ -51,29 +49,16 @@ def per_cu_seqlens(cu_seqlens: torch.Tensor, key, build):
     return table[key]
 
 
-@dataclass
-class Schedule:
-    items: torch.Tensor     # (4, n_items) int32: rows document (-1: no work), query block, and
-                            # the document's first token and length (no cu_seqlens lookup)
-    n_items: int            # host-side upper bound on the number of real items
-    block_m: int
-    block_n: int
-    causal: bool
-
-
-def max_items(total_tokens: int, n_docs: int, block_m: int) -> int:
-    return total_tokens // block_m + n_docs
-
-
 def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
-                   causal: bool) -> Schedule:
-    """The (doc, q-block) work list for `cu_seqlens`, sorted by KV tiles visited, descending."""
+                   causal: bool) -> torch.Tensor:
+    """The (doc, q-block) work list for `cu_seqlens`, sorted by KV tiles visited, descending:
+    (4, n_items) int32, rows document (-1: no work), query block, and the document's first token
+    and length (no cu_seqlens lookup); n_items = T // block_m + n_docs, a host bound."""
     dev = cu_seqlens.device
     n_docs = cu_seqlens.numel() - 1
-    n = max(max_items(total_tokens, n_docs, block_m), 1)
+    n = max(total_tokens // block_m + n_docs, 1)
     if n_docs <= 0:
-        items = torch.full((4, n), -1, dtype=torch.int32, device=dev)
-        return Schedule(items, n, block_m, block_n, causal)
+        return torch.full((4, n), -1, dtype=torch.int32, device=dev)
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     nblk = (lengths + block_m - 1) // block_m
@@ -94,18 +79,14 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     order = torch.argsort(key, descending=True)
     items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[order], blk[order],
                          cu[:-1][d][order], L[order]])
-    return Schedule(items.to(torch.int32).contiguous(), n, block_m, block_n, causal)
+    return items.to(torch.int32).contiguous()
 
 
 def work_list(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
-              causal: bool, schedule: Schedule | None = None) -> Schedule:
-    """`schedule` when the caller built it for these blocks, else build_schedule's list,
-    memoized on cu_seqlens (per_cu_seqlens): building it is a dozen small torch ops (~0.8 ms of
-    host time), more than a short-document layer's kernels. The one entry point of every kernel
-    that walks a work list (the forward kernels, the persistent dQ)."""
-    if schedule is not None and (schedule.block_m, schedule.block_n, bool(schedule.causal)) == (
-            block_m, block_n, bool(causal)):
-        return schedule
+              causal: bool) -> torch.Tensor:
+    """build_schedule's list, memoized on cu_seqlens (per_cu_seqlens): building it is a dozen
+    small torch ops (~0.8 ms of host time), more than a short-document layer's kernels. The one
+    entry point of every kernel that walks a work list (the forward kernels, the quantize)."""
     return per_cu_seqlens(cu_seqlens, ("schedule", total_tokens, block_m, block_n, bool(causal)),
                           lambda: build_schedule(cu_seqlens, total_tokens, block_m, block_n,
                                                  causal))

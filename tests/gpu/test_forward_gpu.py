@@ -202,7 +202,6 @@ def test_default_forward_is_persistent_and_correct(family, causal):
     against the reference emulation and float64 like the Triton kernel, and against the Triton
     kernel on key-ordered operands; D=64 keeps the Triton kernel."""
     from flamia.ops import config as C
-    from flamia.ops import forward_gluon as G
     dev = torch.device(DEV)
     if not C.uses_persistent_forward(128, "fp8", dev):
         pytest.skip("no Gluon / not sm_90")
@@ -214,8 +213,8 @@ def test_default_forward_is_persistent_and_correct(family, causal):
     assert not qkv.vt8_mma_order
     out, lse = attention_forward(qkv, cu, L, causal, None, q.dtype, poison=True)
     _check(out, lse, emul, emul_lse, exact)
-    g_o, g_l = G.attention_forward_gluon(qkv, cu, L, causal, None, q.dtype,
-                                         config=C.PersistentFwdConfig(), poison=True)
+    g_o, g_l = attention_forward(qkv, cu, L, causal, None, q.dtype,
+                                 config=C.PersistentFwdConfig(), poison=True)
     assert torch.equal(out, g_o) and torch.equal(lse, g_l)
     # the Triton kernel on the same quantized values, V^T in its key order
     qkv_k = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=True)

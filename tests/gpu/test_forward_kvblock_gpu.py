@@ -23,7 +23,7 @@ from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
 from flamia.ops.config import FwdConfig, PersistentFwdConfig, triton_forward_config  # noqa: E402
 from flamia.ops.forward import attention_forward  # noqa: E402
-from flamia.ops.forward_gluon import HAVE_GLUON, attention_forward_gluon  # noqa: E402
+from flamia.ops.gluon_common import HAVE_GLUON  # noqa: E402
 from flamia.ops.kmajor import kmajor_layout, mma_order16_host  # noqa: E402
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 
@@ -43,9 +43,9 @@ def _run(kernel, q, k, v, cu, causal, cfg=None):
     D = q.shape[2]
     if kernel == "gluon":
         x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
-        return attention_forward_gluon(x, cu, L, causal, None, q.dtype,
-                                       config=cfg or PersistentFwdConfig(), poison=True,
-                                       return_row_max=True)
+        return attention_forward(x, cu, L, causal, None, q.dtype,
+                                 config=cfg or PersistentFwdConfig(), poison=True,
+                                 return_row_max=True)
     x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=True)
     return attention_forward(x, cu, L, causal, None, q.dtype,
                              config=cfg or triton_forward_config(D, True, torch.device(DEV)),

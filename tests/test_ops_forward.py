@@ -318,7 +318,7 @@ def _fake_capability(monkeypatch, cap):
     """Every CUDA device reports capability `cap` (to torch and to flamia.ops' memo of it)."""
     from flamia import ops
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-    monkeypatch.setattr(ops, "_capability", lambda index: cap)
+    monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
 
 
 def test_persistent_forward_rule(monkeypatch):

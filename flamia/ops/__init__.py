@@ -15,13 +15,11 @@ cu_seqlens = [0, S, 2S, ...]), for fp8 (layout.QuantizedQKV has every field):
 Entry points (quantize.py / forward.py / backward.py; config.py says which kernel runs where):
   quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV
   attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
-      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32): the persistent Gluon kernel
-      (forward_gluon) for fp8 at D=128 on sm_90, the Triton kernel otherwise;
-      return_row_max=True adds the row max (Hq, T), which fp8's backward needs (qkv.row_max)
+      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32); return_row_max=True adds the row max
+      (Hq, T), which fp8's backward needs (qkv.row_max)
   attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
                      softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
-                     back to the input space: the one-pass Hopper kernel (backward_sm90) on
-                     sm_90, elsewhere the reference backward on the kernel forward's operands
+                     back to the input space
 """
 from __future__ import annotations
 
@@ -56,23 +54,18 @@ def is_sm90(device) -> bool:
     Memoized per device: the launchers ask at every call (host time at short documents)."""
     import torch
     dev = torch.device(device)
-    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
+    return dev.type == "cuda" and _properties(dev.index)[0] == (9, 0)
 
 
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device, memoized per device."""
     import torch
-    return _sm_count(torch.device(device).index)
+    return _properties(torch.device(device).index)[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple:
-    """(None: the current device, as torch.cuda.get_device_capability takes it.)"""
+def _properties(index: int | None) -> tuple:
+    """((major, minor), SM count) of a CUDA device (None: the current one)."""
     import torch
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    import torch
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    p = torch.cuda.get_device_properties(index)
+    return (p.major, p.minor), p.multi_processor_count

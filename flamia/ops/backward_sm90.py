@@ -627,8 +627,10 @@ if HAVE_GLUON:
                                                 v_smem.index(1))
             else:
                 mbarrier.expect(kv_ready, KV_BYTES)
-            tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready, k_smem.index(0))
-            tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem.index(0))
+            tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready,
+                                            k_smem.index(0))
+            tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready,
+                                            v_smem.index(0))
             mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
             h = kvh * GROUP

@@ -31,10 +31,6 @@ def _recipe_name(recipe) -> str:
     return getattr(recipe, "name", recipe)
 
 
-# ---------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class FwdConfig:
     """The Triton forward kernel (forward._attn_fwd_kernel)."""
@@ -119,10 +115,6 @@ def vt_mma_order(head_dim: int, recipe, device) -> bool:
     the persistent Gluon kernel."""
     return not uses_persistent_forward(head_dim, recipe, device)
 
-
-# ---------------------------------------------------------------------------------------------
-# Backward
-# ---------------------------------------------------------------------------------------------
 
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
     """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (16-bit

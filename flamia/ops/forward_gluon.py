@@ -7,10 +7,8 @@ dividing the 128-token K/V block).
 
 Each CTA walks work indices w = pid, pid + G, ... (G = grid size, config.ctas_per_sm CTAs per
 SM; w = item * HQ + head) with one producer warp (24 registers) that issues every TMA load and
-one consumer warpgroup that computes. A short item (a 512-token document: 1-4 KV tiles per
-64-row block) would otherwise pay, per program, a chain of dependent latencies (work list ->
-Q / K by TMA -> ... -> V) with the tensor cores idle in between; the producer runs ahead
-across item boundaries instead. Per tile the consumer runs
+runs ahead across item boundaries, and one consumer warpgroup that computes. Per tile the
+consumer runs
 
     wait S_j = Q K_j^T (issued one tile earlier) -> softmax(S_j) -> release r_j
     -> acc *= alpha_j -> issue O += A_j V_j -> issue S_{j+1} -> retire PV_j
@@ -59,18 +57,11 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_common import alloc_barriers, invalidate_barriers
+    from .gluon_common import alloc_barriers, invalidate_barriers, wgmma_layout
     from .schedule import work_item
 
 
 if HAVE_GLUON:
-
-    @gluon.constexpr_function
-    def _wgmma_layout(n, num_warps):
-        """Accumulator layout of an m64 x n wgmma: one 64-row block per warpgroup (warps
-        stacked along M)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                         instr_shape=[16, n, 32])
 
     @gluon.jit
     def _kv_tiles(q_lo, L, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
@@ -119,7 +110,6 @@ if HAVE_GLUON:
         sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], sc_desc.layout)
         return k_smem, v_smem, sk_smem, sv_smem
 
-
     @gluon.jit
     def _load_k_cols(k_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st, krow, col, kvh,
                      srow_k, srow_v):
@@ -157,7 +147,6 @@ if HAVE_GLUON:
     def _scale_view(ring, st, BN: gl.constexpr):
         """Stage st of a (STAGES, 1, BN) fp32 ring (unswizzled, i.e. row-major) as a 1-D view."""
         return ring.index(st)._reinterpret(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
 
     @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
@@ -236,7 +225,6 @@ if HAVE_GLUON:
                                                        lr, o_layout)
         return a, m_i, l_i, alpha
 
-
     @gluon.jit
     def _mul_rows(acc, x):
         """acc * x[:, None]: x holds one value per row (in any layout)."""
@@ -304,7 +292,6 @@ if HAVE_GLUON:
             gl.store(RMAX + head.to(gl.int64) * T + tok0 + rows, m_i * 0.6931471805599453,
                      mask=row_ok)
 
-
     @gluon.jit
     def _ws_release(rel, st):
         """One arrival of this consumer warpgroup on release barrier st. Triton puts a
@@ -313,7 +300,6 @@ if HAVE_GLUON:
         reads (and the V zeroing stores) before the producer's next TMA write to the stage."""
         fence_async_shared()
         mbarrier.arrive(rel.index(st), count=1)
-
 
     @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
@@ -385,8 +371,8 @@ if HAVE_GLUON:
         first tile, whose acc is zero) -> PV_g; then (NEXT) S_{g+1} issued behind it, and PV_g
         retired with S_{g+1} left in flight. P's registers are kept alive to that wait
         (_keep_alive): the PV wgmma reads them asynchronously."""
-        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
-        o_layout: gl.constexpr = _wgmma_layout(acc.type.shape[1], NW)
+        s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
+        o_layout: gl.constexpr = wgmma_layout(NW, 1, acc.type.shape[1], 32)
         st = g % STAGES
         s = warpgroup_mma_wait(0, deps=[s])
         a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows,
@@ -416,8 +402,8 @@ if HAVE_GLUON:
         _pers_serial_step per tile. What crosses the loop's back edge is S_{j+1} in flight
         (fp32 registers in the accumulator layout) and the retired acc, never P's e4m3 A
         operand. Returns (acc with every PV added, m, l, g past the item)."""
-        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
-        o_layout: gl.constexpr = _wgmma_layout(D, NW)
+        s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
+        o_layout: gl.constexpr = wgmma_layout(NW, 1, D, 32)
         st = g % STAGES
         mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
         s = _issue_qk(q_tile, k_smem.index(st), s_layout)
@@ -450,7 +436,7 @@ if HAVE_GLUON:
         """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
         Q buffer (every QK^T of the item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
-        s_layout: gl.constexpr = _wgmma_layout(BN, NW)
+        s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         g = 0
         it = 0
         # No dependent global load on an item's path: the work list entries are loaded two

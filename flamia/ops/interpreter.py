@@ -37,7 +37,8 @@ def _torch_dtype(tl_dtype):
 _SAT = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # How the interpreter stores each dtype in numpy (bf16 / fp8 as raw unsigned integers).
 _NP_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-               torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8, torch.float8_e5m2: np.uint8}
+               torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8,
+               torch.float8_e5m2: np.uint8}
 _TORCH_RAW = {np.dtype(np.uint16): torch.int16, np.dtype(np.uint8): torch.uint8}
 
 

@@ -31,9 +31,8 @@ class QuantizedQKV:
     # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
     # FP8 wgmma A operand; False: column = token.
     vt8_mma_order: bool = False
-    # fp8: k8 / v8 / sk / sv are the BLOCK copies (one scale per document-local 128-token block
-    # and head, sk / sv broadcast to the block's tokens) and vcap is the visible max of the V
-    # scales (reference._visible_max); None for bf16.
+    # fp8: k8 / v8 / sk / sv are the block copies (one scale per document-local 128-token block
+    # and head, sk / sv broadcast to the block's tokens); the fields below are None for bf16.
     k8_diag: torch.Tensor | None = None   # (T, Hkv, D) per-token copies for the diagonal pairs
     v8_diag: torch.Tensor | None = None   #   (causal only; per-token scales)
     sk_diag: torch.Tensor | None = None   # (Hkv, T) their per-token scales (causal only)

@@ -286,12 +286,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     vt8 = fill((Hkv, D, Tp), f8)
     scale_cols = fill((4 if causal else 2, Hkv, Tp), f32)
     norms = torch.empty((2, Hkv, T), dtype=f32, device=dev)   # block copy's, token copy's
-    if causal:
-        k8d, v8d = fill((T, Hkv, D), f8), fill((T, Hkv, D), f8)
-        skd, svd = fill((Hkv, T), f32), fill((Hkv, T), f32)
-        vt8d = fill((Hkv, D, Tp), f8)
-    else:
-        k8d = v8d = skd = svd = vt8d = None
+    k8d, v8d, skd, svd, vt8d = (
+        fill((T, Hkv, D), f8), fill((T, Hkv, D), f8), fill((Hkv, T), f32), fill((Hkv, T), f32),
+        fill((Hkv, D, Tp), f8)) if causal else (None,) * 5
     out = QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=bool(rec.rotate_qk),
                        vt8=vt8, vt8_mma_order=bool(vt_mma_order), k8_diag=k8d, v8_diag=v8d,
                        sk_diag=skd, sv_diag=svd, vnorm=vnorm, kv_pcu=pcu,

@@ -62,7 +62,7 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
     cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     nblk = (lengths + block_m - 1) // block_m
-    ends = torch.cumsum(nblk, 0)                      # inclusive prefix: doc d owns [ends-nblk, ends)
+    ends = torch.cumsum(nblk, 0)          # inclusive prefix: doc d owns [ends - nblk, ends)
     idx = torch.arange(n, device=dev, dtype=torch.int64)
     doc = torch.searchsorted(ends, idx, right=True)   # first doc whose range ends after idx
     valid = doc < n_docs
@@ -84,9 +84,8 @@ def build_schedule(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, bl
 
 def work_list(cu_seqlens: torch.Tensor, total_tokens: int, block_m: int, block_n: int,
               causal: bool) -> torch.Tensor:
-    """build_schedule's list, memoized on cu_seqlens (per_cu_seqlens): building it is a dozen
-    small torch ops (~0.8 ms of host time), more than a short-document layer's kernels. The one
-    entry point of every kernel that walks a work list (the forward kernels, the quantize)."""
+    """build_schedule's list, memoized on cu_seqlens (per_cu_seqlens): the one entry point of
+    every kernel that walks a work list (the forward kernels, the quantize)."""
     return per_cu_seqlens(cu_seqlens, ("schedule", total_tokens, block_m, block_n, bool(causal)),
                           lambda: build_schedule(cu_seqlens, total_tokens, block_m, block_n,
                                                  causal))

@@ -49,7 +49,7 @@ def _fake_capability(monkeypatch, cap):
     the process is not the interpreter's."""
     from flamia import ops
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-    monkeypatch.setattr(ops, "_capability", lambda index: cap)
+    monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 

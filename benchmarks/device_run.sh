@@ -168,3 +168,7 @@ for spec in "$@"; do
 done
 echo "=== summary ==="
 cat "$summary"
+# at most 8 files come back from a call: more than that, and the logs travel as one archive
+if [ "$(ls -A "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.txt | grep -v '^summary.txt$'))
+fi

@@ -215,4 +215,5 @@ def test_fuzz():
             raise AssertionError(f"fuzz case {n} (seed {FUZZ_SEED}): lengths={lengths} "
                                  f"heads={Hq}/{Hkv} D={D} causal={causal}: {e}") from None
     print(f"\nfuzz: {FUZZ_CASES} cases (P2 on every 4th multi-document case), seed {FUZZ_SEED}, "
-          f"{time.time() - t0:.1f} s; configs {sm90_backward_config(64).name} / {sm90_backward_config(128).name}")
+          f"{time.time() - t0:.1f} s; block_m {sm90_backward_config(64).block_m} / "
+          f"{sm90_backward_config(128).block_m} at D=64 / 128")

@@ -3,6 +3,7 @@ shared memory, wgmma serialization and SASS per step, per head dim / config.
 
     python benchmarks/bwd_sm90_compile.py [--dims 64,128] [--sass]     # the bf16 kernel
     python benchmarks/bwd_sm90_compile.py --fp8 [--block-m 64]          # the fp8 recipe's kernel
+    python benchmarks/bwd_sm90_compile.py --fp8 --dims 64 --sass --lines # SASS per source line
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--sass", action="store_true", help="SASS count of the main loop")
+    ap.add_argument("--lines", action="store_true", help="with --sass: the main loop's opcodes "
+                    "per source line, most first")
     ap.add_argument("--ptx", default=None, help="write the kernel PTX to this path")
     ap.add_argument("--fp8", action="store_true", help="the fp8 recipe's kernel "
                     "(_attn_bwd_sm90_fp8_kernel; token-block operands of tools.fake_qkv)")
@@ -77,6 +80,12 @@ def main():
             from benchmarks.tools.sass import main_loop, parse, sass_of
             loop = main_loop(parse(sass_of(kern)))
             print(f"  main loop: {len(loop)} SASS")
+            if args.lines:
+                from benchmarks.tools.sass import by_source_line
+                for where, ops in sorted(by_source_line(kern, loop).items(),
+                                         key=lambda kv: -sum(kv[1].values())):
+                    print(f"  {where:28s} {sum(ops.values()):5d}  "
+                          + " ".join(f"{o}:{n}" for o, n in ops.most_common(6)))
 
 
 if __name__ == "__main__":

@@ -400,15 +400,14 @@ if HAVE_GLUON:
             gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
             gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
 
-    @gluon.jit
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS"])
     def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
                               SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
-                              sm_scale,
-                              BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                              sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                              DETERMINISTIC: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
@@ -781,7 +780,8 @@ if HAVE_GLUON:
             gl.store(DK32 + offs, dk * (sm_scale * c_ds), mask=keep)
             gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
 
-    @gluon.jit
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "T"])
     def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
                                   vd_desc, kt_desc, vec_desc, dq_desc, DK32, DV, SEM,
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,

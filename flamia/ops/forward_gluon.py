@@ -473,7 +473,8 @@ if HAVE_GLUON:
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
         tma.store_wait(0)       # o_smem stays valid until the last O store has read it
 
-    @gluon.jit
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["T", "N_ITEMS"])
     def _attn_fwd_gluon_persistent_kernel(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc,
                                           o_desc, SQ, VCAP, O, LSE, RMAX, PCU, ITEMS, stride_ot,
                                           stride_oh, T, N_ITEMS, HQ, GROUP, qk_scale,

@@ -31,7 +31,6 @@ def main():
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from flamia import ops
     from flamia.inputs import cu_seqlens_from_lengths
     from flamia.ops.backward_sm90 import attention_backward_sm90, attention_backward_sm90_fp8
     from flamia.ops.config import PersistentFwdConfig, triton_forward_config
@@ -39,7 +38,6 @@ def main():
     from flamia.ops.quantize import quantize_qkv
     from tests._kvblock import random_case
 
-    ops._properties = lambda index: ((9, 0), 132)          # the H200, for config selection
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binders, seen = {}, collections.defaultdict(set)
 

@@ -532,7 +532,7 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, D
     tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
 def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.constexpr,
                     BT: tl.constexpr, CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
     """c_pt, c_ds of one CTA (work-list column): power-of-two scales of the max of the row

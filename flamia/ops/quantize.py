@@ -128,7 +128,7 @@ def _quantize_block(X, stride_xt, YB, YT, SB, ST, NB, NT, HAD, rot_scale, lo, hi
         tl.store(NB + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
 def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, ITEMS, N_ITEMS,
                         stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
                         D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
@@ -208,7 +208,7 @@ def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.conste
         tl.store(out + 3 * plane, tl.load(S3 + src, mask=ok, other=0.0), mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ITEMS", "N_COL_BLOCKS"])   # (as _quantize_kv_kernel)
 def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,

@@ -28,6 +28,17 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture
+def fake_capability(monkeypatch):
+    """fake_capability(cap): every CUDA device reports compute capability `cap`, to torch and
+    to flamia.ops' memo of device properties (what config selection asks), with 132 SMs."""
+    def fake(cap):
+        from flamia import ops
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+        monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
+    return fake
+
+
+@pytest.fixture
 def reference_only(monkeypatch):
     """Run the public API on the reference emulation even where kernels are available."""
     monkeypatch.setenv("FLAMIA_KERNELS", "0")

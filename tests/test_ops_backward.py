@@ -44,16 +44,7 @@ def test_bf16_off_sm90_is_the_reference(causal):
     assert dq.shape == (0, HQ, 64) and dk.shape == (0, HKV, 64) and dv.dtype == torch.bfloat16
 
 
-def _fake_capability(monkeypatch, cap):
-    """Every CUDA device reports capability `cap` (to torch and to flamia.ops' memo of it), and
-    the process is not the interpreter's."""
-    from flamia import ops
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-    monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
-def test_backward_selection(monkeypatch):
+def test_backward_selection(monkeypatch, fake_capability):
     """Which backward a call runs (config.backward_config and select, CUDA faked). On an sm_90
     GPU with Gluon: bf16 (bf16 or fp16 inputs) and fp8 at D=64/128 the one-pass kernel
     (Sm90BwdConfig: 128-row steps at D=64, 64 at D=128), with the persistent Gluon forward for
@@ -68,7 +59,8 @@ def test_backward_selection(monkeypatch):
         assert isinstance(C.backward_config(D, "fp8", cpu), ReferenceBwdConfig)
         assert isinstance(C.backward_config(D, "bf16", cpu), ReferenceBwdConfig)
 
-    _fake_capability(monkeypatch, (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # (a GPU process from here on)
+    fake_capability((9, 0))
     monkeypatch.setattr(C, "HAVE_GLUON", True)
     for recipe in ("bf16", "fp8", RECIPES["bf16"], RECIPES["fp8"]):
         for D in (64, 128):
@@ -100,7 +92,7 @@ def test_backward_selection(monkeypatch):
     assert isinstance(C.forward_config(128, "fp8", cuda), C.FwdConfig)
     monkeypatch.setattr(C, "HAVE_GLUON", True)
 
-    _fake_capability(monkeypatch, (10, 0))                 # not Hopper
+    fake_capability((10, 0))                 # not Hopper
     for D in (64, 128):
         assert isinstance(C.backward_config(D, "fp8", cuda), ReferenceBwdConfig)
         assert isinstance(C.backward_config(D, "bf16", cuda), ReferenceBwdConfig)

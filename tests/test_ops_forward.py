@@ -314,14 +314,7 @@ def test_metadata_memo_follows_cu_seqlens_version():
     assert torch.equal(out_memo, out_fresh)
 
 
-def _fake_capability(monkeypatch, cap):
-    """Every CUDA device reports capability `cap` (to torch and to flamia.ops' memo of it)."""
-    from flamia import ops
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-    monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
-
-
-def test_persistent_forward_rule(monkeypatch):
+def test_persistent_forward_rule(monkeypatch, fake_capability):
     """Which calls the persistent Gluon forward takes: fp8 (by name or Recipe) at D=128, any
     document lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the
     Triton kernel / reference run, nor for the reference-only recipes); quantize_qkv's V^T
@@ -330,7 +323,7 @@ def test_persistent_forward_rule(monkeypatch):
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _fake_capability(monkeypatch, (9, 0))
+    fake_capability((9, 0))
     ok = C.uses_persistent_forward(128, "fp8", cuda)
     assert ok == C.HAVE_GLUON
     assert C.uses_persistent_forward(128, get_recipe("fp8"), cuda) == ok
@@ -344,8 +337,8 @@ def test_persistent_forward_rule(monkeypatch):
         assert isinstance(C.forward_config(*args, cuda), C.FwdConfig)
         assert C.vt_mma_order(*args, cuda)
     assert not C.uses_persistent_forward(128, "fp8", torch.device("cpu"))
-    _fake_capability(monkeypatch, (10, 0))
+    fake_capability((10, 0))
     assert not C.uses_persistent_forward(128, "fp8", cuda)
-    _fake_capability(monkeypatch, (9, 0))
+    fake_capability((9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not C.uses_persistent_forward(128, "fp8", cuda)

@@ -27,10 +27,9 @@ def main():
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("needs TRITON_INTERPRET unset (real JIT functions)")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.runtime.jit import JITFunction
 
+    from benchmarks.tools.compile import bind_for
     from flamia.inputs import cu_seqlens_from_lengths
     from flamia.ops.backward_sm90 import attention_backward_sm90, attention_backward_sm90_fp8
     from flamia.ops.config import PersistentFwdConfig, triton_forward_config
@@ -38,13 +37,10 @@ def main():
     from flamia.ops.quantize import quantize_qkv
     from tests._kvblock import random_case
 
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    binders, seen = {}, collections.defaultdict(set)
+    seen = collections.defaultdict(set)
 
     def bind(fn, *a, grid, warmup, **kw):
-        if fn not in binders:
-            binders[fn] = create_function_from_signature(fn.signature, fn.params, backend)
-        _, spec, _ = binders[fn](*a, **kw)
+        spec = bind_for(fn, a, kw)[3]
         seen[fn.__name__].add((str(spec), tuple(sorted((k, str(v)) for k, v in kw.items()))))
 
     JITFunction.run = bind

@@ -18,23 +18,33 @@ import re
 
 import torch
 
+def bind_for(fn, args, kwargs, arch: int = 90, warp_size: int = 32):
+    """(target, backend, bound_args, specialization, options) of the launch
+    `fn[grid](*args, **kwargs)` on `arch` (default sm_90a), by the launcher's own binder: ints
+    specialized on == 1 and on divisibility by 16, as a GPU launch does."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, warp_size)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    return (target, backend, *binder(*args, **kwargs))
+
+
 def compile_for(fn, args, kwargs, arch: int = 90, warp_size: int = 32):
     """Compile the Triton or Gluon JIT function `fn` for `arch` (default sm_90a) as the launch
     `fn[grid](*args, **kwargs)` would, without a GPU: the launcher's own binder and argument
     packing pick the same specialization and options, so the binary is the launched one."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.compiler import ASTSource
 
     if fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource as source_cls
     else:
         source_cls = ASTSource
-    target = GPUTarget("cuda", arch, warp_size)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
+    target, backend, bound_args, specialization, options = bind_for(fn, args, kwargs, arch,
+                                                                    warp_size)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
                                                           specialization, options)
     return triton.compile(source_cls(fn, signature, constexprs, attrs), target=target,

@@ -147,11 +147,11 @@ def test_p2_bitwise(D):
 def test_fuzz():
     rng = random.Random(FUZZ_SEED)
     t0 = time.time()
-    print(f"fuzz: {FUZZ_CASES} cases, seed {FUZZ_SEED}")
+    print(f"fuzz: {FUZZ_CASES} cases (odd ones in the unordered mode), seed {FUZZ_SEED}")
     for case in range(FUZZ_CASES):
         lengths, Hq, Hkv, D, causal = random_case(rng)
         try:
-            _run_case(lengths, Hq, Hkv, D, causal, seed=case)
+            _run_case(lengths, Hq, Hkv, D, causal, seed=case, deterministic=case % 2 == 0)
         except AssertionError as e:
             raise AssertionError(f"fuzz case {case} (seed {FUZZ_SEED}): {e}") from e
     print(f"fuzz: {FUZZ_CASES} cases passed in {time.time() - t0:.0f} s")

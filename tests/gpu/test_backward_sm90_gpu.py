@@ -5,7 +5,8 @@ NaN isolation, and a fuzz over random packed shapes.
     python -m pytest -q -s tests/gpu/test_backward_sm90_gpu.py
 
 The fuzz draws FUZZ_CASES cases (seed printed) and checks each against the emulation by the
-FlashAttention rule and P2 bitwise (deterministic mode).
+FlashAttention rule (every other case in the default unordered mode) and P2 bitwise
+(deterministic mode).
 """
 from __future__ import annotations
 
@@ -208,12 +209,13 @@ def test_fuzz():
         lengths, Hq, Hkv, D, causal = _draw(rng)
         seed = rng.randrange(1 << 30)
         try:
-            _run_case(lengths, Hq, Hkv, D, causal, seed)
+            _run_case(lengths, Hq, Hkv, D, causal, seed, deterministic=n % 2 == 0)
             if len(lengths) > 1 and n % 4 == 0:
                 _p2(lengths, Hq, Hkv, D, causal, seed)
         except AssertionError as e:
             raise AssertionError(f"fuzz case {n} (seed {FUZZ_SEED}): lengths={lengths} "
                                  f"heads={Hq}/{Hkv} D={D} causal={causal}: {e}") from None
-    print(f"\nfuzz: {FUZZ_CASES} cases (P2 on every 4th multi-document case), seed {FUZZ_SEED}, "
+    print(f"\nfuzz: {FUZZ_CASES} cases (odd ones unordered; P2 on every 4th multi-document "
+          f"case), seed {FUZZ_SEED}, "
           f"{time.time() - t0:.1f} s; block_m {sm90_backward_config(64).block_m} / "
           f"{sm90_backward_config(128).block_m} at D=64 / 128")

@@ -14,9 +14,8 @@ block of BM rows, one query head), with S^T and dP^T in registers (keys are the 
     dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
 
 dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
-atomics); dQ of each step goes to shared memory, and a dedicated warp writes it into an fp32
-buffer: the first tile of each (query head, query block) by a TMA store, the others by a TMA
-reduce-add once that store has landed (no zero fill). A small pass converts the buffer to dq.
+atomics); dQ of each step goes to shared memory, and a dedicated warp adds it into an fp32
+buffer with a TMA reduce-add. A small pass converts that buffer to dq.
 
 Warp roles (gl.warp_specialize): the default partition is two MMA warpgroups (keys 0-63 and
 64-127 of the block, warps stacked along M of every key-major GEMM; dQ splits its columns
@@ -175,10 +174,6 @@ def _bwd_postprocess(DQA, PROW, DQ, T, scale, stride_t, D: tl.constexpr, BT: tl.
 # The Gluon kernel
 # ---------------------------------------------------------------------------------------------
 
-# added to a dQ semaphore once the first tile of its (query head, query block) has been stored;
-# above any count of tiles (key blocks of one document)
-DQ_LANDED = tl.constexpr(1 << 24)
-
 if HAVE_GLUON:
 
     @gluon.jit
@@ -284,18 +279,12 @@ if HAVE_GLUON:
     def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                        QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr):
-        """Writes each step's dQ tile into the fp32 buffer, which starts uninitialized: the
-        first tile of a (query head, query block) is stored (TMA store), every later one added
-        (TMA reduce-add) once that store has landed, so the buffer needs no zero fill and its
-        lines are not read from DRAM before the first add. SEM[head, block] (zeroed per call)
-        counts the tiles begun, plus DQ_LANDED once the stored one is written.
-        DETERMINISTIC: the tiles of one (query head, query block) land in key-block order 0, 1,
-        ...: the CTA of key block b waits until SEM[head, block] == b and increments it once its
-        tile has landed; key block 0's tile is the stored one. Every key block before b sees that
-        query block too, and sits earlier in the work list (heavier, or the same cost and earlier
-        in the document), so it was launched before: the wait cannot deadlock. Unordered, a
-        later tile waits only for the first one's store, whose CTA is running (it counted
-        itself first)."""
+        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one
+        (query head, query block) happen in key-block order 0, 1, ...: the CTA of key block b
+        waits until SEM[head, block] == b and increments it once its add has landed. Every key
+        block before b sees that query block too, and sits earlier in the work list (heavier,
+        or the same cost and earlier in the document), so it was launched before: the wait
+        cannot deadlock."""
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
@@ -306,30 +295,17 @@ if HAVE_GLUON:
             for i in range(GROUP * n_m):
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
-                sem = SEM + h * QBLOCKS + (pq + q0) // BM
                 if DETERMINISTIC:
+                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
                     turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                     while turn != blk:
                         turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                    if blk == 0:
-                        tma.async_copy_shared_to_global(dq_desc, [pq + q0, h * D],
-                                                        dq_smem.index(b))
-                    else:
-                        tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                if DETERMINISTIC:
                     _bulk_writes_done()
                     gl.atomic_add(sem, 1, sem="release", scope="gpu")
                 else:
-                    seen = gl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-                    if seen == 0:
-                        tma.async_copy_shared_to_global(dq_desc, [pq + q0, h * D],
-                                                        dq_smem.index(b))
-                        _bulk_writes_done()
-                        gl.atomic_add(sem, DQ_LANDED, sem="release", scope="gpu")
-                    else:
-                        while seen < DQ_LANDED:
-                            seen = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                        tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
-                        tma.store_wait(0)
+                    tma.store_wait(0)
                 mbarrier.arrive(dq_free.index(b), count=1)
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
@@ -505,14 +481,14 @@ def _pow2_bound(amax):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, SEM, T, QR, HQ,
-                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr,
-                        BM: tl.constexpr):
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, T, QR, HQ,
+                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
     block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
     the block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    and a zero in the kernel's dQ semaphore SEM (HQ, QR // BM) of the block's query block. Program blk * HQ + head: the CTAs resident together hold one
+    and zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
+    reduce-adds start from. Program blk * HQ + head: the CTAs resident together hold one
     block's heads, so they read and write whole (token, head, D) rows (H200: -4 to -9 % against
     one head's blocks side by side)."""
     pid = tl.program_id(0)
@@ -523,7 +499,8 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     ok = tok >= 0
     t = tl.where(ok, tok, 0).to(tl.int64)
     d = tl.arange(0, D)
-    tl.store(SEM + h * (QR // BM) + blk * BT // BM, 0)
+    tl.store(DQA + (r.to(tl.int64)[:, None] * HQ + h) * D + d[None, :],
+             tl.zeros([BT, D], tl.float32))
     offs = t[:, None] * stride_t + h * D + d[None, :]
     o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -877,7 +854,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     QR = kb.q_rows
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
-    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)   # the kernel's writes
+    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
     grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
     _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                             D=D, BT=SM90_PASS_ROWS, num_warps=4)
@@ -890,7 +867,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
     _attn_bwd_sm90_kernel[(kb.n_items,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
-        torch.zeros((Hq, QR // BM), dtype=torch.int32, device=dev), kb.items,
+        _semaphores(deterministic, kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
@@ -911,8 +888,7 @@ class Fp8Prep:
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
-    dq_acc: torch.Tensor    # (QR, Hq, D) fp32, uninitialized: the kernel's dQ store / add target
-    sem: torch.Tensor       # (Hq, QR // BM) int32 zeros: the kernel's dQ semaphores
+    dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
 
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
@@ -937,10 +913,9 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
-    sem = torch.empty((Hq, QR // BM), dtype=torch.int32, device=dev)
     _bwd_preprocess_fp8[(nb * Hq,)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, sem, T, QR, Hq, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK, BM=BM,
+        bds, dq_acc, T, QR, Hq, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK,
         num_warps=cfg.fp8_pre_warps)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
@@ -950,7 +925,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
                                    BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, cpt, cds, qt8, dot8, kt8, dq_acc, sem)
+    return Fp8Prep(kb, ptok, do8, vec, cpt, cds, qt8, dot8, kt8, dq_acc)
 
 
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
@@ -993,7 +968,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
-        *descs, dk32, dv, prep.sem, kb.items, kb.n_items, Hq // Hkv,
+        *descs, dk32, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
         BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
         DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
@@ -1016,6 +991,14 @@ def _grads(T, Hq, Hkv, D, dtype, dev):
     """Empty (dq, dk, dv)."""
     return (torch.empty((T, Hq, D), dtype=dtype, device=dev),
             *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
+
+
+def _semaphores(deterministic: bool, kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:
+    """Deterministic mode's per-(query head, query block) counters of finished dQ adds; any
+    int32 tensor otherwise (never read)."""
+    if deterministic:
+        return torch.zeros((Hq, kb.q_rows // BM), dtype=torch.int32, device=kb.items.device)
+    return kb.items
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

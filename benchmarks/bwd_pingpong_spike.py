@@ -1,0 +1,369 @@
+"""Spike (CPU compile check; GPU A/B pending): the bf16 one-pass backward with its two MMA
+warpgroups in separate partitions, so that they need not run in lockstep.
+
+The library kernel (flamia.ops.backward_sm90) runs both MMA warpgroups in one 8-warp partition:
+the dQ GEMM of a step reads the dS^T rows of both, so every step has partition-wide barriers
+(four bar.sync per step in its PTX) and the two warpgroups do their element-wise work at the
+same time while the tensor cores idle (ncu: tensor pipe 30 %, issue 31 %, benchmarks/NOTES.md).
+Here each warpgroup is its own partition owning 64 keys of the block, and computes its own
+partial dQ over those 64 keys (M = BM query rows, K = 64 keys, N = D); the dQ writer warp
+reduce-adds both partials (twice the dQ reduce-add bytes of the library kernel). The only
+coupling left is the shared Q / dO ring (a stage is refilled once both have used it), so one
+warpgroup's softmax can run under the other's GEMMs.
+
+    python benchmarks/bwd_pingpong_spike.py [--lines]   # CPU: sm_90a build per D (registers,
+                                                        # spills, shared memory, serialized
+                                                        # wgmma, SASS of the main loop)
+    python benchmarks/bwd_pingpong_spike.py --check --time   # GPU (device_run.sh pingpong)
+
+Its compute partition is a variant of backward_sm90._bwd_compute (duplicated on purpose, with
+the library kernel's Gluon helpers imported as they are: a spike, not a stable consumer): if it
+wins, it replaces that function in the library; if it loses, this file goes. What the GPU has to show before this replaces anything: the GPU tests of
+tests/gpu/test_backward_sm90_gpu.py against it, and the whole backward against the library
+kernel in one process (bwd_sm90_dev.py --ab).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from flamia.ops import backward_sm90 as B  # noqa: E402
+from flamia.ops.config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS,  # noqa: E402
+                               SM90_PASS_ROWS, SM90_STAGES, sm90_backward_config)
+from flamia.ops.gluon_common import HAVE_GLUON, descriptor_2d  # noqa: E402
+from flamia.ops.numerics import LOG2E  # noqa: E402
+from flamia.ops.schedule import per_cu_seqlens  # noqa: E402
+
+MMA_REGS = 240      # setmaxnreg of each MMA warpgroup partition
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    from flamia.ops.gluon_common import (alloc_barriers, invalidate_barriers, tma_reduce_add,
+                                         wgmma_layout)
+    _item, _query_blocks, _next_step = B._item, B._query_blocks, B._next_step
+    _zero_rows_from, _visible, _column_vector = B._zero_rows_from, B._visible, B._column_vector
+    _bwd_loader = B._bwd_loader
+
+    @gluon.jit
+    def _alloc_barriers_count(n: gl.constexpr, count: gl.constexpr):
+        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n):
+            mbarrier.init(bars.index(i), count=count)
+        return bars
+
+    @gluon.jit
+    def _pp_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP,
+                      BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """Per step, reduce-adds the two warpgroups' partial dQ tiles (one buffer each)."""
+        BM: gl.constexpr = dq_smem.type.shape[1]
+        D: gl.constexpr = dq_smem.type.shape[2]
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
+                for w in gl.static_range(2):
+                    mbarrier.wait(dq_ready.index(w), i & 1)
+                    tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(w))
+                    tma.store_wait(0)
+                    mbarrier.arrive(dq_free.index(w), count=1)
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
+    def _pp_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                    kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
+                    GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, WG: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+        """MMA warpgroup WG (4 warps): keys [64 WG, 64 WG + 64) of the block, every step."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        KW: gl.constexpr = BN // 2                                    # keys per warpgroup
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = wgmma_layout(4, 1, BM, 16)           # S^T, dP^T (KW, BM)
+        kv_layout: gl.constexpr = wgmma_layout(4, 1, D, 16)           # dK, dV (KW, D)
+        DH: gl.constexpr = D // 2
+        dq_layout: gl.constexpr = wgmma_layout(4, 1, DH, 16)          # partial dQ half (BM, D/2)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 2)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        k_w = k_smem.slice(WG * KW, KW)
+        v_w = v_smem.slice(WG * KW, KW)
+        ds_w = ds_smem.index(WG)
+        dq_w = dq_smem.index(WG)
+
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN + WG * KW          # this warpgroup's first key
+            m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+            mbarrier.wait(kv_ready, 0)
+            if k0 + KW > L:
+                _zero_rows_from(k_w, L - k0, 4)
+            dk = gl.zeros([KW, D], gl.float32, kv_layout)
+            dv = gl.zeros([KW, D], gl.float32, kv_layout)
+            for i in range(GROUP * n_m):
+                q0 = (m_lo + i % n_m) * BM
+                s = i % STAGES
+                ph = (i // STAGES) & 1
+                q_tile = q_smem.index(s)
+                do_tile = do_smem.index(s)
+                edge_q = q0 + BM > L
+                mbarrier.wait(q_ready.index(s), ph)
+                if edge_q:    # both warpgroups write the same zeros
+                    _zero_rows_from(q_tile, L - q0, 4)
+                st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
+                                   gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(do_ready.index(s), ph)
+                if edge_q:
+                    _zero_rows_from(do_tile, L - q0, 4)
+                dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
+                                    gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
+                                    is_async=True)
+                st = warpgroup_mma_wait(1, deps=[st])
+                if CAUSAL:
+                    masked = (q0 < k0 + KW - 1) | edge_q | (k0 + KW > L)
+                else:
+                    masked = edge_q | (k0 + KW > L)
+                lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
+                pt = gl.exp2(st * qk_scale_log2 - lse2)
+                if masked:
+                    ok = _visible(k0, q0, L, KW, BM, s_layout, CAUSAL)
+                    pt = gl.where(ok, pt, 0.0)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
+                dst = pt * (dpt - delta)
+                if masked:
+                    dst = gl.where(_visible(k0, q0, L, KW, BM, s_layout, CAUSAL), dst, 0.0)
+                pa = gl.convert_layout(pt.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
+                dsb = dst.to(dtype)
+                ds_w.store(dsb)
+                fence_async_shared()
+                gl.thread_barrier()          # this partition's 4 warps only
+                dsa = gl.convert_layout(dsb, a_layout)
+                # the partial dQ in two column halves (32 accumulator registers each, not 64)
+                dq0 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(0, DH, dim=1),
+                                    gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
+                                    is_async=True)
+                dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                dv, dq0 = warpgroup_mma_wait(1, deps=[dv, dq0])
+                mbarrier.wait(dq_free.index(WG), (i + 1) & 1, pred=i >= 1)
+                dq_w.slice(0, DH, dim=1).store(dq0)
+                dq1 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(DH, DH, dim=1),
+                                    gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
+                                    is_async=True)
+                dk = warpgroup_mma_wait(1, deps=[dk])
+                mbarrier.arrive(q_free.index(s), count=1)
+                dq1 = warpgroup_mma_wait(0, deps=[dq1])
+                dq_w.slice(DH, DH, dim=1).store(dq1)
+                fence_async_shared()
+                mbarrier.arrive(dq_ready.index(WG), count=1)
+            rows = gl.expand_dims(k0 + gl.arange(0, KW, layout=gl.SliceLayout(1, kv_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            keep = rows < L
+            gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+            gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+
+    @gluon.jit(do_not_specialize=["N_ITEMS"])
+    def _attn_bwd_pingpong_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc,
+                                  DK, DV, ITEMS, N_ITEMS, GROUP, stride_kt, qk_scale_log2,
+                                  sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  MMA_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                  DQ_REGS: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
+        dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], dl_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                       element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready = alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = _alloc_barriers_count(STAGES, 2)         # both warpgroups release a stage
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        gl.warp_specialize([
+            (_pp_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
+                           GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 0, CAUSAL)),
+            (_pp_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
+                           GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 1, CAUSAL)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
+                           k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
+                           ITEMS, N_ITEMS, GROUP, CAUSAL)),
+            (_pp_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BN,
+                             CAUSAL)),
+        ], [4, 1, 1], [MMA_REGS_, LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
+
+
+def attention_backward_pingpong(dout, out, lse, q, k, v, cu_seqlens, causal=True,
+                                softmax_scale=None):
+    """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90 (default unordered dQ
+    adds), through the split-warpgroup kernel above; D = 128 (64-row steps)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    cfg = sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = q.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    if T == 0:
+        return dq, dk, dv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal), Hkv),
+                        lambda: B.key_blocks(cu_seqlens, T, BM, BN, causal, Hkv))
+    QR = kb.q_rows
+    lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
+    B._bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
+                              D=D, BT=SM90_PASS_ROWS, num_warps=4)
+    descs = (descriptor_2d(q, T, Hq * D, Hq * D, [BM, D]),
+             descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D]),
+             descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D]),
+             descriptor_2d(v, T, Hkv * D, Hkv * D, [BN, D]),
+             descriptor_2d(lse2, Hq, QR, QR, [1, BM]),
+             descriptor_2d(delta, Hq, QR, QR, [1, BM]),
+             descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]))
+    _attn_bwd_pingpong_kernel[(kb.n_items,)](
+        *descs, dk, dv, kb.items, kb.n_items, Hq // Hkv, Hkv * D, scale * LOG2E, scale,
+        BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), MMA_REGS_=MMA_REGS,
+        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, num_warps=4)
+    B._bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
+                               num_warps=4)
+    return dq, dk, dv
+
+
+def check(seed: int = 5) -> bool:
+    """GPU: random packed cases (0/1/2-token documents, GQA, D 64 / 128, causal and not), memory
+    poisoned with NaN first; dK, dV against the library kernel (bitwise expected: the same
+    per-key arithmetic) and dq, dk, dv against float64 within the library check's bound."""
+    from bwd_sm90_dev import poison, ref_attention, rel
+    from flamia.inputs import cu_seqlens_from_lengths
+    g = torch.Generator().manual_seed(seed)
+    ok_all = True
+    cases = [([700, 0, 1, 2, 513, 129, 64], 8, 2), ([2048, 1, 900], 4, 4), ([300], 6, 1),
+             ([64, 64, 1, 127, 129], 32, 8)]
+    for lengths, Hq, Hkv in cases:
+        for D in (64, 128):
+            for causal in (True, False):
+                T = sum(lengths)
+                q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
+                               for h in (Hq, Hkv, Hkv, Hq))
+                cu = cu_seqlens_from_lengths(lengths, device="cuda")
+                scale = D ** -0.5
+                o64, lse, *g64 = ref_attention(q, k, v, do, cu, causal, scale)
+                o = o64.to(torch.bfloat16)
+                lse = lse.float().contiguous()
+                poison()
+                lib = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale)
+                poison()
+                got = attention_backward_pingpong(do, o, lse, q, k, v, cu, causal, scale)
+                errs = [rel(x, r) for x, r in zip(got, g64)]
+                lib_errs = [rel(x, r) for x, r in zip(lib, g64)]
+                same = [torch.equal(a, b) for a, b in zip(got[1:], lib[1:])]
+                finite = all(bool(torch.isfinite(x).all()) for x in got)
+                ok = finite and all(e <= 2 * le + 1e-3 for e, le in zip(errs, lib_errs))
+                ok_all &= ok
+                print(f"{'ok  ' if ok else 'FAIL'} {lengths} {Hq}/{Hkv} D={D} causal={causal}: "
+                      f"dq/dk/dv rel err {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} (library "
+                      f"{lib_errs[0]:.2e}/{lib_errs[1]:.2e}/{lib_errs[2]:.2e}); dk, dv bitwise "
+                      f"the library's: {same}", flush=True)
+    return ok_all
+
+
+def time_suite(names):
+    """GPU: whole backward (pre + kernel + post) ms, library kernel vs this one, one process."""
+    import json
+
+    from bwd_sm90_dev import cuda_ms
+    from flamia.inputs import cu_seqlens_from_lengths
+    wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
+                                     "workloads.json")))["workloads"]
+    print("| workload | library ms | split warpgroups ms | ratio |\n| --- | --- | --- | --- |")
+    for w in wl:
+        if names and w["name"] not in names:
+            continue
+        lengths, Hq, Hkv, D = w["doc_lengths"], w["heads_q"], w["heads_kv"], w["head_dim"]
+        T = sum(lengths)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, h, D, device="cuda", generator=gen).to(torch.bfloat16)
+                       for h in (Hq, Hkv, Hkv, Hq))
+        cu = cu_seqlens_from_lengths(lengths, device="cuda")
+        o = torch.randn_like(q)
+        lse = torch.randn(Hq, T, device="cuda").abs() + 5
+        lib = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, True))
+        new = cuda_ms(lambda: attention_backward_pingpong(do, o, lse, q, k, v, cu, True))
+        print(f"| {w['name']} | {lib:.3f} | {new:.3f} | {lib / new:.3f} |", flush=True)
+
+
+def compile_report(dims, lines):
+    """CPU: the sm_90a build per D."""
+    from benchmarks.tools.compile import compile_only, ptx_counts, resource_usage
+    from benchmarks.tools.sass import by_source_line, main_loop, parse, sass_of
+    for D in dims:
+        T, Hq, Hkv = 1024, 8, 2
+        q, k, v, do, o = (torch.randn(T, h, D).to(torch.bfloat16)
+                          for h in (Hq, Hkv, Hkv, Hq, Hq))
+        cu = torch.tensor([0, 300, T], dtype=torch.int32)
+        with compile_only() as built:
+            attention_backward_pingpong(do, o, torch.zeros(Hq, T), q, k, v, cu, True)
+        kern = dict(built)["_attn_bwd_pingpong_kernel"]
+        u = resource_usage(kern)
+        ptx = kern.asm["ptx"]
+        loop = main_loop(parse(sass_of(kern)))
+        print(f"D={D}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
+              f"stack={u['stack']} spills={u['spill_stores']} smem={u['shared']} "
+              f"serialized={u['wgmma_serialized']} wgmma={ptx.count('wgmma.mma_async')} "
+              f"bar.sync={ptx.count('bar.sync') + ptx.count('barrier.sync')}; "
+              f"main loop {len(loop)} SASS")
+        if lines:
+            for where, ops in sorted(by_source_line(kern, loop).items(),
+                                     key=lambda kv: -sum(kv[1].values())):
+                print(f"  {where:28s} {sum(ops.values()):5d}  "
+                      + " ".join(f"{o}:{n}" for o, n in ops.most_common(6)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--lines", action="store_true", help="the main loop's opcodes per line")
+    ap.add_argument("--check", action="store_true", help="GPU: accuracy vs float64 and the "
+                    "library kernel")
+    ap.add_argument("--time", action="store_true", help="GPU: whole backward vs the library")
+    ap.add_argument("--workloads", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        compile_report([int(x) for x in args.dims.split(",")], args.lines)
+        return
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    ok = check() if args.check else True
+    if args.time:
+        time_suite([x for x in args.workloads.split(",") if x])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

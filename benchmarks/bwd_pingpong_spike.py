@@ -9,7 +9,8 @@ Here each warpgroup is its own partition owning 64 keys of the block, and comput
 partial dQ over those 64 keys (M = BM query rows, K = 64 keys, N = D); the dQ writer warp
 reduce-adds both partials (twice the dQ reduce-add bytes of the library kernel). The only
 coupling left is the shared Q / dO ring (a stage is refilled once both have used it), so one
-warpgroup's softmax can run under the other's GEMMs.
+warpgroup's softmax can run under the other's GEMMs. pingpong=True also makes the two take
+turns issuing their GEMM bursts (FlashAttention-3's forward schedule, with an mbarrier pair).
 
     python benchmarks/bwd_pingpong_spike.py [--lines]   # CPU: sm_90a build per D (registers,
                                                         # spills, shared memory, serialized
@@ -83,10 +84,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pp_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
-                    kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
-                    GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, WG: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-        """MMA warpgroup WG (4 warps): keys [64 WG, 64 WG + 64) of the block, every step."""
+                    kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, turn, ITEMS,
+                    N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
+                    WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        """MMA warpgroup WG (4 warps): keys [64 WG, 64 WG + 64) of the block, every step.
+        PINGPONG: the two warpgroups issue their GEMM bursts (S^T and dP^T; dV, dQ's first half
+        and dK) in turns, wg 0 first: burst k of one waits until the other has issued its
+        burst k (wg 1) or k - 1 (wg 0), through the mbarrier pair `turn`, so one's element-wise
+        work falls under the other's GEMMs."""
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -123,6 +128,11 @@ if HAVE_GLUON:
                 mbarrier.wait(q_ready.index(s), ph)
                 if edge_q:    # both warpgroups write the same zeros
                     _zero_rows_from(q_tile, L - q0, 4)
+                if PINGPONG:      # burst 2i
+                    if WG == 0:
+                        mbarrier.wait(turn.index(0), 1, pred=i >= 1)
+                    else:
+                        mbarrier.wait(turn.index(1), 0)
                 st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
                                    gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
                                    is_async=True)
@@ -132,6 +142,8 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                     gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
                 st = warpgroup_mma_wait(1, deps=[st])
                 if CAUSAL:
                     masked = (q0 < k0 + KW - 1) | edge_q | (k0 + KW > L)
@@ -148,17 +160,26 @@ if HAVE_GLUON:
                 if masked:
                     dst = gl.where(_visible(k0, q0, L, KW, BM, s_layout, CAUSAL), dst, 0.0)
                 pa = gl.convert_layout(pt.to(dtype), a_layout)
-                dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
+                if not PINGPONG:
+                    dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 dsb = dst.to(dtype)
                 ds_w.store(dsb)
                 fence_async_shared()
                 gl.thread_barrier()          # this partition's 4 warps only
                 dsa = gl.convert_layout(dsb, a_layout)
+                if PINGPONG:      # burst 2i + 1
+                    if WG == 0:
+                        mbarrier.wait(turn.index(0), 0)
+                    else:
+                        mbarrier.wait(turn.index(1), 1)
+                    dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 # the partial dQ in two column halves (32 accumulator registers each, not 64)
                 dq0 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(0, DH, dim=1),
                                     gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
                                     is_async=True)
                 dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
                 dv, dq0 = warpgroup_mma_wait(1, deps=[dv, dq0])
                 mbarrier.wait(dq_free.index(WG), (i + 1) & 1, pred=i >= 1)
                 dq_w.slice(0, DH, dim=1).store(dq0)
@@ -183,8 +204,8 @@ if HAVE_GLUON:
                                   DK, DV, ITEMS, N_ITEMS, GROUP, stride_kt, qk_scale_log2,
                                   sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                  MMA_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr,
-                                  DQ_REGS: gl.constexpr):
+                                  PINGPONG: gl.constexpr, MMA_REGS_: gl.constexpr,
+                                  LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
@@ -200,13 +221,16 @@ if HAVE_GLUON:
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = _alloc_barriers_count(STAGES, 2)         # both warpgroups release a stage
         dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        turn = alloc_barriers(2)
         gl.warp_specialize([
             (_pp_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
-                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
-                           GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 0, CAUSAL)),
+                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, turn, ITEMS,
+                           N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 0, CAUSAL,
+                           PINGPONG)),
             (_pp_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
-                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
-                           GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 1, CAUSAL)),
+                           kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, turn, ITEMS,
+                           N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, 1, CAUSAL,
+                           PINGPONG)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
                            k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
                            ITEMS, N_ITEMS, GROUP, CAUSAL)),
@@ -214,13 +238,13 @@ if HAVE_GLUON:
                              CAUSAL)),
         ], [4, 1, 1], [MMA_REGS_, LOADER_REGS, DQ_REGS])
         mbarrier.invalidate(kv_ready)
-        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, turn))
 
 
 def attention_backward_pingpong(dout, out, lse, q, k, v, cu_seqlens, causal=True,
-                                softmax_scale=None):
+                                softmax_scale=None, pingpong=False):
     """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90 (default unordered dQ
-    adds), through the split-warpgroup kernel above; D = 128 (64-row steps)."""
+    adds), through the split-warpgroup kernel above (pingpong: GEMM bursts in turns)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     cfg = sm90_backward_config(D)
@@ -249,7 +273,8 @@ def attention_backward_pingpong(dout, out, lse, q, k, v, cu_seqlens, causal=True
              descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D]))
     _attn_bwd_pingpong_kernel[(kb.n_items,)](
         *descs, dk, dv, kb.items, kb.n_items, Hq // Hkv, Hkv * D, scale * LOG2E, scale,
-        BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), MMA_REGS_=MMA_REGS,
+        BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
+        MMA_REGS_=MMA_REGS,
         LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, num_warps=4)
     B._bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
                                num_warps=4)
@@ -279,18 +304,20 @@ def check(seed: int = 5) -> bool:
                 lse = lse.float().contiguous()
                 poison()
                 lib = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale)
-                poison()
-                got = attention_backward_pingpong(do, o, lse, q, k, v, cu, causal, scale)
-                errs = [rel(x, r) for x, r in zip(got, g64)]
                 lib_errs = [rel(x, r) for x, r in zip(lib, g64)]
-                same = [torch.equal(a, b) for a, b in zip(got[1:], lib[1:])]
-                finite = all(bool(torch.isfinite(x).all()) for x in got)
-                ok = finite and all(e <= 2 * le + 1e-3 for e, le in zip(errs, lib_errs))
-                ok_all &= ok
-                print(f"{'ok  ' if ok else 'FAIL'} {lengths} {Hq}/{Hkv} D={D} causal={causal}: "
-                      f"dq/dk/dv rel err {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} (library "
-                      f"{lib_errs[0]:.2e}/{lib_errs[1]:.2e}/{lib_errs[2]:.2e}); dk, dv bitwise "
-                      f"the library's: {same}", flush=True)
+                for pp in (False, True):
+                    poison()
+                    got = attention_backward_pingpong(do, o, lse, q, k, v, cu, causal, scale,
+                                                      pingpong=pp)
+                    errs = [rel(x, r) for x, r in zip(got, g64)]
+                    same = [torch.equal(a, b) for a, b in zip(got[1:], lib[1:])]
+                    finite = all(bool(torch.isfinite(x).all()) for x in got)
+                    ok = finite and all(e <= 2 * le + 1e-3 for e, le in zip(errs, lib_errs))
+                    ok_all &= ok
+                    print(f"{'ok  ' if ok else 'FAIL'} pingpong={pp} {lengths} {Hq}/{Hkv} D={D} "
+                          f"causal={causal}: dq/dk/dv rel err {errs[0]:.2e}/{errs[1]:.2e}/"
+                          f"{errs[2]:.2e} (library {lib_errs[0]:.2e}/{lib_errs[1]:.2e}/"
+                          f"{lib_errs[2]:.2e}); dk, dv bitwise the library's: {same}", flush=True)
     return ok_all
 
 
@@ -302,7 +329,8 @@ def time_suite(names):
     from flamia.inputs import cu_seqlens_from_lengths
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
-    print("| workload | library ms | split warpgroups ms | ratio |\n| --- | --- | --- | --- |")
+    print("| workload | library ms | split ms | split + ping-pong ms | library / split | "
+          "library / ping-pong |\n| --- | --- | --- | --- | --- | --- |")
     for w in wl:
         if names and w["name"] not in names:
             continue
@@ -316,10 +344,13 @@ def time_suite(names):
         lse = torch.randn(Hq, T, device="cuda").abs() + 5
         lib = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, True))
         new = cuda_ms(lambda: attention_backward_pingpong(do, o, lse, q, k, v, cu, True))
-        print(f"| {w['name']} | {lib:.3f} | {new:.3f} | {lib / new:.3f} |", flush=True)
+        pp = cuda_ms(lambda: attention_backward_pingpong(do, o, lse, q, k, v, cu, True,
+                                                         pingpong=True))
+        print(f"| {w['name']} | {lib:.3f} | {new:.3f} | {pp:.3f} | {lib / new:.3f} | "
+              f"{lib / pp:.3f} |", flush=True)
 
 
-def compile_report(dims, lines):
+def compile_report(dims, lines, pingpong=False):
     """CPU: the sm_90a build per D."""
     from benchmarks.tools.compile import compile_only, ptx_counts, resource_usage
     from benchmarks.tools.sass import by_source_line, main_loop, parse, sass_of
@@ -329,12 +360,13 @@ def compile_report(dims, lines):
                           for h in (Hq, Hkv, Hkv, Hq, Hq))
         cu = torch.tensor([0, 300, T], dtype=torch.int32)
         with compile_only() as built:
-            attention_backward_pingpong(do, o, torch.zeros(Hq, T), q, k, v, cu, True)
+            attention_backward_pingpong(do, o, torch.zeros(Hq, T), q, k, v, cu, True,
+                                        pingpong=pingpong)
         kern = dict(built)["_attn_bwd_pingpong_kernel"]
         u = resource_usage(kern)
         ptx = kern.asm["ptx"]
         loop = main_loop(parse(sass_of(kern)))
-        print(f"D={D}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
+        print(f"D={D} pingpong={pingpong}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
               f"stack={u['stack']} spills={u['spill_stores']} smem={u['shared']} "
               f"serialized={u['wgmma_serialized']} wgmma={ptx.count('wgmma.mma_async')} "
               f"bar.sync={ptx.count('bar.sync') + ptx.count('barrier.sync')}; "
@@ -356,7 +388,8 @@ def main():
     ap.add_argument("--workloads", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        compile_report([int(x) for x in args.dims.split(",")], args.lines)
+        for pp in (False, True):
+            compile_report([int(x) for x in args.dims.split(",")], args.lines, pp)
         return
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     ok = check() if args.check else True

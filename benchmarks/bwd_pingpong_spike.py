@@ -1,5 +1,6 @@
-"""Spike (CPU compile check; GPU A/B pending): the bf16 one-pass backward with its two MMA
-warpgroups in separate partitions, so that they need not run in lockstep.
+"""Spike (CPU compile check; GPU A/B pending): the one-pass backward (bf16, and the fp8
+recipe's kernel) with its two MMA warpgroups in separate partitions, so that they need not run
+in lockstep.
 
 The library kernel (flamia.ops.backward_sm90) runs both MMA warpgroups in one 8-warp partition:
 the dQ GEMM of a step reads the dS^T rows of both, so every step has partition-wide barriers
@@ -17,9 +18,11 @@ turns issuing their GEMM bursts (FlashAttention-3's forward schedule, with an mb
                                                         # wgmma, SASS of the main loop)
     python benchmarks/bwd_pingpong_spike.py --check --time   # GPU (device_run.sh pingpong)
 
-Its compute partition is a variant of backward_sm90._bwd_compute (duplicated on purpose, with
+Its compute partitions are variants of backward_sm90._bwd_compute / _fp8_compute (duplicated on purpose, with
 the library kernel's Gluon helpers imported as they are: a spike, not a stable consumer): if it
-wins, it replaces that function in the library; if it loses, this file goes. What the GPU has to show before this replaces anything: the GPU tests of
+wins, it replaces them in the library; if it loses, this file goes. The fp8 kernel keeps the
+library's preprocess, K-major copies and post pass, and reads its warpgroup's 64 keys of K^T as a
+column slice of the K^T tile. What the GPU has to show before this replaces anything: the GPU tests of
 tests/gpu/test_backward_sm90_gpu.py against it, and the whole backward against the library
 kernel in one process (bwd_sm90_dev.py --ab).
 """
@@ -241,6 +244,250 @@ if HAVE_GLUON:
         invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, turn))
 
 
+if HAVE_GLUON:
+    _fp8_loader = B._fp8_loader
+    N_VEC_C = B.N_VEC_C
+    from flamia.ops.kmajor import mma_key_order_gluon
+
+    @gluon.jit
+    def _pp_fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                        ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
+                        dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD,
+                        SVD, DK32, DV, T, stride_kt, sm_scale, WG: gl.constexpr,
+                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        """The fp8 kernel's step (backward_sm90._fp8_compute) for MMA warpgroup WG alone: keys
+        [64 WG, 64 WG + 64) of the block, its own partial dQ over them (two N halves)."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        KW: gl.constexpr = BN // 2
+        DH: gl.constexpr = D // 2
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        f8: gl.constexpr = gl.float8e4nv
+        s_layout: gl.constexpr = wgmma_layout(4, 1, BM, 32)           # S^T, dP^T (KW, BM)
+        kv_layout: gl.constexpr = wgmma_layout(4, 1, D, 32)           # dK, dV (KW, D)
+        dq_layout: gl.constexpr = wgmma_layout(4, 1, DH, 32)          # partial dQ half
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 4)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        ds_w = ds_smem.index(WG)
+        dq_w = dq_smem.index(WG)
+        kt_w = kt_smem.slice(WG * KW, KW, dim=1)                        # K^T of this warpgroup's keys
+
+        item = gl.program_id(0)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            kb0 = blk * BN
+            k0 = kb0 + WG * KW
+            m_lo, n_m = _query_blocks(kb0, L, BM, CAUSAL)
+            c_pt = gl.load(CPT + item)
+            c_ds = gl.load(CDS + item)
+            kv_row = kvh.to(gl.int64) * T + start + kb0
+            skb = gl.load(SK + kv_row)
+            svb = gl.load(SV + kv_row)
+            lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
+            ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+            u_off = c_ds * skb
+            if CAUSAL:
+                keys = WG * KW + gl.arange(0, KW, layout=row_l)
+                kin = keys < L - kb0
+                skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
+                svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+            mbarrier.wait(kv_ready, 0)
+            dk = gl.zeros([KW, D], gl.float32, kv_layout)
+            dv = gl.zeros([KW, D], gl.float32, kv_layout)
+            for i in range(GROUP * n_m):
+                q0 = (m_lo + i % n_m) * BM
+                if CAUSAL:
+                    diag = q0 < kb0 + BN
+                else:
+                    diag = q0 < 0
+                s = i % STAGES
+                ph = (i // STAGES) & 1
+                c = diag.to(gl.int32)
+                mbarrier.wait(q_ready.index(s), ph)
+                if PINGPONG:
+                    if WG == 0:
+                        mbarrier.wait(turn.index(0), 1, pred=i >= 1)
+                    else:
+                        mbarrier.wait(turn.index(1), 0)
+                st = warpgroup_mma(k_smem.index(c).slice(WG * KW, KW),
+                                   q_smem.index(s).permute((1, 0)),
+                                   gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(do_ready.index(s), ph)
+                dpt = warpgroup_mma(v_smem.index(c).slice(WG * KW, KW),
+                                    do_smem.index(s).permute((1, 0)),
+                                    gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
+                                    is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                st = warpgroup_mma_wait(1, deps=[st])
+                edge_q = q0 + BM > L
+                if CAUSAL:
+                    masked = diag | edge_q | (kb0 + BN > L)
+                else:
+                    masked = edge_q | (kb0 + BN > L)
+                va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
+                if CAUSAL:
+                    if diag:
+                        xt = (st * skt) * va
+                    else:
+                        xt = st * (va * skb)
+                else:
+                    xt = st * (va * skb)
+                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+                xt = gl.exp2(xt - vb)
+                if masked:
+                    ok = _visible(k0, q0, L, KW, BM, s_layout, CAUSAL)
+                    xt = gl.where(ok, xt, 0.0)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
+                if CAUSAL:
+                    if diag:
+                        yt = (dpt * svt) * vh
+                    else:
+                        yt = dpt * (vh * svb)
+                else:
+                    yt = dpt * (vh * svb)
+                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
+                yt = xt * (yt - ve)
+                if masked:
+                    yt = gl.where(_visible(k0, q0, L, KW, BM, s_layout, CAUSAL), yt, 0.0)
+                xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
+                if not PINGPONG:
+                    dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+                y8 = yt.to(f8)
+                ds_w.permute((1, 0)).store(y8)        # dS for dQ: keys contiguous
+                fence_async_shared()
+                gl.thread_barrier()                   # this partition's 4 warps only
+                ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
+                mbarrier.wait(kt_ready, 0)
+                if PINGPONG:
+                    if WG == 0:
+                        mbarrier.wait(turn.index(0), 0)
+                    else:
+                        mbarrier.wait(turn.index(1), 1)
+                    dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+                dq0 = warpgroup_mma(ds_w, kt_w.slice(0, DH).permute((1, 0)),
+                                    gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
+                                    is_async=True)
+                dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                dv, dq0 = warpgroup_mma_wait(1, deps=[dv, dq0])
+                mbarrier.wait(dq_free.index(WG), (i + 1) & 1, pred=i >= 1)
+                dq_w.slice(0, DH, dim=1).store(dq0 * u_off)
+                dq1 = warpgroup_mma(ds_w, kt_w.slice(DH, DH).permute((1, 0)),
+                                    gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
+                                    is_async=True)
+                dk = warpgroup_mma_wait(1, deps=[dk])
+                mbarrier.arrive(q_free.index(s), count=1)
+                dq1 = warpgroup_mma_wait(0, deps=[dq1])
+                dq_w.slice(DH, DH, dim=1).store(dq1 * u_off)
+                fence_async_shared()
+                mbarrier.arrive(dq_ready.index(WG), count=1)
+            rows = gl.expand_dims(k0 + gl.arange(0, KW, layout=gl.SliceLayout(1, kv_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            keep = rows < L
+            gl.store(DK32 + offs, dk * (sm_scale * c_ds), mask=keep)
+            gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+
+    @gluon.jit(do_not_specialize=["N_ITEMS", "T"])
+    def _attn_bwd_pingpong_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc,
+                                      v_desc, vd_desc, kt_desc, vec_desc, dq_desc, DK32, DV,
+                                      ITEMS, N_ITEMS, GROUP, HQ, CPT, CDS, SK, SV, SKD, SVD,
+                                      T, stride_kt, sm_scale,
+                                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                      STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                      PINGPONG: gl.constexpr, MMA_REGS_: gl.constexpr,
+                                      LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+        f8: gl.constexpr = gl.float8e4nv
+        q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
+        do_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], do_desc.layout)
+        dot_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], dot_desc.layout)
+        k_smem = gl.allocate_shared_memory(f8, [2, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(f8, [2, BN, D], v_desc.layout)
+        kt_smem = gl.allocate_shared_memory(f8, [D, BN], kt_desc.layout)
+        vec_smem = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC_C, 1, BM],
+                                             vec_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8,
+                                                       rank=2)
+        ds_smem = gl.allocate_shared_memory(f8, [2, BM, BN // 2], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = _alloc_barriers_count(STAGES, 2)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        turn = alloc_barriers(2)
+        gl.warp_specialize([
+            (_pp_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem,
+                               vec_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
+                               q_free, dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS,
+                               SK, SV, SKD, SVD, DK32, DV, T, stride_kt, sm_scale, 0, CAUSAL,
+                               PINGPONG)),
+            (_pp_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem,
+                               vec_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
+                               q_free, dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS,
+                               SK, SV, SKD, SVD, DK32, DV, T, stride_kt, sm_scale, 1, CAUSAL,
+                               PINGPONG)),
+            (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                           kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
+                           q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
+            (_pp_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BN,
+                             CAUSAL)),
+        ], [4, 1, 1], [MMA_REGS_, LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(kt_ready)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, turn))
+
+
+def attention_backward_pingpong_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
+                                    softmax_scale=None, pingpong=False):
+    """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90_fp8 (unordered dQ adds)
+    through the split-warpgroup fp8 kernel above; its preprocess and post pass are the
+    library's."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    cfg = sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = dout.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dout, out = dout.contiguous(), out.contiguous()
+    dq, dk, dv = B._grads(T, Hq, Hkv, D, dout.dtype, dev)
+    if T == 0:
+        return dq, dk, dv
+    prep = B.fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
+    kb, QR = prep.kb, prep.kb.q_rows
+    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
+    k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
+                          else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
+    descs = (
+        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.vec, B.N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+    )
+    _attn_bwd_pingpong_fp8_kernel[(kb.n_items,)](
+        *descs, dk32, dv, kb.items, kb.n_items, Hq // Hkv, Hq, prep.cpt, prep.cds, qkv.sk,
+        qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES,
+        CAUSAL=bool(causal), PINGPONG=bool(pingpong), MMA_REGS_=MMA_REGS,
+        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, num_warps=4)
+    B.fp8_post(prep.dq_acc, dk32, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
+    return dq, dk, dv
+
+
 def attention_backward_pingpong(dout, out, lse, q, k, v, cu_seqlens, causal=True,
                                 softmax_scale=None, pingpong=False):
     """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90 (default unordered dQ
@@ -318,6 +565,54 @@ def check(seed: int = 5) -> bool:
                           f"causal={causal}: dq/dk/dv rel err {errs[0]:.2e}/{errs[1]:.2e}/"
                           f"{errs[2]:.2e} (library {lib_errs[0]:.2e}/{lib_errs[1]:.2e}/"
                           f"{lib_errs[2]:.2e}); dk, dv bitwise the library's: {same}", flush=True)
+    ok_all &= check_fp8(g)
+    return ok_all
+
+
+def _fp8_inputs(lengths, Hq, Hkv, D, causal, g):
+    """bf16 q, k, v, dO, the flamia bf16 forward's out / lse (standing in for the fp8 forward's
+    out, lse and row max: the backward's work does not depend on them) and quantize_qkv's fp8
+    operands, as bwd_sm90_dev.py times the fp8 kernel."""
+    import flamia
+    from flamia.inputs import cu_seqlens_from_lengths
+    from flamia.ops.quantize import quantize_qkv
+    T = sum(lengths)
+    q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
+                   for h in (Hq, Hkv, Hkv, Hq))
+    cu = cu_seqlens_from_lengths(lengths, device="cuda")
+    m = max(lengths)
+    o, lse = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, recipe="bf16", causal=causal,
+                                            return_lse=True, check_finite=False)
+    return do, o, lse.contiguous(), quantize_qkv(q, k, v, cu, "fp8", causal), cu
+
+
+def check_fp8(g) -> bool:
+    """GPU: the split fp8 kernel against the library's fp8 kernel on the same operands (memory
+    poisoned): dk, dv bitwise expected, dq equal up to the order of fp32 adds."""
+    from bwd_sm90_dev import poison
+    ok_all = True
+    for lengths, Hq, Hkv in (([700, 0, 1, 2, 513, 129, 64], 8, 2), ([2048, 1, 900], 4, 4),
+                             ([64, 64, 1, 127, 129], 32, 8)):
+        for D in (64, 128):
+            for causal in (True, False):
+                do, o, lse, qkv, cu = _fp8_inputs(lengths, Hq, Hkv, D, causal, g)
+                poison()
+                lib = B.attention_backward_sm90_fp8(do, o, lse, lse, qkv, cu, causal)
+                for pp in (False, True):
+                    poison()
+                    got = attention_backward_pingpong_fp8(do, o, lse, lse, qkv, cu, causal,
+                                                          pingpong=pp)
+                    finite = all(bool(torch.isfinite(x).all()) for x in got)
+                    same = [torch.equal(a, b) for a, b in zip(got[1:], lib[1:])]
+                    dq_rel = ((got[0].double() - lib[0].double()).norm()
+                              / lib[0].double().norm().clamp_min(1e-30)).item()
+                    close = all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+                                for a, b in zip(got[1:], lib[1:]))
+                    ok = finite and close and dq_rel < 1e-2
+                    ok_all &= ok
+                    print(f"{'ok  ' if ok else 'FAIL'} fp8 pingpong={pp} {lengths} {Hq}/{Hkv} "
+                          f"D={D} causal={causal}: dq rel diff to the library {dq_rel:.2e}; "
+                          f"dk, dv bitwise the library's: {same}", flush=True)
     return ok_all
 
 
@@ -329,8 +624,8 @@ def time_suite(names):
     from flamia.inputs import cu_seqlens_from_lengths
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
-    print("| workload | library ms | split ms | split + ping-pong ms | library / split | "
-          "library / ping-pong |\n| --- | --- | --- | --- | --- | --- |")
+    print("| workload | recipe | library ms | split ms | split + ping-pong ms | library / split "
+          "| library / ping-pong |\n| --- | --- | --- | --- | --- | --- | --- |")
     for w in wl:
         if names and w["name"] not in names:
             continue
@@ -346,13 +641,21 @@ def time_suite(names):
         new = cuda_ms(lambda: attention_backward_pingpong(do, o, lse, q, k, v, cu, True))
         pp = cuda_ms(lambda: attention_backward_pingpong(do, o, lse, q, k, v, cu, True,
                                                          pingpong=True))
-        print(f"| {w['name']} | {lib:.3f} | {new:.3f} | {pp:.3f} | {lib / new:.3f} | "
+        print(f"| {w['name']} | bf16 | {lib:.3f} | {new:.3f} | {pp:.3f} | {lib / new:.3f} | "
+              f"{lib / pp:.3f} |", flush=True)
+        from flamia.ops.quantize import quantize_qkv
+        qkv = quantize_qkv(q, k, v, cu, "fp8", True)
+        lib = cuda_ms(lambda: B.attention_backward_sm90_fp8(do, o, lse, lse, qkv, cu, True))
+        new = cuda_ms(lambda: attention_backward_pingpong_fp8(do, o, lse, lse, qkv, cu, True))
+        pp = cuda_ms(lambda: attention_backward_pingpong_fp8(do, o, lse, lse, qkv, cu, True,
+                                                             pingpong=True))
+        print(f"| {w['name']} | fp8 | {lib:.3f} | {new:.3f} | {pp:.3f} | {lib / new:.3f} | "
               f"{lib / pp:.3f} |", flush=True)
 
 
-def compile_report(dims, lines, pingpong=False):
+def compile_report(dims, lines, pingpong=False, fp8=False):
     """CPU: the sm_90a build per D."""
-    from benchmarks.tools.compile import compile_only, ptx_counts, resource_usage
+    from benchmarks.tools.compile import compile_only, fake_qkv, ptx_counts, resource_usage
     from benchmarks.tools.sass import by_source_line, main_loop, parse, sass_of
     for D in dims:
         T, Hq, Hkv = 1024, 8, 2
@@ -360,13 +663,19 @@ def compile_report(dims, lines, pingpong=False):
                           for h in (Hq, Hkv, Hkv, Hq, Hq))
         cu = torch.tensor([0, 300, T], dtype=torch.int32)
         with compile_only() as built:
-            attention_backward_pingpong(do, o, torch.zeros(Hq, T), q, k, v, cu, True,
-                                        pingpong=pingpong)
-        kern = dict(built)["_attn_bwd_pingpong_kernel"]
+            if fp8:
+                attention_backward_pingpong_fp8(do, o, torch.zeros(Hq, T), torch.zeros(Hq, T),
+                                                fake_qkv(T, Hq, Hkv, D, "fp8"), cu, True,
+                                                pingpong=pingpong)
+            else:
+                attention_backward_pingpong(do, o, torch.zeros(Hq, T), q, k, v, cu, True,
+                                            pingpong=pingpong)
+        kern = dict(built)["_attn_bwd_pingpong_fp8_kernel" if fp8 else
+                           "_attn_bwd_pingpong_kernel"]
         u = resource_usage(kern)
         ptx = kern.asm["ptx"]
         loop = main_loop(parse(sass_of(kern)))
-        print(f"D={D} pingpong={pingpong}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
+        print(f"{'fp8' if fp8 else 'bf16'} D={D} pingpong={pingpong}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
               f"stack={u['stack']} spills={u['spill_stores']} smem={u['shared']} "
               f"serialized={u['wgmma_serialized']} wgmma={ptx.count('wgmma.mma_async')} "
               f"bar.sync={ptx.count('bar.sync') + ptx.count('barrier.sync')}; "
@@ -388,8 +697,9 @@ def main():
     ap.add_argument("--workloads", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        for pp in (False, True):
-            compile_report([int(x) for x in args.dims.split(",")], args.lines, pp)
+        for fp8 in (False, True):
+            for pp in (False, True):
+                compile_report([int(x) for x in args.dims.split(",")], args.lines, pp, fp8)
         return
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     ok = check() if args.check else True

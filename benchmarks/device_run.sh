@@ -4,6 +4,10 @@
 #
 #   bash benchmarks/device_run.sh STAGE[:SECONDS] ...
 #
+# STAGE may be A+B+...: those stages run side by side, each under the limit (the GPU test files
+# are small and mostly wait on builds and float64 references on 16 CPU cores; timings do not
+# belong in such a group).
+#
 # Stages: fa4-part1 (FlashAttention-4's first part to /var/tmp/fa4, below), tests-bwd (the
 # backward kernels, tests/gpu/test_backward_gpu.py), tests-sm90 (the one-pass Hopper backward
 # and its fuzz), tests-fp8 (its fp8 recipe's kernel; FP8_TESTS: extra pytest args),
@@ -79,10 +83,8 @@ run_stage() {  # name seconds command...
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$summary"
 }
 
-for spec in "$@"; do
-  name=${spec%%:*}
-  secs=${spec#*:}
-  [ "$secs" = "$spec" ] && secs=300
+stage() {  # name seconds: one stage
+  local name=$1 secs=$2
   case $name in
     fa4-part1) run_stage "$name" "$secs" bash -c 'mkdir -p /var/tmp/fa4 &&
              cp .fa4/a/part.aa /var/tmp/fa4/ && ls -l /var/tmp/fa4' ;;
@@ -168,6 +170,24 @@ for spec in "$@"; do
       done ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
+}
+
+for spec in "$@"; do
+  name=${spec%%:*}
+  secs=${spec#*:}
+  [ "$secs" = "$spec" ] && secs=300
+  if [ "$name" = "${name#*+}" ]; then
+    stage "$name" "$secs"
+  else   # a+b+...: the stages side by side (tests that share the GPU lightly), each its own limit
+    for one in $(echo "$name" | tr + ' '); do
+      stage "$one" "$secs" >"$OUT/.console-$one" 2>&1 &
+    done
+    wait
+    for one in $(echo "$name" | tr + ' '); do
+      cat "$OUT/.console-$one"
+      rm -f "$OUT/.console-$one"
+    done
+  fi
 done
 echo "=== summary ==="
 cat "$summary"

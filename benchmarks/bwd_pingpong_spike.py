@@ -654,9 +654,9 @@ def time_suite(names):
 
 
 def compile_report(dims, lines, pingpong=False, fp8=False):
-    """CPU: the sm_90a build per D."""
-    from benchmarks.tools.compile import compile_only, fake_qkv, ptx_counts, resource_usage
-    from benchmarks.tools.sass import by_source_line, main_loop, parse, sass_of
+    """CPU: the sm_90a build per D (bwd_sm90_compile.report)."""
+    from benchmarks.bwd_sm90_compile import report
+    from benchmarks.tools.compile import compile_only, fake_qkv
     for D in dims:
         T, Hq, Hkv = 1024, 8, 2
         q, k, v, do, o = (torch.randn(T, h, D).to(torch.bfloat16)
@@ -672,19 +672,7 @@ def compile_report(dims, lines, pingpong=False, fp8=False):
                                             pingpong=pingpong)
         kern = dict(built)["_attn_bwd_pingpong_fp8_kernel" if fp8 else
                            "_attn_bwd_pingpong_kernel"]
-        u = resource_usage(kern)
-        ptx = kern.asm["ptx"]
-        loop = main_loop(parse(sass_of(kern)))
-        print(f"{'fp8' if fp8 else 'bf16'} D={D} pingpong={pingpong}: regs={u['regs']} setmaxnreg={ptx_counts(ptx)['partition_regs']} "
-              f"stack={u['stack']} spills={u['spill_stores']} smem={u['shared']} "
-              f"serialized={u['wgmma_serialized']} wgmma={ptx.count('wgmma.mma_async')} "
-              f"bar.sync={ptx.count('bar.sync') + ptx.count('barrier.sync')}; "
-              f"main loop {len(loop)} SASS")
-        if lines:
-            for where, ops in sorted(by_source_line(kern, loop).items(),
-                                     key=lambda kv: -sum(kv[1].values())):
-                print(f"  {where:28s} {sum(ops.values()):5d}  "
-                      + " ".join(f"{o}:{n}" for o, n in ops.most_common(6)))
+        report(kern, f"{'fp8' if fp8 else 'bf16'} D={D} pingpong={pingpong}", True, lines)
 
 
 def main():

@@ -47,6 +47,28 @@ def build_fp8(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, deterministic=
     return dict(built)
 
 
+def report(kern, label: str, sass: bool = True, lines: bool = False) -> None:
+    """Print one sm_90a build: registers (and the partitions' setmaxnreg), spills, shared
+    memory, wgmma serialization and count, bar.syncs; sass: the main loop's SASS count; lines:
+    its opcodes per source line, most first."""
+    u = resource_usage(kern)
+    ptx = kern.asm["ptx"]
+    c = ptx_counts(ptx)
+    print(f"{label}: regs={u['regs']} setmaxnreg={c['partition_regs']} stack={u['stack']} "
+          f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
+          f"wgmma={c['wgmma']} bar.sync={c['bar']}")
+    if sass:
+        from benchmarks.tools.sass import main_loop, parse, sass_of
+        loop = main_loop(parse(sass_of(kern)))
+        print(f"  main loop: {len(loop)} SASS")
+        if lines:
+            from benchmarks.tools.sass import by_source_line
+            for where, ops in sorted(by_source_line(kern, loop).items(),
+                                     key=lambda kv: -sum(kv[1].values())):
+                print(f"  {where:28s} {sum(ops.values()):5d}  "
+                      + " ".join(f"{o}:{n}" for o, n in ops.most_common(6)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="64,128")
@@ -67,25 +89,10 @@ def main():
         else:
             built = build(D, cfg)
             kern = built["_attn_bwd_sm90_kernel"]
-        u = resource_usage(kern)
-        ptx = kern.asm["ptx"]
-        regs = ptx_counts(ptx)["partition_regs"]
-        print(f"D={D} m{cfg.block_m}n128: regs={u['regs']} setmaxnreg={regs} stack={u['stack']} "
-              f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
-              f"wgmma={ptx.count('wgmma.mma_async')}")
+        report(kern, f"D={D} m{cfg.block_m}n128", args.sass, args.lines)
         if args.ptx:
             with open(f"{args.ptx}.D{D}.ptx", "w") as f:
-                f.write(ptx)
-        if args.sass:
-            from benchmarks.tools.sass import main_loop, parse, sass_of
-            loop = main_loop(parse(sass_of(kern)))
-            print(f"  main loop: {len(loop)} SASS")
-            if args.lines:
-                from benchmarks.tools.sass import by_source_line
-                for where, ops in sorted(by_source_line(kern, loop).items(),
-                                         key=lambda kv: -sum(kv[1].values())):
-                    print(f"  {where:28s} {sum(ops.values()):5d}  "
-                          + " ".join(f"{o}:{n}" for o, n in ops.most_common(6)))
+                f.write(kern.asm["ptx"])
 
 
 if __name__ == "__main__":

@@ -67,6 +67,18 @@ if HAVE_GLUON:
         return bars
 
     @gluon.jit
+    def _await_turn(turn, k, WG: gl.constexpr):
+        """Before GEMM burst k of a warpgroup (two per step): wg 1 waits until wg 0 has issued
+        its burst k, wg 0 (from its second burst on) until wg 1 has issued burst k - 1. `turn`
+        holds one mbarrier per warpgroup, which the other arrives on after each of its bursts
+        (completion n has parity n & 1; strict alternation keeps every waiter within one
+        completion, so parities cannot alias)."""
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (k - 1) & 1, pred=k >= 1)
+        else:
+            mbarrier.wait(turn.index(1), k & 1)
+
+    @gluon.jit
     def _pp_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP,
                       BN: gl.constexpr, CAUSAL: gl.constexpr):
         """Per step, reduce-adds the two warpgroups' partial dQ tiles (one buffer each)."""
@@ -92,9 +104,8 @@ if HAVE_GLUON:
                     WG: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
         """MMA warpgroup WG (4 warps): keys [64 WG, 64 WG + 64) of the block, every step.
         PINGPONG: the two warpgroups issue their GEMM bursts (S^T and dP^T; dV, dQ's first half
-        and dK) in turns, wg 0 first: burst k of one waits until the other has issued its
-        burst k (wg 1) or k - 1 (wg 0), through the mbarrier pair `turn`, so one's element-wise
-        work falls under the other's GEMMs."""
+        and dK) in turns, wg 0 first (_await_turn), so one's element-wise work falls under the
+        other's GEMMs."""
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -131,11 +142,8 @@ if HAVE_GLUON:
                 mbarrier.wait(q_ready.index(s), ph)
                 if edge_q:    # both warpgroups write the same zeros
                     _zero_rows_from(q_tile, L - q0, 4)
-                if PINGPONG:      # burst 2i
-                    if WG == 0:
-                        mbarrier.wait(turn.index(0), 1, pred=i >= 1)
-                    else:
-                        mbarrier.wait(turn.index(1), 0)
+                if PINGPONG:
+                    _await_turn(turn, 2 * i, WG)
                 st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
                                    gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
                                    is_async=True)
@@ -170,11 +178,8 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()          # this partition's 4 warps only
                 dsa = gl.convert_layout(dsb, a_layout)
-                if PINGPONG:      # burst 2i + 1
-                    if WG == 0:
-                        mbarrier.wait(turn.index(0), 0)
-                    else:
-                        mbarrier.wait(turn.index(1), 1)
+                if PINGPONG:
+                    _await_turn(turn, 2 * i + 1, WG)
                     dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 # the partial dQ in two column halves (32 accumulator registers each, not 64)
                 dq0 = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(0, DH, dim=1),
@@ -308,10 +313,7 @@ if HAVE_GLUON:
                 c = diag.to(gl.int32)
                 mbarrier.wait(q_ready.index(s), ph)
                 if PINGPONG:
-                    if WG == 0:
-                        mbarrier.wait(turn.index(0), 1, pred=i >= 1)
-                    else:
-                        mbarrier.wait(turn.index(1), 0)
+                    _await_turn(turn, 2 * i, WG)
                 st = warpgroup_mma(k_smem.index(c).slice(WG * KW, KW),
                                    q_smem.index(s).permute((1, 0)),
                                    gl.zeros([KW, BM], gl.float32, s_layout), use_acc=False,
@@ -365,10 +367,7 @@ if HAVE_GLUON:
                 ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
                 mbarrier.wait(kt_ready, 0)
                 if PINGPONG:
-                    if WG == 0:
-                        mbarrier.wait(turn.index(0), 0)
-                    else:
-                        mbarrier.wait(turn.index(1), 1)
+                    _await_turn(turn, 2 * i + 1, WG)
                     dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 dq0 = warpgroup_mma(ds_w, kt_w.slice(0, DH).permute((1, 0)),
                                     gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,

@@ -28,7 +28,11 @@
 # benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of the forward and
 # one-pass backward kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd
 # (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS;
-# NCU_ARGS=--fp8: flamia's fp8 kernel instead).
+# NCU_ARGS=--fp8: flamia's fp8 kernel instead), ptest-NAME / pab-NAME (a prepared patch,
+# benchmarks/patches/NAME.patch, applied to a copy of the tree in /tmp/patched/NAME: the fp8
+# kernel's GPU tests there, PATCH_TESTS: more pytest args; its whole fp8 and bf16 backward timed
+# against this tree's backward_sm90.py in one process, PAB_ARGS: more bwd_sm90_dev.py args; a
+# ptest and a pab of one patch must not share a + group).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -72,6 +76,16 @@ fi
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 
 summary="$OUT/summary.txt"
+patched_tree() {  # NAME: /tmp/patched/NAME, the tree with benchmarks/patches/NAME.patch applied
+  local d=/tmp/patched/$1 p=$PWD/benchmarks/patches/$1.patch
+  if [ ! -f "$d/.applied" ]; then
+    rm -rf "$d" && mkdir -p "$d" || return 1
+    tar cf - --exclude=benchmarks/results flamia tests benchmarks pyproject.toml | tar xf - -C "$d"
+    (cd "$d" && { git apply "$p" 2>/dev/null || patch -s -p1 <"$p"; }) || return 1
+    touch "$d/.applied"
+  fi
+  echo "$d"
+}
 : >"$summary"
 run_stage() {  # name seconds command...
   local name=$1 secs=$2; shift 2
@@ -168,6 +182,20 @@ stage() {  # name seconds: one stage
         head -c 6000 "$OUT/ncu-bwd-$wl-source.txt"
         gzip -f "$OUT/ncu-bwd-$wl-source.csv"
       done ;;
+    ptest-*|pab-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
+      local pname=${name#p*-} d
+      if ! d=$(patched_tree "$pname"); then
+        echo "$name: benchmarks/patches/$pname.patch does not apply" | tee -a "$summary"
+        return
+      fi
+      cp flamia/ops/backward_sm90.py /tmp/patched/main_bwd.py   # the A/B base: this tree's module
+      if [ "${name%%-*}" = ptest ]; then
+        run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
+          python -m pytest -q -s -x tests/gpu/test_backward_sm90_fp8_gpu.py ${PATCH_TESTS:-}"
+      else
+        run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
+          python benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py ${PAB_ARGS:-}"
+      fi ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac
 }

@@ -58,9 +58,11 @@ def report(kern, label: str, sass: bool = True, lines: bool = False) -> None:
           f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
           f"wgmma={c['wgmma']} bar.sync={c['bar']}")
     if sass:
-        from benchmarks.tools.sass import main_loop, parse, sass_of
-        loop = main_loop(parse(sass_of(kern)))
-        print(f"  main loop: {len(loop)} SASS")
+        from benchmarks.tools.sass import describe_paths, main_loop, parse, sass_of
+        text = sass_of(kern)
+        loop = main_loop(parse(text))
+        print(f"  main loop: {len(loop)} SASS; one step issues, by the branches it takes:")
+        print(describe_paths(text))
         if lines:
             from benchmarks.tools.sass import by_source_line
             for where, ops in sorted(by_source_line(kern, loop).items(),

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from benchmarks.tools import compile as tools  # noqa: E402
 from benchmarks.tools.sass import (  # noqa: E402
-    by_source_line, common_path, local_memory_ops, main_loop, parse, sass_of,
+    by_source_line, common_path, describe_paths, local_memory_ops, main_loop, parse, sass_of,
 )
 
 
@@ -108,6 +108,8 @@ def main():
           f"(local memory ops {local}); regs/spills {usage['regs']}/{usage['spill_stores']} B")
     print(f"common path (every tile, branches skipped): {len(common)} "
           f"(local memory ops {local_memory_ops(common)})")
+    print("one tile issues, by the branches it takes (the shortest: unmasked, no edge):")
+    print(describe_paths(sass))
     for op, n in hist.most_common(args.top):
         print(f"  {op:10s} {n:5d}")
     if args.lines:

@@ -1,7 +1,8 @@
 """benchmarks/tools/sass.py on a hand-written SASS listing (no compiler needed): the main loop is the
 shortest backward-branch span holding a GMMA, never a span through the kernel's EXIT (ptxas puts
 an mbarrier wait's retry path after EXIT and branches back into the loop from there)."""
-from benchmarks.tools.sass import common_path, local_memory_ops, main_loop, parse
+from benchmarks.tools.sass import (common_path, local_memory_ops, loop_paths, main_loop, parse,
+                                   predicated)
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -36,3 +37,16 @@ def test_main_loop_skips_the_retry_path_after_exit():
     assert [a for a, _, _ in common] == [0x100, 0x110, 0x120, 0x130, 0x140, 0x150, 0x160, 0x190,
                                          0x1A0]
     assert local_memory_ops(common) == 0
+
+
+def test_loop_paths_take_both_ways_of_a_predicated_branch_inside_the_loop():
+    instrs = parse(LISTING)
+    loop = main_loop(instrs)
+    assert predicated(LISTING) == {0x130, 0x160, 0x1A0, 0x310}
+    paths = loop_paths(loop, predicated(LISTING))
+    # @P1 BRA 0x190 skips the spill pair or not; @!P0 BRA 0x300 leaves the loop: not taken
+    assert sorted(len(p) for p in paths) == [9, 11]
+    assert [a for a, _, _ in min(paths, key=len)] == [a for a, _, _ in common_path(loop)]
+    # an unconditional branch inside the loop is followed, the code it jumps over never runs
+    jump = LISTING.replace("@P1 BRA 0x190", "BRA 0x190")
+    assert [len(p) for p in loop_paths(main_loop(parse(jump)), predicated(jump))] == [9]

@@ -63,6 +63,52 @@ def common_path(loop):
     return [x for x in loop if x[0] not in skipped]
 
 
+def predicated(sass: str) -> set:
+    """Addresses of the instructions that carry a predicate (@P0, @!UP1, ...)."""
+    return {int(m.group(1), 16) for m in LINE.finditer(sass) if m.group(2)}
+
+
+def loop_paths(loop, conditional: set) -> list:
+    """Every path through one iteration of `loop` (main_loop's instructions): at a conditional
+    forward branch inside the loop (its address in `conditional`, predicated()) both ways, an
+    unconditional one followed, a branch out of the loop (an mbarrier wait's retry path) not
+    taken. Each path is the list of instructions a warp issues, the shortest usually the plain
+    tile (unmasked, no edge), the others its masked and edge variants."""
+    if not loop:
+        return []
+    index = {x[0]: i for i, x in enumerate(loop)}
+    lo, hi = loop[0][0], loop[-1][0]
+    paths = []
+
+    def walk(i, path):
+        while i < len(loop):
+            addr, op, args = loop[i]
+            path = path + [loop[i]]
+            t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+            if t and i < len(loop) - 1 and addr < int(t.group(1), 16) <= hi:
+                walk(index[int(t.group(1), 16)], path)
+                if addr not in conditional:
+                    return
+            i += 1
+        paths.append(path)
+
+    walk(0, [])
+    return paths
+
+
+def describe_paths(sass: str) -> str:
+    """One line per distinct path through the main loop of `sass` (loop_paths), shortest first:
+    its length and its MUFU, GMMA, BAR (bar.sync / bar.arrive) and SHFL counts."""
+    loop = main_loop(parse(sass))
+    rows = set()
+    for path in loop_paths(loop, predicated(sass)):
+        n = {k: sum(op.startswith(k) or k == "GMMA" and k in op for _, op, _ in path)
+             for k in ("MUFU", "GMMA", "BAR", "SHFL")}
+        rows.add((len(path),) + tuple(n.values()))
+    return "\n".join(f"  path {n:5d} SASS: MUFU {m}, GMMA {g}, BAR {b}, SHFL {sh}"
+                     for n, m, g, b, sh in sorted(rows))
+
+
 def by_source_line(kernel, instrs) -> dict:
     """{"file.py:line": Counter(opcode)} for the given instructions (e.g. a loop's common path),
     from the line table ptxas keeps in the cubin (`nvdisasm -g`; triton compiles with line

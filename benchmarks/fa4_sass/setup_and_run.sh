@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # CPU-only: build a Python 3.11 venv with FA4 4.0.0b36 + CuTe DSL 4.8.1 (cp311 wheels), compile the
-# SM90 bf16 backward (causal, varlen, 32q/8kv heads) for hdim 128 and 64, and disassemble + analyse.
+# SM90 bf16 backward and forward (causal, varlen, 32q/8kv heads) for hdim 128 and 64, and disassemble + analyse.
 #   bash benchmarks/fa4_sass/setup_and_run.sh [WORKDIR=/tmp/fa4sass]    # SASS etc. under WORKDIR/out
 set -euo pipefail
 W=${1:-/tmp/fa4sass}; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
 FA4B=${FA4B:-$ROOT/.fa4/b}   # ../shared/tools/fa4_wheels.sh builds it
 mkdir -p "$W/whl311"; cd "$W"
 [ -f compile_fa4_bwd.py ] || cp "$HERE/compile_fa4_bwd.py" "$HERE/analyze_sass.py" .
+cp "$HERE/compile_fa4_fwd.py" .
 if [ ! -x venv/bin/python ]; then
   python3.11 -m venv venv
   . venv/bin/activate
@@ -22,4 +23,14 @@ export TRITON_NV_BIN=${TRITON_NV_BIN:-$(ls -d "$ROOT"/.venv/lib/python3*/site-pa
 for h in 128 64; do
   python compile_fa4_bwd.py $h out/hd$h
   for f in out/hd$h/*.sass; do python analyze_sass.py "$f" --dump out/hd$h/loops > "${f%.sass}.analysis.txt"; done
+done
+# forward (FA4's default sm90 config: hd128 128x128, hd64 192x128, pack_gqa, RS, intra-WG overlap)
+for h in 128 64; do
+  rm -rf out/hd${h}_fwd/loops
+  python compile_fa4_fwd.py $h out/hd${h}_fwd
+  for f in out/hd${h}_fwd/*.sass; do
+    python analyze_sass.py "$f" --dump out/hd${h}_fwd/loops > "${f%.sass}.analysis.txt"
+    # per-opcode histograms of the MMA-warpgroup main-loop bodies (loops with HGMMA)
+    python compile_fa4_fwd.py --hist $(grep -l HGMMA out/hd${h}_fwd/loops/$(basename "${f%%.*}")_loop*.sass) >> "${f%.sass}.analysis.txt"
+  done
 done

@@ -33,8 +33,8 @@
 # tests of the kernel it changes there (the fp8 backward's, or the forward's when it changes
 # forward_gluon.py), PATCH_TESTS: more pytest args; that kernel timed against this tree's module
 # in one process (bwd_sm90_dev.py --fp8 --ab: the whole backward, both recipes; fwd_ab.py
-# --gluon: the forward kernel at D=128), PAB_ARGS: more args; a ptest and a pab of one patch
-# must not share a + group).
+# --gluon: the forward kernel at D=128), PAB_ARGS / PAB_FWD_ARGS: more args of the backward's /
+# the forward's A/B script; a ptest and a pab of one patch must not share a + group).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -194,17 +194,17 @@ stage() {  # name seconds: one stage
       cp flamia/ops/backward_sm90.py /tmp/patched/main_bwd.py
       cp flamia/ops/forward_gluon.py /tmp/patched/main_fwd.py
       local tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
-      local ab="benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py"
+      local ab="benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py ${PAB_ARGS:-}"
       if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "benchmarks/patches/$pname.patch"; then
         tests="tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_forward_gpu.py"
-        ab="benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5"
+        ab="benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}"
       fi
       if [ "${name%%-*}" = ptest ]; then
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
           python -m pytest -q -s -x $tests ${PATCH_TESTS:-}"
       else
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
-          python $ab ${PAB_ARGS:-}"
+          python $ab"
       fi ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac

@@ -85,7 +85,10 @@ def main():
         shapes = collections.Counter(re.sub(r'\s+', ' ', x['op']) for x in body if x['op'].startswith('HGMMA'))
         for k, v in shapes.items(): print(f"   HGMMA shape {k}: {v}")
         rs = sum(1 for x in body if x['op'].startswith('HGMMA') and re.match(r'HGMMA\S*\s+R\d+,\s*R\d+', x['text']))
-        if c['HGMMA']: print(f"   HGMMA with A from registers (RS): {rs}, A from smem (SS): {c['HGMMA']-rs}")
+        if c['HGMMA']:
+            print(f"   HGMMA with A from registers (RS): {rs}, A from smem (SS): {c['HGMMA']-rs}")
+            ops = collections.Counter(x['op'].split('.')[0] for x in body)
+            print("   per opcode: " + "  ".join(f"{k}:{v}" for k, v in ops.most_common()))
         fwd = [(x['addr'], x['text']) for x in body if x['op'].startswith('BRA') and x is not ins[e]]
         for a, t in fwd:
             print(f"   inner branch @0x{a:04x}: {t}")

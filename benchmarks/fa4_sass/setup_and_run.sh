@@ -6,8 +6,7 @@ set -euo pipefail
 W=${1:-/tmp/fa4sass}; HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$HERE/../.." && pwd)
 FA4B=${FA4B:-$ROOT/.fa4/b}   # ../shared/tools/fa4_wheels.sh builds it
 mkdir -p "$W/whl311"; cd "$W"
-[ -f compile_fa4_bwd.py ] || cp "$HERE/compile_fa4_bwd.py" "$HERE/analyze_sass.py" .
-cp "$HERE/compile_fa4_fwd.py" .
+cp "$HERE"/fa4_compile.py "$HERE"/compile_fa4_bwd.py "$HERE"/compile_fa4_fwd.py "$HERE"/analyze_sass.py .
 if [ ! -x venv/bin/python ]; then
   python3.11 -m venv venv
   . venv/bin/activate
@@ -28,9 +27,5 @@ done
 for h in 128 64; do
   rm -rf out/hd${h}_fwd/loops
   python compile_fa4_fwd.py $h out/hd${h}_fwd
-  for f in out/hd${h}_fwd/*.sass; do
-    python analyze_sass.py "$f" --dump out/hd${h}_fwd/loops > "${f%.sass}.analysis.txt"
-    # per-opcode histograms of the MMA-warpgroup main-loop bodies (loops with HGMMA)
-    python compile_fa4_fwd.py --hist $(grep -l HGMMA out/hd${h}_fwd/loops/$(basename "${f%%.*}")_loop*.sass) >> "${f%.sass}.analysis.txt"
-  done
+  for f in out/hd${h}_fwd/*.sass; do python analyze_sass.py "$f" --dump out/hd${h}_fwd/loops > "${f%.sass}.analysis.txt"; done
 done

@@ -30,11 +30,12 @@
 # (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS;
 # NCU_ARGS=--fp8: flamia's fp8 kernel instead), ptest-NAME / pab-NAME (a prepared patch,
 # benchmarks/patches/NAME.patch, applied to a copy of the tree in /tmp/patched/NAME: the GPU
-# tests of the kernel it changes there (the fp8 backward's, or the forward's when it changes
-# forward_gluon.py), PATCH_TESTS: more pytest args; that kernel timed against this tree's module
-# in one process (bwd_sm90_dev.py --fp8 --ab: the whole backward, both recipes; fwd_ab.py
-# --gluon: the forward kernel at D=128), PAB_ARGS / PAB_FWD_ARGS: more args of the backward's /
-# the forward's A/B script; a ptest and a pab of one patch must not share a + group).
+# tests of each kernel module it changes there (backward_sm90.py: both backward kernels';
+# forward_gluon.py: the forward's), PATCH_TESTS: more pytest args; each such kernel timed against
+# this tree's module in one process (bwd_sm90_dev.py --fp8 --ab: the whole backward, both
+# recipes; fwd_ab.py --gluon: the forward kernel at D=128), PAB_ARGS / PAB_FWD_ARGS: more args
+# of the backward's / the forward's A/B script; a ptest and a pab of one patch must not share a
+# + group).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -190,21 +191,28 @@ stage() {  # name seconds: one stage
         echo "$name: benchmarks/patches/$pname.patch does not apply" | tee -a "$summary"
         return
       fi
-      # the A/B bases: this tree's modules; a patch to forward_gluon.py is a forward one
+      # the A/B bases: this tree's modules. The tests and A/Bs of each kernel module the patch
+      # changes: backward_sm90.py (both backward kernels), forward_gluon.py (the forward)
       cp flamia/ops/backward_sm90.py /tmp/patched/main_bwd.py
       cp flamia/ops/forward_gluon.py /tmp/patched/main_fwd.py
-      local tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
-      local ab="benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py ${PAB_ARGS:-}"
-      if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "benchmarks/patches/$pname.patch"; then
-        tests="tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_forward_gpu.py"
-        ab="benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}"
+      local tests="" abs=() p="benchmarks/patches/$pname.patch"
+      if grep -q '^diff --git a/flamia/ops/backward_sm90.py' "$p"; then
+        tests="tests/gpu/test_backward_sm90_fp8_gpu.py tests/gpu/test_backward_sm90_gpu.py"
+        abs+=("benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py ${PAB_ARGS:-}")
       fi
+      if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "$p"; then
+        tests="$tests tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_forward_gpu.py"
+        abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
+      fi
+      [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
       if [ "${name%%-*}" = ptest ]; then
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
           python -m pytest -q -s -x $tests ${PATCH_TESTS:-}"
       else
+        local cmds="true" ab
+        for ab in "${abs[@]}"; do cmds="$cmds && python $ab"; done
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
-          python $ab"
+          $cmds"
       fi ;;
     *) echo "unknown stage $name" | tee -a "$summary" ;;
   esac

@@ -1,7 +1,7 @@
 """The one-pass Hopper backward (flamia/ops/backward_sm90.py) on a CPU-only machine: its work list
-and padded query layout, and its sm_90a build (registers, spills, wgmma serialization). Its
-numerics are checked on the H200 by tests/gpu/test_backward_sm90_gpu.py (Gluon does not run in
-the Triton interpreter)."""
+and padded query layout, and the sm_90a builds of its bf16 and fp8 kernels (registers, spills,
+wgmma serialization). Their numerics are checked on the H200 by tests/gpu/test_backward_sm90_gpu.py
+and test_backward_sm90_fp8_gpu.py (Gluon does not run in the Triton interpreter)."""
 from __future__ import annotations
 
 import json
@@ -64,18 +64,23 @@ def test_key_blocks(causal, BM):
 _SCRIPT = r"""
 import json, re, sys, torch
 from flamia.ops import backward_sm90 as B
-from benchmarks.tools.compile import compile_only, resource_usage
+from benchmarks.tools.compile import compile_only, fake_qkv, resource_usage
 from benchmarks.tools.sass import local_memory_ops, main_loop, parse, sass_of
 out = []
-for D, causal, det in json.loads(sys.argv[1]):
+for recipe, D, causal, det in json.loads(sys.argv[1]):
     T, Hq, Hkv = 1024, 8, 2
     q, do, o = (torch.randn(T, Hq, D).to(torch.bfloat16) for _ in range(3))
     k, v = (torch.randn(T, Hkv, D).to(torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, 300, T], dtype=torch.int32)
     with compile_only() as built:
-        B.attention_backward_sm90(do, o, torch.zeros(Hq, T), q, k, v, cu, causal,
-                                  deterministic=det)
-    kern = dict(built)["_attn_bwd_sm90_kernel"]
+        if recipe == "fp8":
+            B.attention_backward_sm90_fp8(do, o, torch.zeros(Hq, T), torch.zeros(Hq, T),
+                                          fake_qkv(T, Hq, Hkv, D), cu, causal,
+                                          deterministic=det)
+        else:
+            B.attention_backward_sm90(do, o, torch.zeros(Hq, T), q, k, v, cu, causal,
+                                      deterministic=det)
+    kern = dict(built)["_attn_bwd_sm90_" + ("fp8_kernel" if recipe == "fp8" else "kernel")]
     u = resource_usage(kern)
     ptx = kern.asm["ptx"]
     u["partition_regs"] = sorted({int(x) for x in re.findall(
@@ -83,15 +88,17 @@ for D, causal, det in json.loads(sys.argv[1]):
     u["wgmma"] = ptx.count("wgmma.mma_async")
     u["reduce"] = ptx.count("cp.reduce.async.bulk.tensor")
     u["loop_local_ops"] = local_memory_ops(main_loop(parse(sass_of(kern))))
-    out.append(u | {"D": D, "causal": causal, "det": det})
+    out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det})
 print("REPORT" + json.dumps(out))
 """
 
 
 def test_sm90_backward_compiles_clean():
-    jobs = [(128, True, False), (64, True, False), (64, True, True), (64, False, False)]
+    jobs = [("bf16", 128, True, False), ("bf16", 64, True, False), ("bf16", 64, True, True),
+            ("bf16", 64, False, False), ("fp8", 128, True, False), ("fp8", 64, True, False),
+            ("fp8", 64, False, True)]
     for u in compile_report(_SCRIPT, json.dumps(jobs)):
-        tag = f"D={u['D']} causal={u['causal']} deterministic={u['det']}"
+        tag = f"{u['recipe']} D={u['D']} causal={u['causal']} deterministic={u['det']}"
         # D=64 steps of 128 query rows run at the register limit: ptxas parks a few scalars
         # there (20 B, one reload per step, an L1 hit); a spilled tile would be hundreds of
         # bytes and tens of loads per step.

@@ -4,9 +4,10 @@ copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > 
     python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
         [--workloads doc32k,...] [--rounds 3] [--d64-gluon]
 
---gluon copies of forward_gluon.py run the D=128 workloads (their launch(), V^T in token order,
-outputs allocated here as attention_forward does), --triton copies of forward.py the D=64 ones
-(attention_forward with the Triton config, V^T in wgmma order); "current" is the working tree's module. Per workload: one
+--gluon copies of forward_gluon.py run the D=128 workloads (their launch(), outputs allocated
+here as attention_forward does; V^T in wgmma key order, or in token order for a copy whose
+check_operands asks for it), --triton copies of forward.py the D=64 ones (attention_forward
+with the Triton config); "current" is the working tree's module. Per workload: one
 quantize_qkv (fp8, causal), every variant's out / lse / row max on poisoned outputs
 compared with the first variant's (bitwise, or the largest difference relative to max |out|),
 then CUDA-event medians of the forward kernel alone, the variants interleaved over --rounds
@@ -58,8 +59,14 @@ def gluon_forward(mod, x, cu):
     return out, lse, rmax
 
 
-def runner(mod, gluon: bool, x, cu, L, D):
+def runner(mod, gluon: bool, x, cu, L, D, x_token=None):
+    """x: the operands with V^T in wgmma key order; x_token in token order, for a Gluon module
+    that reads that (copies from before both kernels read the key order)."""
     if gluon:
+        try:
+            mod.check_operands(x)
+        except ValueError:
+            x = x_token
         return lambda: gluon_forward(mod, x, cu)
     cfg = triton_forward_config(D, True, torch.device("cuda"))
     return lambda: mod.attention_forward(x, cu, L, True, None, torch.bfloat16, config=cfg,
@@ -82,8 +89,8 @@ def main():
     ap.add_argument("--workloads", default="")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--d64-gluon", action="store_true", help="D=64 workloads: also time the "
-                    "working tree's Gluon kernel (V^T in token order), checked against the "
-                    "Triton kernel by the largest difference")
+                    "working tree's Gluon kernel, checked against the Triton kernel by the "
+                    "largest difference")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     kinds = {True: variants(args.gluon, current_gluon), False: variants(args.triton,
@@ -98,12 +105,12 @@ def main():
         gluon = D == 128
         mods = kinds[gluon]
         q, k, v, cu = make_qkv(lengths, Hq, Hkv, D, "mild", device="cuda", seed=0)
-        x = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=not gluon)
+        x = quantize_qkv(q, k, v, cu, "fp8", True)
+        x_token = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False) if gluon else None
         L = max(lengths)
-        fns = {n: runner(m, gluon, x, cu, L, D) for n, m in mods.items()}
+        fns = {n: runner(m, gluon, x, cu, L, D, x_token) for n, m in mods.items()}
         if args.d64_gluon and not gluon:
-            xt = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
-            fns["gluon"] = runner(current_gluon, True, xt, cu, L, D)
+            fns["gluon"] = runner(current_gluon, True, x, cu, L, D)
         first = None
         row = {"workload": w["name"], "kernel": "gluon" if gluon else "triton"}
         for n, f in fns.items():

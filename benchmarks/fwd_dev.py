@@ -285,7 +285,7 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             c = cfg or default_config(D, recipe != "bf16", q.device)
             fns[cfg_name(cfg)] = (cfg, functools.partial(   # work list memoized on cu
                 attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=c))
-        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order (the Gluon kernel's)
+        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order
             c = default_config(D, True, q.device)
             qkv_tok = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
             fns["default-vt-token-order"] = (None, functools.partial(

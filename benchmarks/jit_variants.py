@@ -51,7 +51,7 @@ def main():
         T = sum(lengths)
         cu = cu_seqlens_from_lengths(lengths)
         q, k, v, do = (torch.zeros(T, h, D, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv, Hq))
-        qkv = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=D != 128)
+        qkv = quantize_qkv(q, k, v, cu, "fp8", causal)
         cfg = PersistentFwdConfig() if D == 128 else triton_forward_config(D, True, cuda)
         out, lse, row_max = attention_forward(qkv, cu, max(lengths), causal, None, torch.bfloat16,
                                               return_row_max=True, config=cfg)

@@ -52,7 +52,7 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     from flamia.ops.config import triton_forward_config
     from flamia.ops.forward import attention_forward
     cfg = with_sets(triton_forward_config(D, recipe != "bf16", torch.device("cuda")), sets)
-    qkv = tools.fake_qkv(2048, 8, 2, D, recipe, vt_mma_order=True)
+    qkv = tools.fake_qkv(2048, 8, 2, D, recipe)
     built = tools.build(attention_forward, qkv, tools.cu_seqlens([1024, 1024]), 1024, causal,
                         None, torch.bfloat16, config=cfg)
     return built["_attn_fwd_kernel"], cfg

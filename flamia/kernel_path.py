@@ -31,7 +31,6 @@ def kernel_forward(q, k, v, cu_seqlens, max_seqlen, recipe: str, causal, softmax
     """(out, lse, qkv): quantize once and run the forward kernel; qkv is what the backward
     needs of the quantization (P3: nothing is quantized twice)."""
     quantize_qkv, attention_forward, _ = kernel_entry_points()[0]
-    # (V^T in the key order of the forward kernel this device runs: ops.config.vt_mma_order)
     qkv = quantize_qkv(q, k, v, cu_seqlens, recipe, causal)
     if qkv.kvblock:   # the token-block backward bounds P^T with the forward's row max
         out, lse, row_max = attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale,

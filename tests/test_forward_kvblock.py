@@ -348,11 +348,10 @@ out = []
 for D, causal in ((128, True), (128, False), (64, True)):
     q, k, v, _ = make_qkv(lengths, 8, 2, D)
     with compile_only() as built:   # outputs unwritten: compile only
-        x = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=False)
+        x = quantize_qkv(q, k, v, cu, "fp8", causal)
         attention_forward(x, cu, 3000, causal, None, torch.bfloat16,
                           config=PersistentFwdConfig(), return_row_max=True)
-        xm = quantize_qkv(q, k, v, cu, "fp8", causal, vt_mma_order=True)
-        attention_forward(xm, cu, 3000, causal, None, torch.bfloat16,
+        attention_forward(x, cu, 3000, causal, None, torch.bfloat16,
                           config=triton_forward_config(D, True, torch.device("cuda")),
                           return_row_max=True)
     for name, kern in built:

@@ -76,9 +76,9 @@ def test_backward_selection(monkeypatch, fake_capability):
         assert isinstance(C.backward_config(D, "fp8", cpu), ReferenceBwdConfig)
         assert isinstance(C.backward_config(D, "bf16", cpu), ReferenceBwdConfig)
     sel = C.select(128, "fp8", cuda)
-    assert isinstance(sel.forward, C.PersistentFwdConfig) and not sel.vt_mma_order
+    assert isinstance(sel.forward, C.PersistentFwdConfig)
     sel = C.select(64, "fp8", cuda)
-    assert isinstance(sel.forward, C.FwdConfig) and sel.vt_mma_order
+    assert isinstance(sel.forward, C.FwdConfig)
     assert isinstance(C.select(128, "bf16", cuda).forward, C.FwdConfig)
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")            # the interpreter, sm_90 present
@@ -98,7 +98,7 @@ def test_backward_selection(monkeypatch, fake_capability):
         assert isinstance(C.backward_config(D, "bf16", cuda), ReferenceBwdConfig)
     sel = C.select(128, "fp8", cuda)
     assert isinstance(sel.backward, ReferenceBwdConfig)
-    assert isinstance(sel.forward, C.FwdConfig) and sel.vt_mma_order
+    assert isinstance(sel.forward, C.FwdConfig)
 
 
 def test_emulated_recipes_never_reach_the_kernels(monkeypatch):

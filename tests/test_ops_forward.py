@@ -331,11 +331,9 @@ def test_persistent_forward_rule(monkeypatch, fake_capability):
         assert get_recipe(name).emulated
         assert not C.uses_persistent_forward(128, get_recipe(name), cuda), name
     assert isinstance(C.forward_config(128, "fp8", cuda), C.PersistentFwdConfig) == ok
-    assert C.vt_mma_order(128, "fp8", cuda) == (not ok)
     for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):
         assert not C.uses_persistent_forward(*args, cuda), args
         assert isinstance(C.forward_config(*args, cuda), C.FwdConfig)
-        assert C.vt_mma_order(*args, cuda)
     assert not C.uses_persistent_forward(128, "fp8", torch.device("cpu"))
     fake_capability((10, 0))
     assert not C.uses_persistent_forward(128, "fp8", cuda)

@@ -23,7 +23,7 @@ from flamia.ops.config import PersistentFwdConfig
 from flamia.ops.forward import attention_forward
 out = []
 for D, causal in json.loads(sys.argv[1]):
-    qkv = fake_qkv(4096, 8, 2, D, vt_mma_order=False)
+    qkv = fake_qkv(4096, 8, 2, D)
     built = build(attention_forward, qkv, cu_seqlens([4096]), 4096, causal, None,
                   torch.bfloat16, config=PersistentFwdConfig())
     u = report(built["_attn_fwd_gluon_persistent_kernel"])
@@ -59,6 +59,6 @@ def test_launcher_checks():
     with pytest.raises(NotImplementedError):
         attention_forward(quantize_qkv(q, k, v, cu, "bf16", True), cu, 40, True, None,
                           torch.bfloat16, config=PersistentFwdConfig())
-    with pytest.raises(ValueError, match="vt_mma_order=False"):
-        attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True), cu,
+    with pytest.raises(ValueError, match="vt_mma_order=True"):
+        attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False), cu,
                           40, True, None, torch.bfloat16, config=PersistentFwdConfig())

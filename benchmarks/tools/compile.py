@@ -171,7 +171,7 @@ def build(fn, *args, **kwargs) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bool = True,
-             vt_mma_order: bool = False):
+             vt_mma_order: bool = True):
     """A QuantizedQKV of zeros (scales one) as quantize_qkv lays it out: fp8 (token-block
     scaling: block and per-token diagonal copies, vt8 in padded columns for two documents) or
     bf16."""

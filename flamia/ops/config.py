@@ -7,8 +7,9 @@ device, the recipe, the head dim and the input dtype, never on a switch. Tile sh
 measured on the H200 (benchmarks/NOTES.md).
 
     forward   fp8 at D=128 on sm_90: the persistent Gluon kernel (forward_gluon),
-              PersistentFwdConfig, V^T in token order
-              otherwise: the Triton kernel (forward), FwdConfig, V^T in wgmma key order (fp8)
+              PersistentFwdConfig
+              otherwise: the Triton kernel (forward), FwdConfig
+              (fp8: both read V^T in wgmma key order, quantize_qkv's default)
     backward  bf16 and fp8 at D=64/128 on sm_90: the one-pass kernel (backward_sm90),
               Sm90BwdConfig (sm90_backward_config)
               elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the reference
@@ -109,13 +110,6 @@ def forward_config(head_dim: int, recipe, device) -> FwdConfig | PersistentFwdCo
     return triton_forward_config(head_dim, _recipe_name(recipe) != "bf16", torch.device(device))
 
 
-def vt_mma_order(head_dim: int, recipe, device) -> bool:
-    """The column order quantize_qkv writes V^T in: wgmma key order for the Triton forward (P's
-    registers are then the PV wgmma's A operand as they are: flamia.ops.kmajor), token order for
-    the persistent Gluon kernel."""
-    return not uses_persistent_forward(head_dim, recipe, device)
-
-
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
     """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (16-bit
     operands: P and dS feed its GEMMs in their dtype) and of fp8, on an sm_90 GPU at head dims
@@ -178,7 +172,6 @@ def backward_config(head_dim: int, recipe, device, dtype=torch.bfloat16):
 @dataclass(frozen=True)
 class Selection:
     """What one call runs (select)."""
-    vt_mma_order: bool          # the V^T column order quantize_qkv writes for the forward
     forward: FwdConfig | PersistentFwdConfig
     backward: object            # Sm90BwdConfig or ReferenceBwdConfig
 
@@ -186,6 +179,5 @@ class Selection:
 def select(head_dim: int, recipe, device, dtype=torch.bfloat16) -> Selection:
     """The kernels and configs of a call with this head dim, recipe, device and input dtype
     (the module docstring's table)."""
-    return Selection(vt_mma_order(head_dim, recipe, device),
-                     forward_config(head_dim, recipe, device),
+    return Selection(forward_config(head_dim, recipe, device),
                      backward_config(head_dim, recipe, device, dtype))

@@ -15,6 +15,9 @@ consumer runs
 
 so each tile's PV wgmma is retired within its tile and P's e4m3 A operand never crosses the
 loop's back edge (where the compiler would repack it); S_{j+1} crosses it in flight instead.
+V^T's columns are in wgmma key order (flamia.ops.kmajor), as the Triton kernel's: P's fp32
+registers are then the A operand's after a register renaming, and each thread packs its 4
+consecutive keys into one register (_key_ordered, _to_e4m3_operand), with no lane shuffles.
 Per row the operation order is the Triton kernel's: acc_j = alpha_j * acc_{j-1} + A_j V_j, l,
 m, the masked / unmasked expressions, the fp8 rounding of A and the epilogue are written the
 same way, so results agree with the Triton kernel to the fp32 rounding of the MMA, and P1 / P2
@@ -58,6 +61,7 @@ if HAVE_GLUON:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     from .gluon_common import alloc_barriers, invalidate_barriers, wgmma_layout
+    from .kmajor import mma_key_order_gluon, mma_order16_gluon
     from .schedule import work_item
 
 
@@ -149,11 +153,35 @@ if HAVE_GLUON:
         return ring.index(st)._reinterpret(gl.float32, [BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     @gluon.jit
+    def _key_ordered(p, o_layout: gl.constexpr):
+        """p (fp32, S's accumulator layout) with its keys in wgmma order (V^T's column order),
+        in the PV wgmma's A operand layout: a register renaming (flamia.ops.kmajor). The identity
+        move before it stops the compiler from carrying the permuted layout back into the
+        softmax, where it turns the masks' index math into bit shuffles (+100 SASS per masked
+        tile); ptxas removes the moves."""
+        p = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        return gl.convert_layout(mma_key_order_gluon(p),
+                                 gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+
+    @gluon.jit
+    def _to_e4m3_operand(a32):
+        """_key_ordered's fp32 values as the e4m3 A operand: each thread packs its 4 consecutive
+        keys (RNE, satfinite, as .to(float8e4nv)) into one register: 2 F2FP + 1 PRMT per 4
+        keys. After the masked / unmasked branches merge: e4m3 values merged from two branches
+        are repacked byte by byte at the wgmma."""
+        a8 = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [a32], dtype=gl.int8, is_pure=True, pack=4)
+        return a8.to(gl.float8e4nv, bitcast=True)
+
+    @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of one masked S tile (the token copies' diagonal tiles, the document's
         end), written like forward._attn_inner (log2 units, lr riding on the subtracted max) ->
-        (A = e4m3(p' sv) as the PV wgmma's A operand, m, l, alpha).
+        (p' sv key-ordered in fp32 (_key_ordered), m, l, alpha).
 
         sk / sv are read from their shared-memory stage here (short register live ranges). Keys
         past the document's end hold a neighbour's scales (maybe NaN): their scores become -inf
@@ -172,9 +200,7 @@ if HAVE_GLUON:
         p = gl.exp2((x - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        a = (p * gl.expand_dims(sv, 0)).to(gl.float8e4nv)          # RNE, satfinite
-        a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
-        return a, m_new, l_i, alpha
+        return _key_ordered(p * gl.expand_dims(sv, 0), o_layout), m_new, l_i, alpha
 
     @gluon.jit
     def _tile_scale(ring, st, BN: gl.constexpr):
@@ -204,16 +230,15 @@ if HAVE_GLUON:
         p = gl.exp2(gl.fma(s, gl.expand_dims(rf, 1), gl.expand_dims(e - m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(lr - e)
-        a = p.to(gl.float8e4nv)                                      # RNE, satfinite
-        a = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
-        return a, m_new, l_i, alpha
+        return _key_ordered(p, o_layout), m_new, l_i, alpha
 
     @gluon.jit
     def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
                       CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
         stage st: masked where the tile reaches past the document's end or past full_end; an
-        unmasked tile reads the block copies (one K and one V scale per tile)."""
+        unmasked tile reads the block copies (one K and one V scale per tile). -> (A, m, l,
+        alpha), A the PV wgmma's e4m3 operand in V^T's key order."""
         BN: gl.constexpr = s.type.shape[1]
         sk_s = _scale_view(sk_smem, st, BN)
         sv_s = _scale_view(sv_smem, st, BN)
@@ -223,7 +248,7 @@ if HAVE_GLUON:
         else:
             a, m_i, l_i, alpha = _online_softmax_block(s, sk_smem, sv_smem, st, m_i, l_i, row_f,
                                                        lr, o_layout)
-        return a, m_i, l_i, alpha
+        return _to_e4m3_operand(a), m_i, l_i, alpha
 
     @gluon.jit
     def _mul_rows(acc, x):
@@ -232,7 +257,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _zero_v_outside(v_tile, n0, L, num_warps: gl.constexpr):
-        """Zero the V^T columns (keys) of a ring stage that lie outside the document, in place.
+        """Zero the V^T columns (keys; column c holds key n0 + mma_order16(c)) of a ring stage
+        that lie outside the document, in place.
 
         Their P is 0, but 0 * NaN is NaN in the MMA: keys of a neighbouring document (head tile,
         document end) must not let its NaN/Inf in (P2). Only for the <= 2 edge tiles per item.
@@ -242,7 +268,7 @@ if HAVE_GLUON:
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
         v = v_tile.load(blk)
         c = gl.arange(0, BN, layout=gl.SliceLayout(0, blk))
-        cols = n0 + c
+        cols = n0 + mma_order16_gluon(c)
         ok = gl.expand_dims((cols >= 0) & (cols < L), 0)
         v = gl.where(ok, v, gl.zeros_like(v))
         v_tile.store(v)
@@ -511,9 +537,9 @@ def check_operands(qkv: QuantizedQKV) -> None:
     if not qkv.kvblock:
         raise NotImplementedError(f"the Gluon forward implements the fp8 recipe, not "
                                   f"{qkv.recipe!r}")
-    if qkv.vt8 is None or qkv.vt8_mma_order:
-        raise ValueError("the Gluon forward reads the K-major V copy in token order: "
-                         "quantize_qkv(..., vt_mma_order=False)")
+    if qkv.vt8 is None or not qkv.vt8_mma_order:
+        raise ValueError("the Gluon forward reads the K-major V copy in wgmma key order: "
+                         "quantize_qkv(..., vt_mma_order=True)")
     if qkv.shape[3] not in (64, 128):
         raise ValueError(f"head dim {qkv.shape[3]}: the Gluon forward supports 64 and 128")
     if qkv.vt8.stride(2) != 1:

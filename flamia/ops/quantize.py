@@ -242,7 +242,7 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
                                end, CAUSAL, KVB, CHUNK)
 
 
-def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | None = None,
+def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool = True,
                  launch: config.QuantizeConfig | None = None,
                  poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
@@ -253,8 +253,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     v8_diag / sk_diag / sv_diag; vcap and vnorm the visible maxima (reference._visible_max);
     vt8 (and vt8_diag) in kmajor's padded column layout (kv_pcu), scale_cols the scales in
     those columns. vt8's columns are in wgmma key order within 16-token groups
-    (flamia.ops.kmajor) or in token order (vt_mma_order=False); None: the order of the forward
-    kernel this device runs (config.vt_mma_order). bf16: the inputs themselves (bf16; fp16
+    (flamia.ops.kmajor), which both forward kernels read, or in token order
+    (vt_mma_order=False). bf16: the inputs themselves (bf16; fp16
     inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
     program and warps (QuantizeConfig() by default; the values do not depend on it).
     poison=True fills outputs with NaN first (tests: every element written).
@@ -272,8 +272,6 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool | No
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dim {D} not supported by the quantize kernel")
     q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
-    if vt_mma_order is None:
-        vt_mma_order = config.vt_mma_order(D, rec.name, q.device)
     launch = launch or config.QuantizeConfig()
     fill = functools.partial(new_tensor, device=q.device, fill=float("nan") if poison else None)
     dev = q.device

@@ -42,7 +42,7 @@ def _run(kernel, q, k, v, cu, causal, cfg=None):
     L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     D = q.shape[2]
     if kernel == "gluon":
-        x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=False)
+        x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
         return attention_forward(x, cu, L, causal, None, q.dtype,
                                  config=cfg or PersistentFwdConfig(), poison=True,
                                  return_row_max=True)

@@ -19,10 +19,11 @@ V^T's columns are in wgmma key order (flamia.ops.kmajor), as the Triton kernel's
 registers are then the A operand's after a register renaming, and each thread packs its 4
 consecutive keys into one register (_key_ordered, _to_e4m3_operand), with no lane shuffles.
 Per row the operation order is the Triton kernel's: acc_j = alpha_j * acc_{j-1} + A_j V_j, l,
-m, the masked / unmasked expressions, the fp8 rounding of A and the epilogue are written the
-same way, so results agree with the Triton kernel to the fp32 rounding of the MMA, and P1 / P2
-hold bitwise by construction (masked scores are -inf, V^T columns outside the document are
-zeroed in shared memory before the PV wgmma, masked sk / sv count as 0).
+m, the fp8 rounding of A and the epilogue are written the same way, the exponents to one fp32
+rounding (one FMA each), so results agree with the Triton kernel to the fp32 rounding of the
+MMA and of the exponent, and P1 / P2 hold bitwise by construction (masked scores are -inf, V^T
+columns outside the document are zeroed in shared memory before the PV wgmma, masked sk / sv
+count as 0).
 
 The producer loads tile t of an item from the per-token copies (k8_diag, vt8_diag, scale_cols
 rows 2-3) when it lies in the query block's own 128-block (causal), else from the block copies
@@ -180,24 +181,32 @@ if HAVE_GLUON:
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of one masked S tile (the token copies' diagonal tiles, the document's
-        end), written like forward._attn_inner (log2 units, lr riding on the subtracted max) ->
-        (p' sv key-ordered in fp32 (_key_ordered), m, l, alpha).
+        end) in log2 units -> (p' sv key-ordered in fp32 (_key_ordered), m, l, alpha):
+        y = s sk (-inf where masked), m = max(m, max(y) rf), p' = exp2(y rf + (lr - m)) by one
+        FMA (the Triton kernel rounds x = y rf first and adds lr after: the two agree to the
+        fp32 rounding of the exponent, which the FlashAttention rule absorbs).
 
         sk / sv are read from their shared-memory stage here (short register live ranges). Keys
         past the document's end hold a neighbour's scales (maybe NaN): their scores become -inf
         and their sv 0, as the Triton kernel's masked loads give."""
         BN: gl.constexpr = s.type.shape[1]
         col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
-        s = s * gl.expand_dims(sk_s.load(col_layout), 0)
-        cols = n0 + gl.arange(0, BN, layout=col_layout)
-        col_ok = cols < L
-        sv = gl.where(col_ok, sv_s.load(col_layout), 0.0)
-        valid = gl.expand_dims(col_ok, 0)
+        # tile-local key c (= key n0 + c) visible to row i iff c <= lim_i: one compare per score
+        # against loop-invariant column indices (rows past the document's end, never stored,
+        # see its keys as its last row does)
+        c = gl.arange(0, BN, layout=col_layout)
+        sv = gl.where(c < L - n0, sv_s.load(col_layout), 0.0)
         if CAUSAL:
-            valid = valid & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-        x = gl.where(valid, s * gl.expand_dims(row_f, 1), float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
-        p = gl.exp2((x - gl.expand_dims(m_new, 1)) + gl.expand_dims(lr, 1))
+            lim = gl.minimum(rows, L - 1) - n0
+        else:
+            lim = gl.zeros_like(rows) + (L - 1 - n0)
+        valid = gl.expand_dims(c, 0) <= gl.expand_dims(lim, 1)
+        y = gl.where(valid, s * gl.expand_dims(sk_s.load(col_layout), 0), float("-inf"))
+        # x = y rf: rf >= 0 keeps the max, and the exponent is one FMA; rf = 0 (an all-zero q
+        # row, whose scores are 0) is taken as 1 so that a masked -inf * rf stays -inf
+        rf = gl.where(row_f == 0.0, 1.0, row_f)
+        m_new = gl.maximum(m_i, gl.max(y, axis=1) * rf)
+        p = gl.exp2(gl.fma(y, gl.expand_dims(rf, 1), gl.expand_dims(lr - m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return _key_ordered(p * gl.expand_dims(sv, 0), o_layout), m_new, l_i, alpha

@@ -178,6 +178,20 @@ if HAVE_GLUON:
         return a8.to(gl.float8e4nv, bitcast=True)
 
     @gluon.jit
+    def _quad_sums(p):
+        """Partial row sums of p (BM, BN; S's accumulator layout, where the 4 lanes of a quad
+        share each row) as (BM, 4): each lane's sum over its own columns, no shuffles. l' is
+        kept so and reduced across the quad once per item (_row_sums)."""
+        BM: gl.constexpr = p.type.shape[0]
+        BN: gl.constexpr = p.type.shape[1]
+        return gl.sum(gl.sum(gl.reshape(p, [BM, BN // 8, 4, 2]), axis=3), axis=1)
+
+    @gluon.jit
+    def _scale_quads(l4, x):
+        """l4 (BM, 4) * x[:, None], x one value per row."""
+        return l4 * gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, l4.type.layout)), 1)
+
+    @gluon.jit
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of one masked S tile (the token copies' diagonal tiles, the document's
@@ -208,7 +222,7 @@ if HAVE_GLUON:
         m_new = gl.maximum(m_i, gl.max(y, axis=1) * rf)
         p = gl.exp2(gl.fma(y, gl.expand_dims(rf, 1), gl.expand_dims(lr - m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        l_i = _scale_quads(l_i, alpha) + _quad_sums(p)
         return _key_ordered(p * gl.expand_dims(sv, 0), o_layout), m_new, l_i, alpha
 
     @gluon.jit
@@ -238,7 +252,7 @@ if HAVE_GLUON:
         e = gl.where(e < -90.0, -90.0, e)                    # (a NaN e stays NaN)
         p = gl.exp2(gl.fma(s, gl.expand_dims(rf, 1), gl.expand_dims(e - m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(lr - e)
+        l_i = _scale_quads(l_i, alpha) + _scale_quads(_quad_sums(p), gl.exp2(lr - e))
         return _key_ordered(p, o_layout), m_new, l_i, alpha
 
     @gluon.jit
@@ -490,7 +504,7 @@ if HAVE_GLUON:
                 c_tok0, c_rows, c_row_ok = _query_rows(c_start, q_lo, c_L, BM, s_layout)
                 full_end, n_tiles = _kv_tiles(q_lo, c_L, BM, BN, CAUSAL)
                 m_i = gl.full_like(row_f, float("-inf"))
-                l_i = gl.zeros_like(row_f)
+                l_i = _quad_sums(gl.zeros([BM, BN], gl.float32, s_layout))   # (BM, 4)
                 qb = it % QBUF
                 q_tile = q_smem.index(qb)
 
@@ -501,6 +515,7 @@ if HAVE_GLUON:
                 # every QK^T of the item is done: its Q buffer may take item it + QBUF
                 mbarrier.arrive(q_free.index(qb), count=1)
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
+                l_i = gl.convert_layout(gl.sum(l_i, axis=1), m_i.type.layout)
                 _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot,
                            stride_oh, T, c_tok0, q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
                 it += 1

@@ -19,7 +19,7 @@ from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.config import sm90_backward_config  # noqa: E402
-from flamia.ops.kmajor import mma_order16_host  # noqa: E402
+from flamia.ops.kmajor import mma_order16_host, pair_order16_host  # noqa: E402
 from flamia.ops.numerics import fwht, hadamard_signs  # noqa: E402
 from tests._kvblock import qkv_from_saved  # noqa: E402
 
@@ -71,11 +71,11 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
             assert prep.cpt[c].item() == sc.pt[kvh, base[d] + blk].item(), (c, d, blk, kvh)
             assert prep.cds[c].item() == sc.ds[kvh, base[d] + blk].item(), (c, d, blk, kvh)
     # the K-major copies: column c of the padded layout holds the token of row c (wgmma order
-    # within 16 for dO^T and Q^T), zeros on pad columns
+    # within 16 for dO^T and Q^T, pair order for K^T), zeros on pad columns
     cols = torch.arange(prep.kb.q_rows)
-    for x8, xT, order in ((prep.do8, prep.dot8, True), (qkv.q8, prep.qt8, True),
-                          (qkv.k8, prep.kt8, False)):
-        tok = prep.ptok.long()[mma_order16_host(cols) if order else cols]
+    for x8, xT, order in ((prep.do8, prep.dot8, mma_order16_host), (qkv.q8, prep.qt8,
+                          mma_order16_host), (qkv.k8, prep.kt8, pair_order16_host)):
+        tok = prep.ptok.long()[order(cols)]
         ok = tok >= 0
         want = torch.zeros_like(xT.view(torch.uint8))
         want[:, :, ok] = x8.view(torch.uint8)[tok[ok]].permute(1, 2, 0)

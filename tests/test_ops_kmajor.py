@@ -9,8 +9,9 @@ from flamia.ops import interpreting
 import triton
 import triton.language as tl
 
-from flamia.ops.kmajor import (check_copy, copy_columns, kmajor_copies, kmajor_layout,
-                               mma_key_order_host, mma_order16_host, padded_columns)
+from flamia.ops.kmajor import (ORDER_MMA_A, ORDER_PAIRS, ORDER_TOKEN, check_copy, copy_columns,
+                               kmajor_copies, kmajor_layout, mma_key_order_host, mma_order16_host,
+                               pair_order16_host, padded_columns)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
 
@@ -102,8 +103,34 @@ def test_plain_copy_in_mma_order():
     ok = tok < T
     assert torch.equal(dst[:, :, ok], src[tok[ok]].permute(1, 2, 0))
     assert (dst[:, :, ~ok] == 0).all()
-    with pytest.raises(ValueError, match="mma_order"):
+    with pytest.raises(ValueError, match="column order needs Tp"):
         kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), mma_order=True)
+    with pytest.raises(ValueError, match="unknown column order"):
+        kmajor_copy(src, dst, mma_order=3)
+
+
+def test_pair_order_puts_an_accumulator_threads_rows_side_by_side():
+    """pair_order16: position 16a + 2l + h holds row 16a + 8h + l (the rows l, l + 8 one thread
+    of an MMA accumulator holds)."""
+    p = torch.arange(48)
+    a, l, h = p // 16, (p % 16) // 2, p % 2
+    assert torch.equal(pair_order16_host(p), 16 * a + 8 * h + l)
+    assert torch.equal(pair_order16_host(p).sort().values, p)         # a permutation
+
+
+def test_padded_copy_in_pair_order():
+    """ORDER_PAIRS (the fp8 backward's K^T, read against dS stored in pair order): column c
+    holds what column pair_order16(c) holds in token order."""
+    lengths = (37, 0, 16, 1, 50)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, D = sum(lengths), 2, 16
+    _, tok_of_col, Tp = kmajor_layout(cu, T)
+    src = torch.randint(1, 256, (T, H, D), dtype=torch.uint8)
+    plain = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
+    paired = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
+    kmajor_copy(src, plain, tok_of_col, block_c=16)
+    kmajor_copy(src, paired, tok_of_col, block_c=16, mma_order=ORDER_PAIRS)
+    assert torch.equal(paired, plain[:, :, pair_order16_host(torch.arange(Tp))])
 
 
 def test_padded_copy_in_mma_order():
@@ -133,7 +160,7 @@ def test_copies_in_one_launch_equal_the_separate_copies():
     T, D = sum(lengths), 16
     _, tok_of_col, Tp = kmajor_layout(cu, T)
     g = torch.Generator().manual_seed(3)
-    heads, orders = (3, 3, 1), (True, False, False)
+    heads, orders = (3, 3, 1), (ORDER_MMA_A, ORDER_TOKEN, ORDER_PAIRS)
     # the third source is a strided (T, H, D) view: token stride larger than H * D
     srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in heads[:2]]
     srcs.append(torch.randint(1, 256, (T, 2, D), generator=g, dtype=torch.uint8)[:, :1])

@@ -285,6 +285,7 @@ if HAVE_GLUON:
         block before b sees that query block too, and sits earlier in the work list (heavier,
         or the same cost and earlier in the document), so it was launched before: the wait
         cannot deadlock."""
+        NB: gl.constexpr = dq_smem.type.shape[0]
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
@@ -293,8 +294,8 @@ if HAVE_GLUON:
             h = kvh * GROUP
             q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                b = i % 2
-                mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
+                b = i % NB
+                mbarrier.wait(dq_ready.index(b), (i // NB) & 1)
                 if DETERMINISTIC:
                     sem = SEM + h * QBLOCKS + (pq + q0) // BM
                     turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
@@ -318,6 +319,7 @@ if HAVE_GLUON:
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         BN: gl.constexpr = k_smem.type.shape[0]
+        DQ_NB: gl.constexpr = dq_smem.type.shape[0]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 16)       # S^T, dP^T (BN, BM)
         kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)       # dK, dV (BN, D)
@@ -385,8 +387,8 @@ if HAVE_GLUON:
                                    is_async=True)
                 dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-                b = i % 2
-                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
+                b = i % DQ_NB
+                mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
@@ -405,7 +407,7 @@ if HAVE_GLUON:
     def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
                               SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
                               sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
                               LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
                               DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
@@ -418,11 +420,11 @@ if HAVE_GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                        element_bitwidth=16, rank=2)
         ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BM, D], dq_desc.layout)
         kv_ready = alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = alloc_barriers(STAGES)
-        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        dq_ready, dq_free = alloc_barriers(DQ_BUFS), alloc_barriers(DQ_BUFS)
         gl.warp_specialize([
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
@@ -450,7 +452,8 @@ if HAVE_GLUON:
 # layout (columns = padded rows, zeros between documents): dO^T and Q^T (Hq, D, QR) for
 # dV += P^T dO and dK += dS^T Q, their columns in wgmma order within 16 (flamia.ops.kmajor: the
 # accumulators of X^T and Y^T are then the A operands as they are, in-thread byte moves only),
-# and K^T of the block copy (Hkv, D, QR) for dQ = dS K (Hopper's FP8 wgmma reads both operands
+# and K^T of the block copy (Hkv, D, QR) for dQ = dS K, its columns in pair order within 16 (as
+# the kernel stores dS: 2-byte instead of 1-byte stores) (Hopper's FP8 wgmma reads both operands
 # K-major).
 #
 # Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row
@@ -658,6 +661,23 @@ if HAVE_GLUON:
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
+    def _store_pairs_transposed(yt, ds_smem):
+        """ds_smem[q, c] = e4m3(yt[key(c), q]) with key(c) the pair order (kmajor.ORDER_PAIRS):
+        each thread's two keys 16a + l and 16a + 8 + l of a 16-key group (rows l and l + 8 of
+        its MMA fragment) become one 16-bit element, so the transposed store is one of 16-bit
+        values (stmatrix .trans) instead of single bytes."""
+        BN: gl.constexpr = yt.type.shape[0]
+        BM: gl.constexpr = yt.type.shape[1]
+        y4 = gl.permute(gl.reshape(yt, [BN // 16, 2, 8, BM]), (0, 2, 3, 1))   # [a, l, q, h]
+        lo, hi = gl.split(y4)
+        y16 = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r",
+                                        [lo, hi], dtype=gl.int16, is_pure=True, pack=1)
+        y16 = gl.reshape(y16, [BN // 2, BM])
+        l16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                 rank=2)
+        ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
+
+    @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
@@ -668,6 +688,7 @@ if HAVE_GLUON:
         D: gl.constexpr = q_smem.type.shape[2]
         BN: gl.constexpr = k_smem.type.shape[1]
         NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        DQ_NB: gl.constexpr = dq_smem.type.shape[0]
         f8: gl.constexpr = gl.float8e4nv
         s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
         kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
@@ -754,7 +775,8 @@ if HAVE_GLUON:
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)
-                ds_smem.permute((1, 0)).store(y8)        # dS for dQ: keys contiguous
+                # dS for dQ: keys contiguous, in pair order (K^T's columns too)
+                _store_pairs_transposed(yt, ds_smem)
                 fence_async_shared()
                 gl.thread_barrier()
                 ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
@@ -765,8 +787,8 @@ if HAVE_GLUON:
                 dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 dq = dq * u_off
-                b = i % 2
-                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
+                b = i % DQ_NB
+                mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
                 dq_smem.index(b).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_ready.index(b), count=1)
@@ -787,7 +809,8 @@ if HAVE_GLUON:
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
                                   T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+                                  CAUSAL: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
                                   DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
@@ -802,11 +825,11 @@ if HAVE_GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
                                                        rank=2)
         ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BM, D], dq_desc.layout)
         kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = alloc_barriers(STAGES)
-        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        dq_ready, dq_free = alloc_barriers(DQ_BUFS), alloc_barriers(DQ_BUFS)
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
@@ -869,7 +892,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
         _semaphores(deterministic, kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        STAGES=SM90_STAGES, DQ_BUFS=cfg.dq_buffers, CAUSAL=bool(causal),
+        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
                              num_warps=4)
@@ -887,7 +911,7 @@ class Fp8Prep:
     cds: torch.Tensor
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
-    kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (token order)
+    kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
     dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
 
 
@@ -895,7 +919,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
                 cfg: Sm90BwdConfig) -> Fp8Prep:
     """The preprocess (dO quantized, delta, per-row vectors and bounds), the K-major copies and
     the CTA scales."""
-    from .kmajor import kmajor_copies
+    from .kmajor import ORDER_MMA_A, ORDER_PAIRS, kmajor_copies
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     BM, BN = cfg.block_m, SM90_BLOCK_N
@@ -920,7 +944,8 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
-    kmajor_copies([(do8, dot8, True), (qkv.q8, qt8, True), (qkv.k8, kt8, False)], ptok)
+    kmajor_copies([(do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A),
+                   (qkv.k8, kt8, ORDER_PAIRS)], ptok)
     cpt = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
@@ -970,8 +995,8 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk32, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
-        BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
-        DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
+        BN=BN, D=D, STAGES=SM90_STAGES, DQ_BUFS=cfg.dq_buffers, CAUSAL=bool(causal),
+        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
     fp8_post(prep.dq_acc, dk32, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
     return dq, dk, dv
 

@@ -8,7 +8,7 @@ Column layout (`kmajor_layout`): document d occupies columns [pcu[d], pcu[d] + l
 pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA (16-byte
 aligned coordinates along the contiguous axis) can read every tile whatever cu_seqlens is.
 Columns that hold no token are zero. A copy may hold the tokens of each 16-column group in
-wgmma order (`mma_order=True`, below).
+another order (ORDER_*, below).
 
 wgmma order. The FP8 wgmma A operand from registers (m64 k32) gives lane group c of a quad the
 keys 4c..4c+3 and 16+4c..16+4c+3 of each 32-key block; the fp32 accumulator that produced P
@@ -17,6 +17,13 @@ in A position p (bits p3 p2 p1 p0) the key mma_order16(p) = (p1 p3 p2 p0): a per
 bits 0-3, so within every 16-key group. Storing V^T with column p = that key makes the GEMM
 the same sum over keys, and the compiler's layout conversion of P an in-register byte shuffle
 instead of cross-lane shuffles (FlashAttention-3 reorders V for the same reason).
+
+Pair order. An fp32 accumulator's thread holds rows l and l + 8 of each 16-row group; stored
+transposed to shared memory (K-major) as the A operand of the next GEMM (the backward's dS for
+dQ = dS K), they are two single-byte stores. With the rows in pair order (row 16a + 2l + h is
+row 16a + 8h + l) they are adjacent bytes, one 16-bit value, and the transposed store of 16-bit
+values is stmatrix's (backward_sm90._store_pairs_transposed). The GEMM's B operand (K^T) then
+holds its columns in the same order (`ORDER_PAIRS`).
 
 `copy_columns` works in the destination's frame: each program owns a block of output columns,
 gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole
@@ -34,6 +41,11 @@ import triton.language as tl
 
 
 ALIGN = 16      # tokens; TMA needs 16-byte aligned coordinates along the contiguous axis
+
+# column orders of a copy within each 16-column group (module docstring)
+ORDER_TOKEN = 0     # column c holds token c
+ORDER_MMA_A = 1     # column c holds token mma_order16(c)
+ORDER_PAIRS = 2     # column c holds token pair_order16(c)
 
 
 def padded_columns(T: int, n_docs: int) -> int:
@@ -70,6 +82,12 @@ def mma_order16_host(c):
     return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
 
 
+def pair_order16_host(c):
+    """The token held by column c of a pair-ordered copy: bits 0-3 of c = (p3 p2 p1 p0) ->
+    (p0 p3 p2 p1), bits 4 and up unchanged (module docstring)."""
+    return (c & -16) | (c & 1) << 3 | ((c >> 1) & 7)
+
+
 def mma_key_order_host(x8):
     """x8 (rows, k) with its columns put in wgmma A order: column p of the result is column
     mma_order16(p) of x8. A reshape / permute of the 4 low column bits, which keeps every value
@@ -80,8 +98,9 @@ def mma_key_order_host(x8):
              .permute((0, 1, 3, 4, 2, 5)).reshape([x8.shape[0], x8.shape[1]])
 
 
-# The kernels' copies of the two definitions above (Triton, and Gluon where it is available)
+# The kernels' copies of the definitions above (Triton, and Gluon where it is available)
 mma_order16 = triton.jit(mma_order16_host)
+pair_order16 = triton.jit(pair_order16_host)
 mma_key_order = triton.jit(mma_key_order_host)
 try:
     from triton.experimental import gluon as _gluon
@@ -93,11 +112,18 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 @triton.jit
 def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, D: tl.constexpr, BLOCK_C: tl.constexpr,
-                 MMA_ORDER: tl.constexpr):
-    """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :]."""
+                 ORDER: tl.constexpr):
+    """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :], the
+    columns of each 16-group in ORDER (ORDER_*; a bool: ORDER_MMA_A or ORDER_TOKEN)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
-    tok = tl.load(tok_of_col + (mma_order16(c) if MMA_ORDER else c), mask=c < Tp, other=-1)
+    if ORDER == 2:      # ORDER_PAIRS
+        src_col = pair_order16(c)
+    elif ORDER == 1:    # ORDER_MMA_A
+        src_col = mma_order16(c)
+    else:
+        src_col = c
+    tok = tl.load(tok_of_col + src_col, mask=c < Tp, other=-1)
     ok = tok >= 0
     x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None], mask=ok[None, :],
                 other=0)
@@ -108,24 +134,25 @@ def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, D: tl.constexpr, BLOCK_C
 def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, Tp,
                           stride0, stride1, stride2, H0, H1,
                           D: tl.constexpr, BLOCK_C: tl.constexpr,
-                          MMA0: tl.constexpr, MMA1: tl.constexpr, MMA2: tl.constexpr):
+                          ORDER0: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr):
     """Three padded-layout copies in one launch: grid axis 1 runs over the heads of copy 0, then
     of copy 1, then of copy 2."""
     h = tl.program_id(1)
     if h < H0:
-        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, D, BLOCK_C, MMA0)
+        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, D, BLOCK_C, ORDER0)
     elif h < H0 + H1:
-        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, D, BLOCK_C, MMA1)
+        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, D, BLOCK_C, ORDER1)
     else:
-        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, D, BLOCK_C, MMA2)
+        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, D, BLOCK_C, ORDER2)
 
 
-def check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) -> None:
+def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -> None:
     """The argument rules of every launch built on copy_columns: dst[h, :, c] = src[tok_of_col[c],
     h, :] (zeros where tok_of_col[c] < 0) for src (T, heads, D) with unit-stride heads and dims,
-    dst (heads, D, Tp) contiguous, both moved as bytes; mma_order: column c holds what column
-    mma_order16(c) would (Tp a multiple of 16; the padded layout's documents start at multiples
-    of 16, so every 16-column group stays in its document)."""
+    dst (heads, D, Tp) contiguous, both moved as bytes; order (ORDER_*, a bool: ORDER_MMA_A or
+    ORDER_TOKEN): column c holds what column mma_order16(c) / pair_order16(c) would (Tp a
+    multiple of 16; the padded layout's documents start at multiples of 16, so every 16-column
+    group stays in its document)."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:
@@ -134,12 +161,14 @@ def check_copy(src: torch.Tensor, dst: torch.Tensor, mma_order: bool = False) ->
     if src.stride(2) != 1 or src.stride(1) != D or not dst.is_contiguous():
         raise ValueError("K-major copy: src must be (T, H, D) with unit-stride heads/dims and dst "
                          "contiguous")
-    if mma_order and Tp % 16:
-        raise ValueError(f"K-major copy: mma_order needs Tp % 16 == 0 (Tp={Tp})")
+    if int(order) not in (ORDER_TOKEN, ORDER_MMA_A, ORDER_PAIRS):
+        raise ValueError(f"K-major copy: unknown column order {order!r}")
+    if order and Tp % 16:
+        raise ValueError(f"K-major copy: a column order needs Tp % 16 == 0 (Tp={Tp})")
 
 
 def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
-    """Three K-major copies (src, dst, mma_order) of one D and Tp into the padded layout, in one
+    """Three K-major copies (src, dst, order) of one D and Tp into the padded layout, in one
     launch (the backward's dO, q and k copies: two launches fewer per call, which at short
     documents are host time); every column of each dst is written (check_copy)."""
     if len(copies) != 3:
@@ -156,4 +185,4 @@ def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
     u8 = [x.view(torch.uint8) for x in (s0, d0, s1, d1, s2, d2)]
     _kmajor_copies_kernel[(triton.cdiv(Tp, block_c), heads)](
         *u8, tok_of_col, Tp, s0.stride(0), s1.stride(0), s2.stride(0), s0.shape[1], s1.shape[1],
-        D=D, BLOCK_C=block_c, MMA0=bool(m0), MMA1=bool(m1), MMA2=bool(m2), num_warps=4)
+        D=D, BLOCK_C=block_c, ORDER0=int(m0), ORDER1=int(m1), ORDER2=int(m2), num_warps=4)

@@ -713,6 +713,7 @@ if HAVE_GLUON:
             svb = gl.load(SV + kv_row)
             lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
             ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+            ratio_svb = ratio * svb     # (exact: svb is a power of two) one product per column
             u_off = c_ds * skb
             if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
                 keys = gl.arange(0, BN, layout=row_l)
@@ -760,14 +761,14 @@ if HAVE_GLUON:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
                     xt = gl.where(ok, xt, 0.0)
                 dpt = warpgroup_mma_wait(0, deps=[dpt])
-                vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0) * ratio
+                vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0)
                 if CAUSAL:
                     if diag:
-                        yt = (dpt * svt) * vh
+                        yt = (dpt * svt) * (vh * ratio)
                     else:
-                        yt = dpt * (vh * svb)
+                        yt = dpt * (vh * ratio_svb)
                 else:
-                    yt = dpt * (vh * svb)
+                    yt = dpt * (vh * ratio_svb)
                 ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
                 yt = xt * (yt - ve)
                 if masked:   # dP^T of keys past the document end may be NaN

@@ -258,8 +258,8 @@ if HAVE_GLUON:
     def _pp_fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                         ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                         dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD,
-                        SVD, DK32, DV, T, stride_kt, sm_scale, WG: gl.constexpr,
-                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                        SVD, DK, DV, T, stride_kt, sm_scale, WG: gl.constexpr,
+                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, ROTATE: gl.constexpr):
         """The fp8 kernel's step (backward_sm90._fp8_compute) for MMA warpgroup WG alone: keys
         [64 WG, 64 WG + 64) of the block, its own partial dQ over them (two N halves)."""
         STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -391,18 +391,24 @@ if HAVE_GLUON:
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
             offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
             keep = rows < L
-            gl.store(DK32 + offs, dk * (sm_scale * c_ds), mask=keep)
             gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+            dk = dk * (sm_scale * c_ds)
+            if ROTATE:    # this warpgroup's dQ buffer, once the writer is done with it, holds H
+                n = GROUP * n_m
+                mbarrier.wait(dq_free.index(WG), (n + 1) & 1, pred=n >= 1)
+                dk = B._rotate_back_rows(dk, dq_w, 4)
+            gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=keep)
 
     @gluon.jit(do_not_specialize=["N_ITEMS", "T"])
     def _attn_bwd_pingpong_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc,
-                                      v_desc, vd_desc, kt_desc, vec_desc, dq_desc, DK32, DV,
+                                      v_desc, vd_desc, kt_desc, vec_desc, dq_desc, DK, DV,
                                       ITEMS, N_ITEMS, GROUP, HQ, CPT, CDS, SK, SV, SKD, SVD,
                                       T, stride_kt, sm_scale,
                                       BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                      PINGPONG: gl.constexpr, MMA_REGS_: gl.constexpr,
-                                      LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+                                      PINGPONG: gl.constexpr, ROTATE: gl.constexpr,
+                                      MMA_REGS_: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                      DQ_REGS: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
         q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
         qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
@@ -426,13 +432,13 @@ if HAVE_GLUON:
             (_pp_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem,
                                vec_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                                q_free, dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS,
-                               SK, SV, SKD, SVD, DK32, DV, T, stride_kt, sm_scale, 0, CAUSAL,
-                               PINGPONG)),
+                               SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, 0, CAUSAL,
+                               PINGPONG, ROTATE)),
             (_pp_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem,
                                vec_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                                q_free, dq_ready, dq_free, turn, ITEMS, N_ITEMS, GROUP, CPT, CDS,
-                               SK, SV, SKD, SVD, DK32, DV, T, stride_kt, sm_scale, 1, CAUSAL,
-                               PINGPONG)),
+                               SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, 1, CAUSAL,
+                               PINGPONG, ROTATE)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
@@ -462,7 +468,6 @@ def attention_backward_pingpong_fp8(dout, out, lse, row_max, qkv, cu_seqlens, ca
         return dq, dk, dv
     prep = B.fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
     kb, QR = prep.kb, prep.kb.q_rows
-    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)
     k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
                           else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
     descs = (
@@ -479,11 +484,11 @@ def attention_backward_pingpong_fp8(dout, out, lse, row_max, qkv, cu_seqlens, ca
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
     _attn_bwd_pingpong_fp8_kernel[(kb.n_items,)](
-        *descs, dk32, dv, kb.items, kb.n_items, Hq // Hkv, Hq, prep.cpt, prep.cds, qkv.sk,
+        *descs, dk, dv, kb.items, kb.n_items, Hq // Hkv, Hq, prep.cpt, prep.cds, qkv.sk,
         qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES,
-        CAUSAL=bool(causal), PINGPONG=bool(pingpong), MMA_REGS_=MMA_REGS,
-        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, num_warps=4)
-    B.fp8_post(prep.dq_acc, dk32, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
+        CAUSAL=bool(causal), PINGPONG=bool(pingpong), ROTATE=bool(qkv.rotated),
+        MMA_REGS_=MMA_REGS, LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, num_warps=4)
+    B.fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
     return dq, dk, dv
 
 

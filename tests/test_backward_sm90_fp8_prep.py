@@ -85,30 +85,33 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
 @pytest.mark.parametrize("rotated", (True, False))
 @pytest.mark.parametrize("D", (64, 128))
 def test_post_pass(D, rotated):
-    """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, dk = dk32, both rotated back
-    (x @ H / sqrt(D)) when `rotated`; T spans several programs and ends inside one (the tail
-    rows are masked)."""
+    """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, rotated back (x @ H / sqrt(D))
+    when `rotated`; T spans several programs and ends inside one (the tail rows are masked)."""
     cfg = sm90_backward_config(D)
-    T, Hq, Hkv = 3 * cfg.fp8_post_rows + 37, 3, 1
+    T, Hq = 3 * cfg.fp8_post_rows + 37, 3
     g = torch.Generator().manual_seed(11)
     prow = (torch.arange(T) + 5 + torch.arange(T) // 100 * 7).to(torch.int32)   # gaps: padding
     dq_acc = torch.randn(int(prow.max()) + 9, Hq, D, generator=g)
-    dk32 = torch.randn(T, Hkv, D, generator=g)
     sq = torch.rand(Hq, T, generator=g) + 0.5
     sq[:, 3] = 0.0                                   # a zero scale (sqf = 1)
     scale = 0.3
     dq = torch.full((T, Hq, D), float("nan")).to(torch.bfloat16)
-    dk = torch.full((T, Hkv, D), float("nan")).to(torch.bfloat16)
-    B.fp8_post(dq_acc, dk32, prow, sq, rotated, scale, dq, dk, cfg)
+    B.fp8_post(dq_acc, prow, sq, rotated, scale, dq, cfg)
     sqf = torch.where(sq > 0, sq, torch.ones_like(sq)).T[:, :, None]
     want_q = dq_acc[prow.long()].double() * scale / sqf.double()
-    want_k = dk32.double()
     if rotated:
         from flamia.ops.numerics import hadamard_signs
-        H = hadamard_signs(D, torch.float64, "cpu") / D ** 0.5
-        want_q, want_k = want_q @ H, want_k @ H
+        want_q = want_q @ (hadamard_signs(D, torch.float64, "cpu") / D ** 0.5)
     torch.testing.assert_close(dq.double(), want_q.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
-    torch.testing.assert_close(dk.double(), want_k.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-4)
+
+
+@pytest.mark.parametrize("D", (16, 64, 128, 256))
+def test_sylvester_parity_builds_the_hadamard_signs(D):
+    """The fp8 kernel's epilogue builds H (rotating dK back) as 1 - 2 sylvester_parity(i, j)."""
+    from flamia.ops.numerics import hadamard_signs, sylvester_parity_host
+    i = torch.arange(D)
+    assert torch.equal((1 - 2 * sylvester_parity_host(i[:, None], i[None, :])).double(),
+                       hadamard_signs(D, torch.float64, "cpu"))
 
 
 @triton.jit

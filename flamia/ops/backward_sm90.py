@@ -44,7 +44,7 @@ import triton.language as tl
 from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
-from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits
+from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits, sylvester_parity_host
 from .schedule import per_cu_seqlens
 
 if HAVE_GLUON:
@@ -56,6 +56,7 @@ if HAVE_GLUON:
     from .gluon_common import (alloc_barriers, descriptor_2d, invalidate_barriers, tma_reduce_add,
                                wgmma_layout)
     from .kmajor import mma_key_order_gluon
+    _sylvester_parity = gluon.jit(sylvester_parity_host)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,8 +469,9 @@ if HAVE_GLUON:
 # Diagonal steps (the query block inside the key block) recompute S^T and dP^T from the token
 # copies, as the forward did: skt_j, svt_j multiply them
 # per key row. dQ reads the block copy on every step (reference.py). Epilogue:
-# dV = c_pt acc, dK = scale c_ds acc (fp32, rotated); the post pass divides dQ by sqf, multiplies
-# by the softmax scale and rotates dQ and dK back.
+# dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two bf16 wgmmas, H in the
+# dead K tiles); the post pass divides dQ by sqf, multiplies by the softmax scale and rotates it
+# back.
 
 FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
 DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
@@ -574,9 +576,9 @@ def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, DQ, DK, T, HQ, scale, ROTATE: tl.constexpr,
+def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
                          D: tl.constexpr, BT: tl.constexpr):
-    """Heads [0, HQ): dq = rotate_back(dq_acc * scale / sqf); heads HQ..: dk = rotate_back(dk).
+    """dq = rotate_back(dq_acc * scale / sqf) (dK leaves the kernel rotated back).
     One BT-row block per program: blocks of several rows per program (H loaded once) measured
     slower (H200, doc32k 0.361 ms at one block, 0.372-0.386 at 4-16)."""
     h = tl.program_id(1)
@@ -584,27 +586,47 @@ def _bwd_postprocess_fp8(DQA, DK32, PROW, SQ, DQ, DK, T, HQ, scale, ROTATE: tl.c
     ok = t < T
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    if h < HQ:
-        pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
-        acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
-                      other=0.0)
-        sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
-        acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
-        if ROTATE:
-            acc = _rotate_back(acc, BT, D)
-        tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
-                 acc.to(DQ.dtype.element_ty), mask=ok[:, None])
-    else:
-        HKV = tl.num_programs(1) - HQ
-        hk = h - HQ
-        offs = t64[:, None] * (HKV * D) + hk * D + d[None, :]
-        acc = tl.load(DK32 + offs, mask=ok[:, None], other=0.0)
-        if ROTATE:
-            acc = _rotate_back(acc, BT, D)
-        tl.store(DK + offs, acc.to(DK.dtype.element_ty), mask=ok[:, None])
+    pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+    acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
+                  other=0.0)
+    sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
+    acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
+    if ROTATE:
+        acc = _rotate_back(acc, BT, D)
+    tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
+             acc.to(DQ.dtype.element_ty), mask=ok[:, None])
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _rotate_back_rows(x, spare, num_warps: gl.constexpr):
+        """x (R, D) fp32 in a wgmma accumulator layout @ H / sqrt(D) (H the +-1 Sylvester
+        matrix, as the post pass's fwht): H built in registers into the dead shared tile
+        `spare` (>= 2 D^2 bytes) as bf16 (exact), x split into bf16 hi + lo (16 of fp32's 24
+        mantissa bits, below the bf16 result's rounding) and multiplied by two wgmmas that sum
+        in fp32."""
+        R: gl.constexpr = x.type.shape[0]
+        D: gl.constexpr = x.type.shape[1]
+        h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, D], gl.bfloat16)
+        h_smem = spare._reinterpret(gl.bfloat16, [D, D], h_layout)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [num_warps, 1],
+                                             [1, 0])
+        i = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, blk)), 1)
+        j = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, blk)), 0)
+        h_smem.store((1 - 2 * _sylvester_parity(i, j)).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        x_l: gl.constexpr = x.type.layout
+        acc_l: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)
+        a_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+        x = gl.convert_layout(x, acc_l)
+        hi = x.to(gl.bfloat16)
+        lo = (x - hi.to(gl.float32)).to(gl.bfloat16)
+        y = warpgroup_mma(gl.convert_layout(hi, a_l), h_smem, gl.zeros([R, D], gl.float32, acc_l),
+                          use_acc=False)
+        y = warpgroup_mma(gl.convert_layout(lo, a_l), h_smem, y)
+        return gl.convert_layout(y * (1.0 / gl.sqrt(D * 1.0)), x_l)
 
     @gluon.jit
     def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
@@ -681,7 +703,7 @@ if HAVE_GLUON:
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
-                     DK32, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
                      num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -800,18 +822,23 @@ if HAVE_GLUON:
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
             offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
             keep = rows < L
-            gl.store(DK32 + offs, dk * (sm_scale * c_ds), mask=keep)
             gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+            dk = dk * (sm_scale * c_ds)
+            if ROTATE:
+                # K^T, K and the diagonal copies are dead: their bytes hold H for the rotation
+                gl.thread_barrier()
+                dk = _rotate_back_rows(dk, k_smem, num_warps)
+            gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=keep)
 
     # values that follow cu_seqlens are not specialized on: one build for every split
     @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "T"])
     def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
-                                  vd_desc, kt_desc, vec_desc, dq_desc, DK32, DV, SEM,
+                                  vd_desc, kt_desc, vec_desc, dq_desc, DK, DV, SEM,
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
                                   T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                   STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-                                  CAUSAL: gl.constexpr,
+                                  CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
                                   DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
@@ -835,7 +862,8 @@ if HAVE_GLUON:
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                             q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
-                            SKD, SVD, DK32, DV, T, stride_kt, sm_scale, CAUSAL, num_warps)),
+                            SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
+                            num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
@@ -963,7 +991,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
 
     Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
     launch for dO^T, Q^T and K^T, the CTA scales, the kernel,
-    the post pass (dQ and dK out of their units and rotated back).
+    the post pass (dQ out of its units and rotated back).
     """
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
@@ -977,7 +1005,6 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         return dq, dk, dv
     prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
     kb, QR = prep.kb, prep.kb.q_rows
-    dk32 = torch.empty((T, Hkv, D), dtype=torch.float32, device=dev)   # rotated, in c_ds units
     k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
                           else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
     descs = (
@@ -994,22 +1021,21 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
-        *descs, dk32, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
+        *descs, dk, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
         BN=BN, D=D, STAGES=SM90_STAGES, DQ_BUFS=cfg.dq_buffers, CAUSAL=bool(causal),
-        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
-    fp8_post(prep.dq_acc, dk32, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, dk, cfg)
+        ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        DETERMINISTIC=bool(deterministic), num_warps=8)
+    fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
     return dq, dk, dv
 
 
-def fp8_post(dq_acc, dk32, prow, sq, rotated: bool, scale: float, dq, dk,
-             cfg: Sm90BwdConfig):
+def fp8_post(dq_acc, prow, sq, rotated: bool, scale: float, dq, cfg: Sm90BwdConfig):
     """The post pass: dq (T, Hq, D) from the fp32 buffer dq_acc (padded rows prow, units of
-    sq), dk from dk32 (T, Hkv, D), both rotated back when `rotated`."""
+    sq), rotated back when `rotated`."""
     T, Hq, D = dq.shape
-    Hkv = dk.shape[1]
-    grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq + Hkv)
-    _bwd_postprocess_fp8[grid](dq_acc, dk32, prow, sq, dq, dk, T, Hq, scale, ROTATE=rotated, D=D,
+    grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq)
+    _bwd_postprocess_fp8[grid](dq_acc, prow, sq, dq, T, Hq, scale, ROTATE=rotated, D=D,
                                BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
 
 

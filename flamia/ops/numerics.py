@@ -80,6 +80,17 @@ def fwht(x, M: tl.constexpr, D: tl.constexpr):
     return x
 
 
+def sylvester_parity_host(i, j):
+    """Parity of popcount(i & j) for 0 <= i, j < 256, so that the Sylvester Hadamard matrix is
+    H[i, j] = 1 - 2 parity (hadamard_signs). Plain operators: the same function serves torch
+    tensors and ints here and kernel tensors (backward_sm90 builds H with it)."""
+    m = i & j
+    m = m ^ (m >> 4)
+    m = m ^ (m >> 2)
+    m = m ^ (m >> 1)
+    return m & 1
+
+
 _HAD_CACHE: dict = {}
 
 

@@ -53,8 +53,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_common import (alloc_barriers, descriptor_2d, invalidate_barriers, tma_reduce_add,
-                               wgmma_layout)
+    from .gluon_common import (alloc_barriers, arrive_synced, descriptor_2d, invalidate_barriers,
+                               tma_reduce_add, wgmma_layout)
     from .kmajor import mma_key_order_gluon
     _sylvester_parity = gluon.jit(sylvester_parity_host)
 
@@ -391,10 +391,13 @@ if HAVE_GLUON:
                 b = i % DQ_NB
                 mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
                 dq_smem.index(b).store(dq)
-                fence_async_shared()
-                mbarrier.arrive(dq_ready.index(b), count=1)
+                # one barrier for both releases: dQ written, Q / dO stage read by dK's wgmma
+                # (its wait before the fence: ptxas 12.8 crashes on the other order)
                 dk = warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(q_free.index(s), count=1)
+                fence_async_shared()
+                gl.thread_barrier()
+                arrive_synced(dq_ready.index(b))
+                arrive_synced(q_free.index(s))
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -813,10 +816,11 @@ if HAVE_GLUON:
                 b = i % DQ_NB
                 mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
                 dq_smem.index(b).store(dq)
+                dk = warpgroup_mma_wait(0, deps=[dk])   # one barrier for both, as above
                 fence_async_shared()
-                mbarrier.arrive(dq_ready.index(b), count=1)
-                dk = warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(q_free.index(s), count=1)
+                gl.thread_barrier()
+                arrive_synced(dq_ready.index(b))
+                arrive_synced(q_free.index(s))
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc (fp32, rotated space)
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)

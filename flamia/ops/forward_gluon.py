@@ -61,7 +61,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_common import alloc_barriers, invalidate_barriers, wgmma_layout
+    from .gluon_common import alloc_barriers, arrive_synced, invalidate_barriers, wgmma_layout
     from .kmajor import mma_key_order_gluon, mma_order16_gluon
     from .schedule import work_item
 
@@ -343,12 +343,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_release(rel, st):
-        """One arrival of this consumer warpgroup on release barrier st. Triton puts a
-        partition-wide bar.sync before the arrive (issued by one thread), which is what makes
-        every warp's reads of the scales complete first; the fence orders those generic-proxy
-        reads (and the V zeroing stores) before the producer's next TMA write to the stage."""
+        """One arrival of this consumer warpgroup on release barrier st, issued by one thread
+        once the barrier has seen every warp's reads of the scales complete; the fence orders
+        those generic-proxy reads (and the V zeroing stores) before the producer's next TMA
+        write to the stage."""
         fence_async_shared()
-        mbarrier.arrive(rel.index(st), count=1)
+        gl.thread_barrier()
+        arrive_synced(rel.index(st))
 
     @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,

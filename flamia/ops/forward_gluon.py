@@ -513,8 +513,9 @@ if HAVE_GLUON:
                 acc, m_i, l_i, g = _pers_serial_tiles(
                     q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
                     row_f, lr, c_rows, c_L, full_end, n_tiles, g, BN, D, STAGES, CAUSAL, NW)
-                # every QK^T of the item is done: its Q buffer may take item it + QBUF
-                mbarrier.arrive(q_free.index(qb), count=1)
+                # every warp waited for the item's last QK^T before the last tile's release
+                # barrier: the Q buffer may take item it + QBUF
+                arrive_synced(q_free.index(qb))
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
                 l_i = gl.convert_layout(gl.sum(l_i, axis=1), m_i.type.layout)
                 _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot,

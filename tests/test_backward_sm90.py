@@ -65,7 +65,8 @@ _SCRIPT = r"""
 import json, re, sys, torch
 from flamia.ops import backward_sm90 as B
 from benchmarks.tools.compile import compile_only, fake_qkv, resource_usage
-from benchmarks.tools.sass import local_memory_ops, main_loop, parse, sass_of
+from benchmarks.tools.sass import (local_memory_ops, loop_paths, main_loop, parse, predicated,
+                                   sass_of)
 out = []
 for recipe, D, causal, det in json.loads(sys.argv[1]):
     T, Hq, Hkv = 1024, 8, 2
@@ -87,7 +88,11 @@ for recipe, D, causal, det in json.loads(sys.argv[1]):
         r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
     u["wgmma"] = ptx.count("wgmma.mma_async")
     u["reduce"] = ptx.count("cp.reduce.async.bulk.tensor")
-    u["loop_local_ops"] = local_memory_ops(main_loop(parse(sass_of(kern))))
+    sass = sass_of(kern)
+    loop = main_loop(parse(sass))
+    u["loop_local_ops"] = local_memory_ops(loop)
+    plain = min(loop_paths(loop, predicated(sass)), key=len)
+    u["plain_step_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
     out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det})
 print("REPORT" + json.dumps(out))
 """
@@ -108,3 +113,6 @@ def test_sm90_backward_compiles_clean():
         assert u["partition_regs"] == [24, 240], f"{tag}: {u['partition_regs']}"
         assert u["wgmma"] > 0 and u["reduce"] > 0, tag
         assert u["shared"] <= 227 * 1024, tag
+        # the two warpgroups meet twice per plain step: dS written, then the release of the dQ
+        # tile and the Q / dO stage (a plain mbarrier.arrive brings two more: arrive_synced)
+        assert u["plain_step_bars"] == 2, f"{tag}: {u['plain_step_bars']} bar.syncs per step"

@@ -19,6 +19,7 @@ from _sm90 import compile_report, gluon_available
 _SCRIPT = r"""
 import json, sys, torch
 from benchmarks.tools.compile import build, cu_seqlens, fake_qkv, report
+from benchmarks.tools.sass import loop_paths, main_loop, parse, predicated, sass_of
 from flamia.ops.config import PersistentFwdConfig
 from flamia.ops.forward import attention_forward
 out = []
@@ -26,7 +27,11 @@ for D, causal in json.loads(sys.argv[1]):
     qkv = fake_qkv(4096, 8, 2, D)
     built = build(attention_forward, qkv, cu_seqlens([4096]), 4096, causal, None,
                   torch.bfloat16, config=PersistentFwdConfig())
-    u = report(built["_attn_fwd_gluon_persistent_kernel"])
+    kern = built["_attn_fwd_gluon_persistent_kernel"]
+    u = report(kern)
+    sass = sass_of(kern)
+    plain = min(loop_paths(main_loop(parse(sass)), predicated(sass)), key=len)
+    u["plain_tile_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
     out.append(u | {"D": D, "causal": causal})
 print("REPORT" + json.dumps(out))
 """
@@ -46,6 +51,9 @@ def test_persistent_forward_compiles_clean():
         assert 24 in u["partition_regs"] and max(u["partition_regs"]) >= 232, tag
         # two Q buffers + two ring stages: two CTAs fit in 228 KB per SM
         assert 2 * u["shared"] <= 227 * 1024, tag
+        # one bar.sync per plain tile: the stage release (arrive_synced; a plain mbarrier.arrive
+        # brings a second before the next tile's wait)
+        assert u["plain_tile_bars"] == 1, f"{tag}: {u['plain_tile_bars']} bar.syncs per tile"
 
 
 def test_launcher_checks():

@@ -81,12 +81,11 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="the fp8 recipe's kernel "
                     "(_attn_bwd_sm90_fp8_kernel; token-block operands of tools.fake_qkv)")
     ap.add_argument("--block-m", type=int, default=None, help="query rows per step")
-    ap.add_argument("--dq-buffers", type=int, default=None, help="dQ tiles in shared memory")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         cfg = sm90_backward_config(D)
-        cfg = Sm90BwdConfig(args.block_m or cfg.block_m, args.dq_buffers or cfg.dq_buffers)
         if args.fp8:
+            cfg = Sm90BwdConfig(args.block_m) if args.block_m else sm90_backward_config(D)
             built = build_fp8(D, cfg)
             kern = built["_attn_bwd_sm90_fp8_kernel"]
         else:

@@ -154,11 +154,6 @@ def fp8_timing_inputs(q, k, v, cu, causal):
     return quantize_qkv(q, k, v, cu, "fp8", causal)
 
 
-def tag(cfg):
-    """Column name of a config: tile, and the dQ buffers when not 2."""
-    return f"m{cfg.block_m}n128" + (f" dq{cfg.dq_buffers}" if cfg.dq_buffers != 2 else "")
-
-
 def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False):
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
@@ -192,9 +187,9 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
         for cfg in configs(D):
             ms = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
                                                            config=cfg))
-            row[f"sm90 {tag(cfg)}"] = ms
+            row[f"sm90 m{cfg.block_m}n128"] = ms
             if args_det:
-                row[f"sm90 {tag(cfg)} det"] = cuda_ms(lambda: B.attention_backward_sm90(
+                row[f"sm90 m{cfg.block_m}n128 det"] = cuda_ms(lambda: B.attention_backward_sm90(
                     do, o, lse, q, k, v, cu, causal, scale, deterministic=True, config=cfg))
         if fp8:
             # the bf16 forward's out and lse stand in for fp8's, lse for its row max: the values
@@ -202,7 +197,7 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             qkv8 = fp8_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
             for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
-                row[f"fp8 {tag(cfg)}"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
+                row[f"fp8 m{cfg.block_m}n128"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkv8, cu, causal, scale, config=cfg))
             for name, mod in AB_BASE.items():
                 row[f"{name} fp8"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
@@ -273,7 +268,7 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default="", help="D:BM[:DQ_BUFFERS],... (default: the "
+    ap.add_argument("--configs", default="", help="D:BM,... (default: the "
                     "selected config per head dim)")
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
@@ -288,8 +283,7 @@ def main():
     def configs(D):
         if not specs:
             return [sm90_backward_config(D)]
-        return [Sm90BwdConfig(int(x[1]), *(int(n) for n in x[2:])) for x in specs
-                if int(x[0]) == D]
+        return [Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
     for path in filter(None, args.ab.split(",")):
         name = os.path.splitext(os.path.basename(path))[0]
         AB_BASE[name] = load_ab_base(path, name)

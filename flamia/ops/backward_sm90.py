@@ -320,7 +320,6 @@ if HAVE_GLUON:
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         BN: gl.constexpr = k_smem.type.shape[0]
-        DQ_NB: gl.constexpr = dq_smem.type.shape[0]
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 16)       # S^T, dP^T (BN, BM)
         kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)       # dK, dV (BN, D)
@@ -388,8 +387,8 @@ if HAVE_GLUON:
                                    is_async=True)
                 dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
-                b = i % DQ_NB
-                mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
+                b = i % 2
+                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 # one barrier for both releases: dQ written, Q / dO stage read by dK's wgmma
                 # (its wait before the fence: ptxas 12.8 crashes on the other order)
@@ -411,7 +410,7 @@ if HAVE_GLUON:
     def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
                               SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
                               sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                              STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
                               DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
@@ -424,11 +423,11 @@ if HAVE_GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                        element_bitwidth=16, rank=2)
         ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BM, D], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
         kv_ready = alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = alloc_barriers(STAGES)
-        dq_ready, dq_free = alloc_barriers(DQ_BUFS), alloc_barriers(DQ_BUFS)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         gl.warp_specialize([
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
@@ -713,7 +712,6 @@ if HAVE_GLUON:
         D: gl.constexpr = q_smem.type.shape[2]
         BN: gl.constexpr = k_smem.type.shape[1]
         NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
-        DQ_NB: gl.constexpr = dq_smem.type.shape[0]
         f8: gl.constexpr = gl.float8e4nv
         s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
         kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
@@ -813,8 +811,8 @@ if HAVE_GLUON:
                 dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 dq = dq * u_off
-                b = i % DQ_NB
-                mbarrier.wait(dq_free.index(b), ((i // DQ_NB) + 1) & 1, pred=i >= DQ_NB)
+                b = i % 2
+                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(dq)
                 dk = warpgroup_mma_wait(0, deps=[dk])   # one barrier for both, as above
                 fence_async_shared()
@@ -841,8 +839,8 @@ if HAVE_GLUON:
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
                                   T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                                  STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-                                  CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  ROTATE: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
                                   DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
@@ -857,11 +855,11 @@ if HAVE_GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
                                                        rank=2)
         ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BM, D], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
         kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = alloc_barriers(STAGES)
-        dq_ready, dq_free = alloc_barriers(DQ_BUFS), alloc_barriers(DQ_BUFS)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
@@ -925,9 +923,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
         _semaphores(deterministic, kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=SM90_STAGES, DQ_BUFS=cfg.dq_buffers, CAUSAL=bool(causal),
-        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
-        DETERMINISTIC=bool(deterministic), num_warps=8)
+        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
+        DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
                              num_warps=4)
     return dq, dk, dv
@@ -1027,8 +1024,8 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
-        BN=BN, D=D, STAGES=SM90_STAGES, DQ_BUFS=cfg.dq_buffers, CAUSAL=bool(causal),
-        ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), ROTATE=bool(qkv.rotated),
+        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
     return dq, dk, dv

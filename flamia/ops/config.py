@@ -139,8 +139,6 @@ SM90_PASS_ROWS = 64
 class Sm90BwdConfig:
     """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    dq_buffers: int = 2         # dQ tiles in shared memory between the MMA warpgroups and the
-                                # dQ writer warp
     fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4

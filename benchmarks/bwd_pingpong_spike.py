@@ -53,8 +53,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from flamia.ops.gluon_common import (alloc_barriers, invalidate_barriers, tma_reduce_add,
-                                         wgmma_layout)
+    from flamia.ops.gluon_common import (alloc_barriers, arrive_synced, invalidate_barriers,
+                                         tma_reduce_add, wgmma_layout)
     _item, _query_blocks, _next_step = B._item, B._query_blocks, B._next_step
     _zero_rows_from, _visible, _column_vector = B._zero_rows_from, B._visible, B._column_vector
     _bwd_loader = B._bwd_loader
@@ -195,11 +195,12 @@ if HAVE_GLUON:
                                     gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
                                     is_async=True)
                 dk = warpgroup_mma_wait(1, deps=[dk])
-                mbarrier.arrive(q_free.index(s), count=1)
                 dq1 = warpgroup_mma_wait(0, deps=[dq1])
                 dq_w.slice(DH, DH, dim=1).store(dq1)
                 fence_async_shared()
-                mbarrier.arrive(dq_ready.index(WG), count=1)
+                gl.thread_barrier()      # one barrier releases the Q / dO stage and the dQ tile
+                arrive_synced(dq_ready.index(WG))
+                arrive_synced(q_free.index(s))
             rows = gl.expand_dims(k0 + gl.arange(0, KW, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
             offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
@@ -382,11 +383,12 @@ if HAVE_GLUON:
                                     gl.zeros([BM, DH], gl.float32, dq_layout), use_acc=False,
                                     is_async=True)
                 dk = warpgroup_mma_wait(1, deps=[dk])
-                mbarrier.arrive(q_free.index(s), count=1)
                 dq1 = warpgroup_mma_wait(0, deps=[dq1])
                 dq_w.slice(DH, DH, dim=1).store(dq1 * u_off)
                 fence_async_shared()
-                mbarrier.arrive(dq_ready.index(WG), count=1)
+                gl.thread_barrier()      # one barrier releases the Q / dO stage and the dQ tile
+                arrive_synced(dq_ready.index(WG))
+                arrive_synced(q_free.index(s))
             rows = gl.expand_dims(k0 + gl.arange(0, KW, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
             offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols

@@ -17,6 +17,7 @@ both): out, lse and the row max should be bitwise the library's.
 
     python benchmarks/fwd_two_consumer_spike.py              # CPU: sm_90a build, SASS per tile
     python benchmarks/fwd_two_consumer_spike.py --check --time [--workloads doc32k,...]   # GPU
+    ... --dims 64 --ctas 2 --regs 112      # D=64: two CTAs per SM (against both library kernels)
 
 The library's forward_gluon helpers are imported as they are (a spike, not a stable consumer):
 if it wins, it becomes the library kernel's structure and this file goes.
@@ -142,7 +143,8 @@ if HAVE_GLUON:
 
 
 def forward_two_consumer(qkv, cu, causal: bool, scale: float, out, lse, row_max,
-                         stages: int = 2, qbuf: int = 2) -> None:
+                         stages: int = 2, qbuf: int = 2, ctas: int = 1,
+                         regs: int = CONSUMER_REGS) -> None:
     """The spike's kernel on the library's quantized operands (fp8, V^T in key order; outputs
     allocated by the caller as attention_forward does)."""
     F.check_operands(qkv)
@@ -152,23 +154,31 @@ def forward_two_consumer(qkv, cu, causal: bool, scale: float, out, lse, row_max,
     items = work_list(cu, T, BM2, BN, causal)
     n_items = items.shape[1]
     q_d, k_d, v_d, sc_d, kd_d, vd_d = F._descriptors(qkv, BM2, BN)
-    _fwd_two_consumer_kernel[persistent_grid(n_items * Hq, 1, out.device)](
+    _fwd_two_consumer_kernel[persistent_grid(n_items * Hq, ctas, out.device)](
         q_d, k_d, v_d, sc_d, kd_d, vd_d, descriptor_2d(out, T, Hq * D, Hq * D, [BM2 // 2, D]),
         qkv.sq, qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
         out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BN=BN,
         STAGES=stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
-        CONS_REGS=CONSUMER_REGS, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4,
-        maxnreg=CONSUMER_REGS)
+        CONS_REGS=regs, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4, maxnreg=regs)
 
 
 def library_forward(qkv, cu, causal, scale, out, lse, row_max):
+    """The library's persistent Gluon kernel (at D=64 too, where the library runs the Triton
+    kernel: triton_forward below)."""
     cfg = PersistentFwdConfig()
     T = qkv.shape[0]
     F.launch(qkv, work_list(cu, T, cfg.block_m, cfg.block_n, causal), causal, scale, out, lse,
              row_max, cfg)
 
 
-def compile_report(dims, stages):
+def triton_forward(qkv, cu, causal, scale, out, lse, row_max):
+    """The library's default forward kernel for qkv's head dim (the Triton one at D=64)."""
+    from flamia.ops.forward import attention_forward
+    o, l_, m = attention_forward(qkv, cu, None, causal, scale, out.dtype, return_row_max=True)
+    out.copy_(o), lse.copy_(l_), row_max.copy_(m)
+
+
+def compile_report(dims, stages, ctas=1, regs=CONSUMER_REGS):
     """CPU: the sm_90a build per D (registers, spills, shared memory, SASS per tile)."""
     from benchmarks.tools.compile import build, cu_seqlens, fake_qkv, report
     from benchmarks.tools.sass import describe_paths, sass_of
@@ -178,15 +188,15 @@ def compile_report(dims, stages):
         out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
         lse, rmax = torch.empty(Hq, T), torch.empty(Hq, T)
         built = build(forward_two_consumer, qkv, cu_seqlens([4096]), True, D ** -0.5, out, lse,
-                      rmax, stages)
+                      rmax, stages, 2, ctas, regs)
         kern = built["_fwd_two_consumer_kernel"]
         u = report(kern)
-        print(f"D={D} stages={stages}: " + json.dumps({k: u.get(k) for k in (
+        print(f"D={D} stages={stages} regs={regs}: " + json.dumps({k: u.get(k) for k in (
             "regs", "spill_stores", "shared", "wgmma_serialized", "partition_regs")}))
         print(describe_paths(sass_of(kern)))
 
 
-def run_gpu(names, check: bool, time_it: bool, stages: int):
+def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, regs: int):
     from benchmarks.bwd_sm90_dev import cuda_ms
     from flamia.inputs import make_qkv
     from flamia.ops.quantize import quantize_qkv
@@ -194,7 +204,7 @@ def run_gpu(names, check: bool, time_it: bool, stages: int):
                                      "data", "workloads.json")))["workloads"]
     rows = []
     for w in wl:
-        if names and w["name"] not in names or w["head_dim"] != 128:
+        if names and w["name"] not in names or w["head_dim"] not in dims:
             continue
         q, k, v, cu = make_qkv(w["doc_lengths"], w["heads_q"], w["heads_kv"], w["head_dim"],
                                "outliers", seed=0, device="cuda")
@@ -208,7 +218,7 @@ def run_gpu(names, check: bool, time_it: bool, stages: int):
                     torch.full((Hq, T), float("nan"), device="cuda"))
         a, b = outputs(), outputs()
         library_forward(x, cu, True, scale, *a)
-        forward_two_consumer(x, cu, True, scale, *b, stages=stages)
+        forward_two_consumer(x, cu, True, scale, *b, stages=stages, ctas=ctas, regs=regs)
         torch.cuda.synchronize()
         row = {"workload": w["name"]}
         if check:
@@ -221,16 +231,21 @@ def run_gpu(names, check: bool, time_it: bool, stages: int):
         if time_it:
             row["library ms"] = cuda_ms(lambda: library_forward(x, cu, True, scale, *a))
             row["two-consumer ms"] = cuda_ms(lambda: forward_two_consumer(
-                x, cu, True, scale, *b, stages=stages))
+                x, cu, True, scale, *b, stages=stages, ctas=ctas, regs=regs))
             row["library ms (again)"] = cuda_ms(lambda: library_forward(x, cu, True, scale, *a))
+            if D != 128:     # the library runs the Triton kernel there
+                c = outputs()
+                row["triton ms"] = cuda_ms(lambda: triton_forward(x, cu, True, scale, *c))
         print(json.dumps(row), flush=True)
         rows.append(row)
     if time_it:
-        print("\n| workload | library ms | two consumers ms | change |\n| --- | --- | --- | --- |")
+        print("\n| workload | library Gluon ms | two consumers ms | change | Triton ms (D=64) |"
+              "\n| --- | --- | --- | --- | --- |")
         for r in rows:
             base = min(r["library ms"], r["library ms (again)"])
+            tri = f"{r['triton ms']:.3f}" if "triton ms" in r else "-"
             print(f"| {r['workload']} | {base:.3f} | {r['two-consumer ms']:.3f} | "
-                  f"{100 * (r['two-consumer ms'] / base - 1):+.1f} % |")
+                  f"{100 * (r['two-consumer ms'] / base - 1):+.1f} % | {tri} |")
     if check and not all(r["bitwise"] for r in rows):
         sys.exit("two-consumer forward differs from the library's")
 
@@ -239,6 +254,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="128")
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--ctas", type=int, default=1, help="CTAs per SM")
+    ap.add_argument("--regs", type=int, default=CONSUMER_REGS, help="maxnreg / consumer regs")
     ap.add_argument("--check", action="store_true", help="GPU: bitwise against the library")
     ap.add_argument("--time", action="store_true", help="GPU: forward kernel vs the library's")
     ap.add_argument("--workloads", default="")
@@ -246,9 +263,12 @@ def main():
     if not HAVE_GLUON:
         sys.exit("needs triton's Gluon")
     if args.check or args.time:
-        run_gpu([x for x in args.workloads.split(",") if x], args.check, args.time, args.stages)
+        run_gpu([x for x in args.workloads.split(",") if x],
+                [int(x) for x in args.dims.split(",")], args.check, args.time, args.stages,
+                args.ctas, args.regs)
     else:
-        compile_report([int(x) for x in args.dims.split(",")], args.stages)
+        compile_report([int(x) for x in args.dims.split(",")], args.stages, args.ctas,
+                       args.regs)
 
 
 if __name__ == "__main__":

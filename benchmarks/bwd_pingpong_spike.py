@@ -453,6 +453,17 @@ if HAVE_GLUON:
         invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, turn))
 
 
+def _token_order(kt8):
+    """The prep's K^T (columns in pair order, which the library stores dS in) with its columns
+    back in token order, which this kernel stores dS in: one gather of the Hkv x D x QR bytes,
+    inside the timed call (a cost the library does not pay)."""
+    from flamia.ops.kmajor import pair_order16_host
+    cols = torch.arange(kt8.shape[2], device=kt8.device)
+    src = torch.empty_like(cols)
+    src[pair_order16_host(cols)] = cols
+    return kt8.view(torch.uint8).index_select(2, src).view(kt8.dtype)
+
+
 def attention_backward_pingpong_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
                                     softmax_scale=None, pingpong=False):
     """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90_fp8 (unordered dQ adds)
@@ -481,7 +492,7 @@ def attention_backward_pingpong_fp8(dout, out, lse, row_max, qkv, cu_seqlens, ca
         descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
-        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(_token_order(prep.kt8), Hkv * D, QR, QR, [D, BN]),
         descriptor_2d(prep.vec, B.N_VEC * Hq, QR, QR, [1, BM]),
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )

@@ -286,7 +286,6 @@ if HAVE_GLUON:
         block before b sees that query block too, and sits earlier in the work list (heavier,
         or the same cost and earlier in the document), so it was launched before: the wait
         cannot deadlock."""
-        NB: gl.constexpr = dq_smem.type.shape[0]
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
@@ -295,8 +294,8 @@ if HAVE_GLUON:
             h = kvh * GROUP
             q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                b = i % NB
-                mbarrier.wait(dq_ready.index(b), (i // NB) & 1)
+                b = i % 2
+                mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
                 if DETERMINISTIC:
                     sem = SEM + h * QBLOCKS + (pq + q0) // BM
                     turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
@@ -819,7 +818,7 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 arrive_synced(dq_ready.index(b))
                 arrive_synced(q_free.index(s))
-            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc (fp32, rotated space)
+            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE)
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
             offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols

@@ -60,13 +60,6 @@ if HAVE_GLUON:
     _bwd_loader = B._bwd_loader
 
     @gluon.jit
-    def _alloc_barriers_count(n: gl.constexpr, count: gl.constexpr):
-        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(n):
-            mbarrier.init(bars.index(i), count=count)
-        return bars
-
-    @gluon.jit
     def _await_turn(turn, k, WG: gl.constexpr):
         """Before GEMM burst k of a warpgroup (two per step): wg 1 waits until wg 0 has issued
         its burst k, wg 0 (from its second burst on) until wg 1 has issued burst k - 1. `turn`
@@ -228,7 +221,7 @@ if HAVE_GLUON:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
         kv_ready = alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
-        q_free = _alloc_barriers_count(STAGES, 2)         # both warpgroups release a stage
+        q_free = alloc_barriers(STAGES, 2)         # both warpgroups release a stage
         dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         turn = alloc_barriers(2)
         gl.warp_specialize([
@@ -427,7 +420,7 @@ if HAVE_GLUON:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
         kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
-        q_free = _alloc_barriers_count(STAGES, 2)
+        q_free = alloc_barriers(STAGES, 2)
         dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         turn = alloc_barriers(2)
         gl.warp_specialize([

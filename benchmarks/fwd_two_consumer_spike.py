@@ -53,13 +53,6 @@ if HAVE_GLUON:
     from flamia.ops.schedule import work_item
 
     @gluon.jit
-    def _alloc_barriers_count(n: gl.constexpr, count: gl.constexpr):
-        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(n):
-            mbarrier.init(bars.index(i), count=count)
-        return bars
-
-    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free, k_ready,
                   v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc, O, LSE, RMAX,
                   stride_ot, stride_oh, T, qk_scale, WG: gl.constexpr, D: gl.constexpr,
@@ -122,9 +115,9 @@ if HAVE_GLUON:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 16 * num_warps, D], o_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = F._alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES, BN,
                                                             D)
-        q_ready, q_free = alloc_barriers(QBUF), _alloc_barriers_count(QBUF, 2)
+        q_ready, q_free = alloc_barriers(QBUF), alloc_barriers(QBUF, 2)
         k_ready, v_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
-        rel = _alloc_barriers_count(STAGES, 2)
+        rel = alloc_barriers(STAGES, 2)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
                          k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc,

@@ -62,11 +62,11 @@ if HAVE_GLUON:
                                          instr_shape=[16, n, k])
 
     @gluon.jit
-    def alloc_barriers(n: gl.constexpr):
-        """A ring of n mbarriers (arrival count 1) in shared memory, initialized."""
+    def alloc_barriers(n: gl.constexpr, count: gl.constexpr = 1):
+        """A ring of n mbarriers (`count` arrivals per phase) in shared memory, initialized."""
         bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n):
-            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(i), count=count)
         return bars
 
     @gluon.jit

@@ -137,7 +137,6 @@ stage() {  # name seconds: one stage
     fwd-sweep) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --quick ;;
     fwd-cands) run_stage "$name" "$secs" python benchmarks/fwd_dev.py --no-usage \
              --budget-s $((secs - 30)) --fp8-configs "$FWD_CANDS" --rounds "${FWD_ROUNDS:-3}" \
-             ${FWD_VT_AB:+--vt-order-ab} \
              --sweep "${FWD_WORKLOADS:-doc8k_x4,longtail,doc512_x64,d64_doc8k_x4,d64_longtail}" ;;
     quant) run_stage "$name" "$secs" python benchmarks/quant_ab.py ${QUANT_ARGS:-} ;;
     profile) run_stage "$name" "$secs" python benchmarks/profile_call.py ${PROFILE_ARGS:-} ;;

@@ -49,7 +49,6 @@ T0 = time.time()
 NO_USAGE = "--no-usage" in sys.argv    # skip the ptxas re-run that reports registers / C7515
 RESULTS: dict = {"env": {}, "correctness": [], "timing": [], "errors": [], "best": {}}
 ROUNDS = 1                  # --rounds: interleaved timing rounds per workload
-VT_ORDER_AB = False         # --vt-order-ab: also the default config on a token-order vt8
 
 
 def log(*a):
@@ -176,7 +175,7 @@ def check_slice(dev, D, recipe, configs, smoke):
     exact_lse = R.lse_exact(q, k, cu, True)
     err_ref = (emul - exact).abs()
     finite = torch.isfinite(ref_lse)
-    qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True, vt_mma_order=True)
+    qkv = quantize_qkv(q, k, v, cu, recipe, True, poison=True)
     good = []
     for cfg in configs:
         rec = {"D": D, "recipe": recipe, "config": cfg_name(cfg)}
@@ -270,9 +269,9 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             log(f"{name} {label} ERROR {short(e)}")
             return None
 
-    qkv = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True)   # (the Triton kernel's)
+    qkv = quantize_qkv(q, k, v, cu, "fp8", True)
     safe("quantize", lambda: rec("quantize", "fp8", "-", bench(
-        lambda: quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True), smoke),
+        lambda: quantize_qkv(q, k, v, cu, "fp8", True), smoke),
         bytes=q.numel() * 3 + k.numel() * 7))
     best = {}
     for recipe in [r for r in ("fp8", "bf16") if (D, r) in configs_by_key]:
@@ -285,11 +284,6 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
             c = cfg or default_config(D, recipe != "bf16", q.device)
             fns[cfg_name(cfg)] = (cfg, functools.partial(   # work list memoized on cu
                 attention_forward, qkv_r, cu, max(lengths), True, None, q.dtype, config=c))
-        if VT_ORDER_AB and recipe == "fp8":   # vt8 in token order
-            c = default_config(D, True, q.device)
-            qkv_tok = quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False)
-            fns["default-vt-token-order"] = (None, functools.partial(
-                attention_forward, qkv_tok, cu, max(lengths), True, None, q.dtype, config=c))
         times: dict = {n: [] for n in fns}
         for _ in range(ROUNDS):
             for n, (cfg, fn) in fns.items():
@@ -311,7 +305,7 @@ def time_workload(wl, dev, smoke, configs_by_key, sweep):
         if recipe == "fp8":
             c = cfg_best or default_config(D, True, q.device)
             safe("quant+fwd", lambda: rec("quant+forward", recipe, cfg_name(cfg_best), bench(
-                lambda: attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=True),
+                lambda: attention_forward(quantize_qkv(q, k, v, cu, "fp8", True),
                                           cu, max(lengths), True, None, q.dtype, config=c), smoke)))
             safe("schedule", lambda: rec("schedule", "-", f"{c.block_m}x{c.block_n}", bench(
                 lambda: build_schedule(cu, T, c.block_m, c.block_n, True), smoke)))
@@ -374,16 +368,13 @@ def main():
                     help="FP8 candidates instead of the built-in sweep ('none': the default "
                          "only), e.g. 128x128w8s2,64x128w4s3r168m1 (the default config is timed "
                          "first; bf16 is then not swept)")
-    ap.add_argument("--vt-order-ab", action="store_true",
-                    help="also time the default config on vt8 in token order (not wgmma order)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved timing rounds of the candidates (median reported)")
     ap.add_argument("--sweep", default="doc8k_x4,doc512_x64,d64_doc8k_x4",
                     help="workloads every candidate is timed on")
     args = ap.parse_args()
-    global ROUNDS, VT_ORDER_AB
+    global ROUNDS
     ROUNDS = max(1, args.rounds)
-    VT_ORDER_AB = args.vt_order_ab
     extra = None if not args.fp8_configs else [] if args.fp8_configs == "none" else \
         parse_configs(args.fp8_configs)
     smoke = args.cpu_smoke

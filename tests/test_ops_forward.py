@@ -174,22 +174,6 @@ def test_forward_fold_lr(recipe, D, family, causal, hkv, seed, scale):
     assert (out.float() - out0.float()).abs().max() <= 0.05 * out0.float().abs().max()
 
 
-@pytest.mark.parametrize("cfg", [CFG_TMA, CFG_PTR], ids=["tma", "ptr"])
-def test_forward_vt8_mma_order_is_the_token_order_result(cfg):
-    """vt8 in wgmma key order (the default) against vt8 in token order: the PV GEMM sums the
-    same products in another order, so LSE is bitwise the same and O within a bf16 ulp."""
-    q, k, v, cu = make_qkv(LENGTHS, 4, 2, 64, "outliers", seed=7)
-    L = int((cu[1:] - cu[:-1]).max())
-    outs = []
-    for order in (True, False):
-        qkv = quantize_qkv(q, k, v, cu, "fp8", True, poison=True, vt_mma_order=order)
-        assert qkv.vt8_mma_order == order
-        outs.append(attention_forward(qkv, cu, L, True, None, q.dtype, config=cfg, poison=True))
-    (o1, l1), (o0, l0) = outs
-    assert torch.equal(l1, l0)
-    assert (o1.float() - o0.float()).abs().max() <= 2 ** -7 * o0.float().abs().max()
-
-
 def test_forward_fp16_inputs():
     q, k, v, cu = make_qkv(LENGTHS, 2, 1, 64, "outliers", seed=3, dtype=torch.float16)
     _check_forward(q, k, v, cu, "fp8", True, CFG_TMA, "outliers")
@@ -317,8 +301,7 @@ def test_metadata_memo_follows_cu_seqlens_version():
 def test_persistent_forward_rule(monkeypatch, fake_capability):
     """Which calls the persistent Gluon forward takes: fp8 (by name or Recipe) at D=128, any
     document lengths, on an sm_90 GPU (never under the interpreter or on the CPU, where the
-    Triton kernel / reference run, nor for the reference-only recipes); quantize_qkv's V^T
-    order follows the kernel (token order for it)."""
+    Triton kernel / reference run, nor for the reference-only recipes)."""
     from flamia.ops import config as C
     from flamia.recipes import get_recipe
     cuda = torch.device("cuda")

@@ -9,6 +9,7 @@ consumer at >= 232, two CTAs per SM by shared memory. Numerics are checked on th
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -57,8 +58,8 @@ def test_persistent_forward_compiles_clean():
 
 
 def test_launcher_checks():
-    """bf16 is refused (the Triton kernel runs it), and so is a V^T in wgmma key order (the
-    kernel reads token order)."""
+    """bf16 is refused (the Triton kernel runs it), and so are fp8 operands without V's K-major
+    copy."""
     from flamia.inputs import make_qkv
     from flamia.ops.config import PersistentFwdConfig
     from flamia.ops.forward import attention_forward
@@ -67,6 +68,6 @@ def test_launcher_checks():
     with pytest.raises(NotImplementedError):
         attention_forward(quantize_qkv(q, k, v, cu, "bf16", True), cu, 40, True, None,
                           torch.bfloat16, config=PersistentFwdConfig())
-    with pytest.raises(ValueError, match="vt_mma_order=True"):
-        attention_forward(quantize_qkv(q, k, v, cu, "fp8", True, vt_mma_order=False), cu,
-                          40, True, None, torch.bfloat16, config=PersistentFwdConfig())
+    with pytest.raises(ValueError, match="K-major copy"):
+        attention_forward(dataclasses.replace(quantize_qkv(q, k, v, cu, "fp8", True), vt8=None),
+                          cu, 40, True, None, torch.bfloat16, config=PersistentFwdConfig())

@@ -170,8 +170,7 @@ def build(fn, *args, **kwargs) -> dict:
 # Operands of the real shapes and dtypes (zeros), on the CPU, for compile-only launches
 # ---------------------------------------------------------------------------------------------
 
-def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bool = True,
-             vt_mma_order: bool = True):
+def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bool = True):
     """A QuantizedQKV of zeros (scales one) as quantize_qkv lays it out: fp8 (token-block
     scaling: block and per-token diagonal copies, vt8 in padded columns for two documents) or
     bf16."""
@@ -187,7 +186,7 @@ def fake_qkv(T: int, Hq: int, Hkv: int, D: int, recipe: str = "fp8", rotated: bo
     tp = (T + 15) // 16 * 16 + 64     # padded columns (two documents)
     return QuantizedQKV(recipe, z(T, Hq, D), z(T, Hkv, D), z(T, Hkv, D), one(Hq, T),
                         one(Hkv, T), one(Hkv, T), one(Hkv, T), rotated=rotated,
-                        vt8=z(Hkv, D, tp), vt8_mma_order=vt_mma_order,
+                        vt8=z(Hkv, D, tp),
                         k8_diag=z(T, Hkv, D), v8_diag=z(T, Hkv, D), sk_diag=one(Hkv, T),
                         sv_diag=one(Hkv, T), vnorm=one(Hkv, T),
                         kv_pcu=torch.tensor([0, T // 2, T], dtype=torch.int32),

@@ -50,12 +50,12 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 K, V, SK, SV, stride_kt, stride_vn, stride_vd,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
-                K_ALIGNED: tl.constexpr, TILE_SCALES: tl.constexpr = False):
+                FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, K_ALIGNED: tl.constexpr,
+                TILE_SCALES: tl.constexpr = False):
     """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
     FP8 reads V from the K-major copy vt8, whose column vcol0 + n holds the document's key n
-    (vcol0 + lo a multiple of 16); V_MMA_ORDER: row p of a V tile is key mma_order16(p) of the
-    tile, and P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a
+    (vcol0 + lo a multiple of 16), in wgmma key order: row p of a V tile is key mma_order16(p) of
+    the tile, and P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a
     multiple of 16 too (the token-block grid starts tiles at document-local offsets).
     TILE_SCALES (unmasked tiles of the token-block scaling's block copies): every key of a tile
     has the same power-of-two sk and sv, read once per tile, and no per-element scale work is
@@ -65,7 +65,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
     A is 0 anyway (forward_gluon._online_softmax_block has the argument)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    if V_MMA_ORDER:
+    if FP8:
         offs_v0 = mma_order16(offs_n0)      # the key of each V row
     else:
         offs_v0 = offs_n0
@@ -126,19 +126,16 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
         acc = acc * alpha[:, None]
         # ---- O += P V ----
         if TILE_SCALES:
-            a = p.to(tl.float8e4nv)                          # RNE
-            if V_MMA_ORDER:
-                a = mma_key_order(a)
+            a = mma_key_order(p.to(tl.float8e4nv))           # RNE
         elif FP8:
             if MASKED:
                 sv = tl.load(SV + offs_n, mask=col_ok, other=0.0)
             else:
                 sv = tl.load(SV + offs_n)
             a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
-            if V_MMA_ORDER:
-                # column p of the A operand = P's column mma_order16(p): every value stays in
-                # the thread holding it (flamia.ops.kmajor's module docstring)
-                a = mma_key_order(a)
+            # column p of the A operand = P's column mma_order16(p): every value stays in the
+            # thread holding it (flamia.ops.kmajor's module docstring)
+            a = mma_key_order(a)
         else:
             a = p.to(tl.bfloat16)
         offs_v = start_n + offs_v0
@@ -168,8 +165,7 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr, V_MMA_ORDER: tl.constexpr,
-                     ROW_MAX: tl.constexpr):
+                     MASKED_STAGES: tl.constexpr, ROW_MAX: tl.constexpr):
     """One (query block, head) of the work list. FP8 (token-block scaling): K, V (vt8), SK, SV
     the block copies and KD, VD (vt8_diag), SKD, SVD the token copies (causal), vt8's columns in
     the padded layout (PCU). ROW_MAX: the row max m (natural log) into RMAX too."""
@@ -233,27 +229,27 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         0, d0, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                         D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
-                                        FULL_STAGES, V_MMA_ORDER, False, True)
+                                        FULL_STAGES, False, True)
             SKDh = SKD + kvh * T + tok0
             SVDh = SVD + kvh * T + tok0
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         d0, n_full, KD, VDh, SKDh, SVDh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, False, FP8, USE_TMA,
-                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
+                                        FOLD_LR, MASKED_STAGES, False)
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         n_full, hi, KD, VDh, SKDh, SVDh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
-                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
+                                        FOLD_LR, MASKED_STAGES, False)
         else:
             n_full = (L // BLOCK_N) * BLOCK_N
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         0, n_full, K, Vh, SKh, SVh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, False, FP8, USE_TMA,
-                                        FOLD_LR, FULL_STAGES, V_MMA_ORDER, False, True)
+                                        FOLD_LR, FULL_STAGES, False, True)
             acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh,
                                         n_full, L, K, Vh, SKh, SVh, stride_kt, stride_vn,
                                         stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
-                                        FOLD_LR, MASKED_STAGES, V_MMA_ORDER, False)
+                                        FOLD_LR, MASKED_STAGES, False)
     else:
         # bf16: KV tiles start at absolute token rows that are multiples of 16 (the K and V row
         # loads are hinted 16-aligned: K_ALIGNED, vrow0), so in doc-local keys tile j is
@@ -272,17 +268,17 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                                     -shift, head_hi, K, Vh, SKh, SVh, stride_kt, stride_vn,
                                     stride_vd,
                                     D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
-                                    MASKED_STAGES, V_MMA_ORDER, True)
+                                    MASKED_STAGES, True)
         n_lo = tl.where(shift > 0, BLOCK_N - shift, 0)
         n_full = n_lo + (tl.maximum(limit - n_lo, 0) // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
                                     n_lo, n_full, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                     D, BLOCK_N, CAUSAL, False, FP8, USE_TMA, FOLD_LR,
-                                    FULL_STAGES, V_MMA_ORDER, True)
+                                    FULL_STAGES, True)
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, tok0, kvh,
                                     n_full, hi, K, Vh, SKh, SVh, stride_kt, stride_vn, stride_vd,
                                     D, BLOCK_N, CAUSAL, True, FP8, USE_TMA, FOLD_LR,
-                                    MASKED_STAGES, V_MMA_ORDER, True)
+                                    MASKED_STAGES, True)
     # ---- epilogue: O = acc / l', lse = ln2 * (m + log2 l' - lr) ----
     inv_l = 1.0 / l_i
     out = acc * inv_l[:, None]
@@ -387,8 +383,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         T, n_items, Hq, Hq // Hkv, scale * LOG2E,
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
-        MASKED_STAGES=config.masked_stages or config.num_stages,
-        V_MMA_ORDER=bool(fp8 and qkv.vt8_mma_order), ROW_MAX=bool(return_row_max),
+        MASKED_STAGES=config.masked_stages or config.num_stages, ROW_MAX=bool(return_row_max),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return result

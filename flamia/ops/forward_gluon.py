@@ -563,9 +563,8 @@ def check_operands(qkv: QuantizedQKV) -> None:
     if not qkv.kvblock:
         raise NotImplementedError(f"the Gluon forward implements the fp8 recipe, not "
                                   f"{qkv.recipe!r}")
-    if qkv.vt8 is None or not qkv.vt8_mma_order:
-        raise ValueError("the Gluon forward reads the K-major V copy in wgmma key order: "
-                         "quantize_qkv(..., vt_mma_order=True)")
+    if qkv.vt8 is None:
+        raise ValueError("the Gluon forward reads V from its K-major copy: quantize_qkv's vt8")
     if qkv.shape[3] not in (64, 128):
         raise ValueError(f"head dim {qkv.shape[3]}: the Gluon forward supports 64 and 128")
     if qkv.vt8.stride(2) != 1:

@@ -26,11 +26,9 @@ class QuantizedQKV:
                                   #   (reference._visible_max)
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
     vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8), in
-                                      #   kmajor's padded column layout (kv_pcu)
-    # vt8_mma_order: in each 16-column group of vt8, column c holds token mma_order16(c) of the
-    # group (flamia.ops.kmajor), the key order in which the forward's P registers already are an
-    # FP8 wgmma A operand; False: column = token.
-    vt8_mma_order: bool = False
+                                      #   kmajor's padded column layout (kv_pcu); in each
+    # 16-column group, column c holds token mma_order16(c) of the group (flamia.ops.kmajor), the
+    # key order in which the forward's P registers already are an FP8 wgmma A operand
     # fp8: k8 / v8 / sk / sv are the block copies (one scale per document-local 128-token block
     # and head, sk / sv broadcast to the block's tokens); the fields below are None for bf16.
     k8_diag: torch.Tensor | None = None   # (T, Hkv, D) per-token copies for the diagonal pairs
@@ -42,7 +40,7 @@ class QuantizedQKV:
     # The forward's column layout of the K-major copies: document d occupies columns
     # [kv_pcu[d], kv_pcu[d] + len_d) of vt8 / vt8_diag / scale_cols (flamia.ops.kmajor's padded
     # layout: every document starts at a multiple of 16, so tiles at document-local multiples of
-    # 16 are TMA-legal); vt8_mma_order applies within its 16-column groups.
+    # 16 are TMA-legal); the key order applies within its 16-column groups.
     kv_pcu: torch.Tensor | None = None    # (n_docs + 1,) int32
     vt8_diag: torch.Tensor | None = None  # (Hkv, D, Tp) K-major copy of v8_diag (causal only)
     # (n, Hkv, Tp) fp32: sk, sv (n = 2), then sk_diag, sv_diag (causal: n = 4), in the padded

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import config, interpreting
-from .kmajor import check_copy, copy_columns, kmajor_layout
+from .kmajor import ORDER_MMA_A, check_copy, copy_columns, kmajor_layout
 from .layout import KV_BLOCK, QuantizedQKV, new_tensor
 from .numerics import hadamard_signs, pow2_scale_bits
 from .schedule import per_cu_seqlens, work_list
@@ -211,7 +211,7 @@ def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.conste
 @triton.jit(do_not_specialize=["N_ITEMS", "N_COL_BLOCKS"])   # (as _quantize_kv_kernel)
 def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
-                         D: tl.constexpr, BLOCK_C: tl.constexpr, MMA_ORDER: tl.constexpr,
+                         D: tl.constexpr, BLOCK_C: tl.constexpr,
                          CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
     """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V
     into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
@@ -221,13 +221,13 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
     j = tl.program_id(1)
     if j < HKV:
         if i < N_COL_BLOCKS:
-            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, D, BLOCK_C, MMA_ORDER)
+            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, D, BLOCK_C, 1)   # ORDER_MMA_A
             _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j,
                            4 if CAUSAL else 2, BLOCK_C)
     elif j < 2 * HKV:
         if CAUSAL:
             if i < N_COL_BLOCKS:
-                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, D, BLOCK_C, MMA_ORDER)
+                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, D, BLOCK_C, 1)
     elif i < N_ITEMS:
         if tl.load(ITEMS + i) >= 0:
             h = (j - 2 * HKV).to(tl.int64)
@@ -242,7 +242,7 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
                                end, CAUSAL, KVB, CHUNK)
 
 
-def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool = True,
+def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
                  launch: config.QuantizeConfig | None = None,
                  poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
@@ -253,9 +253,8 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool = Tr
     v8_diag / sk_diag / sv_diag; vcap and vnorm the visible maxima (reference._visible_max);
     vt8 (and vt8_diag) in kmajor's padded column layout (kv_pcu), scale_cols the scales in
     those columns. vt8's columns are in wgmma key order within 16-token groups
-    (flamia.ops.kmajor), which both forward kernels read, or in token order
-    (vt_mma_order=False). bf16: the inputs themselves (bf16; fp16
-    inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
+    (flamia.ops.kmajor), which both forward kernels read. bf16: the inputs themselves (bf16;
+    fp16 inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
     program and warps (QuantizeConfig() by default; the values do not depend on it).
     poison=True fills outputs with NaN first (tests: every element written).
     """
@@ -288,7 +287,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool = Tr
         fill((T, Hkv, D), f8), fill((T, Hkv, D), f8), fill((Hkv, T), f32), fill((Hkv, T), f32),
         fill((Hkv, D, Tp), f8)) if causal else (None,) * 5
     out = QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=bool(rec.rotate_qk),
-                       vt8=vt8, vt8_mma_order=bool(vt_mma_order), k8_diag=k8d, v8_diag=v8d,
+                       vt8=vt8, k8_diag=k8d, v8_diag=v8d,
                        sk_diag=skd, sv_diag=svd, vnorm=vnorm, kv_pcu=pcu,
                        vt8_diag=vt8d, scale_cols=scale_cols)
     if T == 0:
@@ -307,13 +306,13 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *, vt_mma_order: bool = Tr
         k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
         ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
-    check_copy(v8, vt8, vt_mma_order)
+    check_copy(v8, vt8, ORDER_MMA_A)
     block_c = 64
     n_cols = triton.cdiv(Tp, block_c)
     _kvblock_cols_kernel[(max(n_cols, n_items), 3 * Hkv)](
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
         vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,
-        BLOCK_C=block_c, MMA_ORDER=bool(vt_mma_order), CAUSAL=bool(causal), KVB=KV_BLOCK,
+        BLOCK_C=block_c, CAUSAL=bool(causal), KVB=KV_BLOCK,
         CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=4)
     return out

@@ -46,7 +46,7 @@ def _run(kernel, q, k, v, cu, causal, cfg=None):
         return attention_forward(x, cu, L, causal, None, q.dtype,
                                  config=cfg or PersistentFwdConfig(), poison=True,
                                  return_row_max=True)
-    x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=True)
+    x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
     return attention_forward(x, cu, L, causal, None, q.dtype,
                              config=cfg or triton_forward_config(D, True, torch.device(DEV)),
                              poison=True, return_row_max=True)
@@ -111,7 +111,7 @@ def _check(got, refs):
 def test_quantize_matches_reference(D, causal):
     q, k, v, cu = make_qkv(ODD, HQ, HKV, D, "outliers", device=DEV, seed=D)
     T = q.shape[0]
-    x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True, vt_mma_order=True)
+    x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
     H = R.hadamard(D, torch.float32, DEV)
     qc, kc = q.float() @ H, k.float() @ H
     qo = R.quantize_operand(qc, "e4m3", "token")

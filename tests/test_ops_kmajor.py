@@ -18,21 +18,21 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the 
 
 @triton.jit
 def _copy_kernel(src, dst, tok_of_col, Tp, stride_t, D: tl.constexpr, BLOCK_C: tl.constexpr,
-                 MMA_ORDER: tl.constexpr):
-    copy_columns(src, dst, tok_of_col, Tp, stride_t, tl.program_id(1), D, BLOCK_C, MMA_ORDER)
+                 ORDER: tl.constexpr):
+    copy_columns(src, dst, tok_of_col, Tp, stride_t, tl.program_id(1), D, BLOCK_C, ORDER)
 
 
-def kmajor_copy(src, dst, tok_of_col=None, block_c=16, mma_order=False):
+def kmajor_copy(src, dst, tok_of_col=None, block_c=16, order=ORDER_TOKEN):
     """One copy_columns launch (the kernel the library's copies are built on); tok_of_col=None:
     column c holds token c (zeros for c >= T)."""
-    check_copy(src, dst, mma_order)
+    check_copy(src, dst, order)
     T, H, D = src.shape
     Tp = dst.shape[2]
     if tok_of_col is None:
         tok_of_col = torch.arange(Tp, dtype=torch.int32).masked_fill_(torch.arange(Tp) >= T, -1)
     _copy_kernel[(triton.cdiv(Tp, block_c), H)](src.view(torch.uint8), dst.view(torch.uint8),
                                                tok_of_col, Tp, src.stride(0), D=D,
-                                               BLOCK_C=block_c, MMA_ORDER=mma_order)
+                                               BLOCK_C=block_c, ORDER=int(order))
     return dst
 
 
@@ -98,15 +98,15 @@ def test_plain_copy_in_mma_order():
     T, H, D = 45, 2, 16
     src = torch.randint(0, 256, (T, H, D), dtype=torch.uint8)
     dst = torch.full((H, D, 64), 0xFF, dtype=torch.uint8)
-    kmajor_copy(src, dst, block_c=16, mma_order=True)
+    kmajor_copy(src, dst, block_c=16, order=ORDER_MMA_A)
     tok = mma_order16_host(torch.arange(64))
     ok = tok < T
     assert torch.equal(dst[:, :, ok], src[tok[ok]].permute(1, 2, 0))
     assert (dst[:, :, ~ok] == 0).all()
     with pytest.raises(ValueError, match="column order needs Tp"):
-        kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), mma_order=True)
+        kmajor_copy(src, torch.zeros(H, D, 40, dtype=torch.uint8), order=ORDER_MMA_A)
     with pytest.raises(ValueError, match="unknown column order"):
-        kmajor_copy(src, dst, mma_order=3)
+        kmajor_copy(src, dst, order=3)
 
 
 def test_pair_order_puts_an_accumulator_threads_rows_side_by_side():
@@ -118,37 +118,25 @@ def test_pair_order_puts_an_accumulator_threads_rows_side_by_side():
     assert torch.equal(pair_order16_host(p).sort().values, p)         # a permutation
 
 
-def test_padded_copy_in_pair_order():
-    """ORDER_PAIRS (the fp8 backward's K^T, read against dS stored in pair order): column c
-    holds what column pair_order16(c) holds in token order."""
-    lengths = (37, 0, 16, 1, 50)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    T, H, D = sum(lengths), 2, 16
-    _, tok_of_col, Tp = kmajor_layout(cu, T)
-    src = torch.randint(1, 256, (T, H, D), dtype=torch.uint8)
-    plain = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
-    paired = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
-    kmajor_copy(src, plain, tok_of_col, block_c=16)
-    kmajor_copy(src, paired, tok_of_col, block_c=16, mma_order=ORDER_PAIRS)
-    assert torch.equal(paired, plain[:, :, pair_order16_host(torch.arange(Tp))])
-
-
-def test_padded_copy_in_mma_order():
-    """The padded layout in key order (quantize_qkv's vt8 for the Triton forward): column c
-    holds what column mma_order16(c) holds in token order, pads zero, no group leaves its
-    document (documents start at multiples of 16)."""
+@pytest.mark.parametrize("order, perm", [(ORDER_MMA_A, mma_order16_host),
+                                         (ORDER_PAIRS, pair_order16_host)], ids=["mma", "pairs"])
+def test_padded_copy_in_column_order(order, perm):
+    """The padded layout with each 16-column group reordered (ORDER_MMA_A: quantize_qkv's vt8,
+    the fp8 backward's dO^T and Q^T; ORDER_PAIRS: its K^T, read against dS stored in pair
+    order): column c holds what column perm(c) holds in token order, pads zero, no group leaves
+    its document (documents start at multiples of 16)."""
     lengths = (37, 0, 16, 1, 50)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     T, H, D = sum(lengths), 2, 16
     pcu, tok_of_col, Tp = kmajor_layout(cu, T)
     src = torch.randint(1, 256, (T, H, D), dtype=torch.uint8)
     plain = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
-    keyed = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
+    reordered = torch.full((H, D, Tp), 0xFF, dtype=torch.uint8)
     kmajor_copy(src, plain, tok_of_col, block_c=16)
-    kmajor_copy(src, keyed, tok_of_col, block_c=16, mma_order=True)
-    assert torch.equal(keyed, plain[:, :, mma_order16_host(torch.arange(Tp))])
+    kmajor_copy(src, reordered, tok_of_col, block_c=16, order=order)
+    assert torch.equal(reordered, plain[:, :, perm(torch.arange(Tp))])
     doc_of_col = torch.bucketize(torch.arange(Tp), pcu[1:].long(), right=True)
-    assert torch.equal(doc_of_col, doc_of_col[mma_order16_host(torch.arange(Tp))])
+    assert torch.equal(doc_of_col, doc_of_col[perm(torch.arange(Tp))])
 
 
 def test_copies_in_one_launch_equal_the_separate_copies():
@@ -167,7 +155,7 @@ def test_copies_in_one_launch_equal_the_separate_copies():
     want = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
     got = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
     for src, dst, order in zip(srcs, want, orders):
-        kmajor_copy(src, dst, tok_of_col, block_c=16, mma_order=order)
+        kmajor_copy(src, dst, tok_of_col, block_c=16, order=order)
     kmajor_copies(list(zip(srcs, got, orders)), tok_of_col, block_c=16)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the 
 @triton.jit
 def _copy_kernel(src, dst, tok_of_col, Tp, stride_t, D: tl.constexpr, BLOCK_C: tl.constexpr,
                  ORDER: tl.constexpr):
-    copy_columns(src, dst, tok_of_col, Tp, stride_t, tl.program_id(1), D, BLOCK_C, ORDER)
+    copy_columns(src, dst, tok_of_col, Tp, stride_t, tl.program_id(1),
+                 tl.program_id(0) * BLOCK_C, D, BLOCK_C, ORDER)
 
 
 def kmajor_copy(src, dst, tok_of_col=None, block_c=16, order=ORDER_TOKEN):

@@ -44,6 +44,7 @@ import triton.language as tl
 from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
+from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
 from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits, sylvester_parity_host
 from .schedule import per_cu_seqlens
 
@@ -487,16 +488,19 @@ def _pow2_bound(amax):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, T, QR, HQ,
-                        GROUP, qk_scale_log2, stride_t, D: tl.constexpr, BT: tl.constexpr):
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, DO8B, Q8B,
+                        K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
+                        D: tl.constexpr, BT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
     block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
     the block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    and zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
-    reduce-adds start from. Program blk * HQ + head: the CTAs resident together hold one
-    block's heads, so they read and write whole (token, head, D) rows (H200: -4 to -9 % against
-    one head's blocks side by side)."""
+    zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
+    reduce-adds start from; and the block's columns of the K-major copies dO^T, Q^T (wgmma
+    order) and, for the first head of a GQA group, K^T (pair order), gathered as bytes (DO8B,
+    Q8B, K8B: uint8 views) after the block's do8 rows are stored. Program blk * HQ + head: the
+    CTAs resident together hold one block's heads, so they read and write whole (token, head,
+    D) rows (H200: -4 to -9 % against one head's blocks side by side)."""
     pid = tl.program_id(0)
     h = pid % HQ
     blk = pid // HQ
@@ -536,6 +540,11 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, D
     nb = QR // BT
     tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
     tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
+    tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
+    copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)        # ORDER_MMA_A
+    copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
+    if h % GROUP == 0:
+        copy_columns(K8B, KT8, PTOK, QR, stride_kt, h // GROUP, blk * BT, D, BT, 2)  # PAIRS
 
 
 @triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
@@ -946,9 +955,8 @@ class Fp8Prep:
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
                 cfg: Sm90BwdConfig) -> Fp8Prep:
-    """The preprocess (dO quantized, delta, per-row vectors and bounds), the K-major copies and
+    """The preprocess (dO quantized, delta, per-row vectors and bounds, the K-major copies) and
     the CTA scales."""
-    from .kmajor import ORDER_MMA_A, ORDER_PAIRS, kmajor_copies
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     BM, BN = cfg.block_m, SM90_BLOCK_N
@@ -966,15 +974,17 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
-    _bwd_preprocess_fp8[(nb * Hq,)](
-        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, dq_acc, T, QR, Hq, group, scale * LOG2E, Hq * D, D=D, BT=DO_BLOCK,
-        num_warps=cfg.fp8_pre_warps)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
-    kmajor_copies([(do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A),
-                   (qkv.k8, kt8, ORDER_PAIRS)], ptok)
+    for src, dst, order in ((do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A),
+                            (qkv.k8, kt8, ORDER_PAIRS)):
+        check_copy(src, dst, order)
+    u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8, qt8, kt8)]
+    _bwd_preprocess_fp8[(nb * Hq,)](
+        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
+        bds, dq_acc, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
+        BT=DO_BLOCK, num_warps=cfg.fp8_pre_warps)
     cpt = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
     _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
@@ -989,9 +999,9 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
     lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
 
-    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds), one K-major copy
-    launch for dO^T, Q^T and K^T, the CTA scales, the kernel,
-    the post pass (dQ out of its units and rotated back).
+    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds, the K-major
+    copies dO^T, Q^T and K^T), the CTA scales, the kernel, the post pass (dQ out of its units
+    and rotated back).
     """
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]

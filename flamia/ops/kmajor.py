@@ -111,11 +111,11 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 
 @triton.jit
-def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, D: tl.constexpr, BLOCK_C: tl.constexpr,
-                 ORDER: tl.constexpr):
-    """Output columns of program_id(0)'s block of head h: dst[h, :, c] = src[tok(c), h, :], the
+def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, c0, D: tl.constexpr,
+                 BLOCK_C: tl.constexpr, ORDER: tl.constexpr):
+    """Output columns [c0, c0 + BLOCK_C) of head h: dst[h, :, c] = src[tok(c), h, :], the
     columns of each 16-group in ORDER (ORDER_*; a bool: ORDER_MMA_A or ORDER_TOKEN)."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = c0 + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
     if ORDER == 2:      # ORDER_PAIRS
         src_col = pair_order16(c)
@@ -138,12 +138,14 @@ def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, Tp,
     """Three padded-layout copies in one launch: grid axis 1 runs over the heads of copy 0, then
     of copy 1, then of copy 2."""
     h = tl.program_id(1)
+    c0 = tl.program_id(0) * BLOCK_C
     if h < H0:
-        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, D, BLOCK_C, ORDER0)
+        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, c0, D, BLOCK_C, ORDER0)
     elif h < H0 + H1:
-        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, D, BLOCK_C, ORDER1)
+        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, c0, D, BLOCK_C, ORDER1)
     else:
-        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, D, BLOCK_C, ORDER2)
+        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, c0, D, BLOCK_C,
+                     ORDER2)
 
 
 def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -> None:

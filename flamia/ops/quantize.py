@@ -221,13 +221,15 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
     j = tl.program_id(1)
     if j < HKV:
         if i < N_COL_BLOCKS:
-            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, D, BLOCK_C, 1)   # ORDER_MMA_A
+            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, i * BLOCK_C, D, BLOCK_C,
+                         1)   # ORDER_MMA_A
             _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j,
                            4 if CAUSAL else 2, BLOCK_C)
     elif j < 2 * HKV:
         if CAUSAL:
             if i < N_COL_BLOCKS:
-                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, D, BLOCK_C, 1)
+                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, i * BLOCK_C, D,
+                             BLOCK_C, 1)
     elif i < N_ITEMS:
         if tl.load(ITEMS + i) >= 0:
             h = (j - 2 * HKV).to(tl.int64)

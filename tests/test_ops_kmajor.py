@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flamia.ops.kmajor import (ORDER_MMA_A, ORDER_PAIRS, ORDER_TOKEN, check_copy, copy_columns,
-                               kmajor_copies, kmajor_layout, mma_key_order_host, mma_order16_host,
+                               kmajor_layout, mma_key_order_host, mma_order16_host,
                                pair_order16_host, padded_columns)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests under the Triton interpreter")
@@ -138,33 +138,6 @@ def test_padded_copy_in_column_order(order, perm):
     assert torch.equal(reordered, plain[:, :, perm(torch.arange(Tp))])
     doc_of_col = torch.bucketize(torch.arange(Tp), pcu[1:].long(), right=True)
     assert torch.equal(doc_of_col, doc_of_col[perm(torch.arange(Tp))])
-
-
-def test_copies_in_one_launch_equal_the_separate_copies():
-    """kmajor_copies (the one-pass fp8 backward's dO, q, k copies in one launch): byte for byte
-    what the separate copies write, with different head counts, strides and orders per copy,
-    every column written (poisoned destinations)."""
-    lengths = (37, 0, 16, 1, 50)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    T, D = sum(lengths), 16
-    _, tok_of_col, Tp = kmajor_layout(cu, T)
-    g = torch.Generator().manual_seed(3)
-    heads, orders = (3, 3, 1), (ORDER_MMA_A, ORDER_TOKEN, ORDER_PAIRS)
-    # the third source is a strided (T, H, D) view: token stride larger than H * D
-    srcs = [torch.randint(1, 256, (T, h, D), generator=g, dtype=torch.uint8) for h in heads[:2]]
-    srcs.append(torch.randint(1, 256, (T, 2, D), generator=g, dtype=torch.uint8)[:, :1])
-    want = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
-    got = [torch.full((h, D, Tp), 0xFF, dtype=torch.uint8) for h in heads]
-    for src, dst, order in zip(srcs, want, orders):
-        kmajor_copy(src, dst, tok_of_col, block_c=16, order=order)
-    kmajor_copies(list(zip(srcs, got, orders)), tok_of_col, block_c=16)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="same D and Tp"):
-        kmajor_copies([(srcs[0], got[0], False), (srcs[1], got[1][:, :, :16].contiguous(), False),
-                       (srcs[2], got[2], False)], tok_of_col)
-    with pytest.raises(ValueError, match="3 copies"):
-        kmajor_copies(list(zip(srcs, got, orders))[:2], tok_of_col)
 
 
 def test_bad_arguments():

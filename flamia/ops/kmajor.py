@@ -130,24 +130,6 @@ def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, c0, D: tl.constexpr,
     tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=(c < Tp)[None, :])
 
 
-@triton.jit
-def _kmajor_copies_kernel(src0, dst0, src1, dst1, src2, dst2, tok_of_col, Tp,
-                          stride0, stride1, stride2, H0, H1,
-                          D: tl.constexpr, BLOCK_C: tl.constexpr,
-                          ORDER0: tl.constexpr, ORDER1: tl.constexpr, ORDER2: tl.constexpr):
-    """Three padded-layout copies in one launch: grid axis 1 runs over the heads of copy 0, then
-    of copy 1, then of copy 2."""
-    h = tl.program_id(1)
-    c0 = tl.program_id(0) * BLOCK_C
-    if h < H0:
-        copy_columns(src0, dst0, tok_of_col, Tp, stride0, h, c0, D, BLOCK_C, ORDER0)
-    elif h < H0 + H1:
-        copy_columns(src1, dst1, tok_of_col, Tp, stride1, h - H0, c0, D, BLOCK_C, ORDER1)
-    else:
-        copy_columns(src2, dst2, tok_of_col, Tp, stride2, h - H0 - H1, c0, D, BLOCK_C,
-                     ORDER2)
-
-
 def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -> None:
     """The argument rules of every launch built on copy_columns: dst[h, :, c] = src[tok_of_col[c],
     h, :] (zeros where tok_of_col[c] < 0) for src (T, heads, D) with unit-stride heads and dims,
@@ -167,24 +149,3 @@ def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -
         raise ValueError(f"K-major copy: unknown column order {order!r}")
     if order and Tp % 16:
         raise ValueError(f"K-major copy: a column order needs Tp % 16 == 0 (Tp={Tp})")
-
-
-def kmajor_copies(copies, tok_of_col: torch.Tensor, block_c: int = 64) -> None:
-    """Three K-major copies (src, dst, order) of one D and Tp into the padded layout, in one
-    launch (the backward's dO, q and k copies: two launches fewer per call, which at short
-    documents are host time); every column of each dst is written (check_copy)."""
-    if len(copies) != 3:
-        raise ValueError(f"kmajor_copies: 3 copies, got {len(copies)}")
-    for src, dst, order in copies:
-        check_copy(src, dst, order)
-    (s0, d0, m0), (s1, d1, m1), (s2, d2, m2) = copies
-    D, Tp = d0.shape[1], d0.shape[2]
-    if any(dst.shape[1:] != (D, Tp) for _, dst, _ in copies):
-        raise ValueError("kmajor_copies: every copy needs the same D and Tp")
-    heads = s0.shape[1] + s1.shape[1] + s2.shape[1]
-    if Tp == 0 or heads == 0:
-        return
-    u8 = [x.view(torch.uint8) for x in (s0, d0, s1, d1, s2, d2)]
-    _kmajor_copies_kernel[(triton.cdiv(Tp, block_c), heads)](
-        *u8, tok_of_col, Tp, s0.stride(0), s1.stride(0), s2.stride(0), s0.shape[1], s1.shape[1],
-        D=D, BLOCK_C=block_c, ORDER0=int(m0), ORDER1=int(m1), ORDER2=int(m2), num_warps=4)

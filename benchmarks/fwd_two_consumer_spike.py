@@ -147,12 +147,17 @@ def forward_two_consumer(qkv, cu, causal: bool, scale: float, out, lse, row_max,
     items = work_list(cu, T, BM2, BN, causal)
     n_items = items.shape[1]
     q_d, k_d, v_d, sc_d, kd_d, vd_d = F._descriptors(qkv, BM2, BN)
+    # three 4-warp groups (Triton rounds the producer warp up to a warpgroup): the launch
+    # register count fits ctas CTAs' 384 threads in the register file, setmaxnreg moves the
+    # producer's share to the consumers
+    maxnreg = 65536 // (384 * ctas) // 8 * 8
+    regs = min(regs, (3 * maxnreg - cfg.producer_regs) // 2 // 8 * 8)
     _fwd_two_consumer_kernel[persistent_grid(n_items * Hq, ctas, out.device)](
         q_d, k_d, v_d, sc_d, kd_d, vd_d, descriptor_2d(out, T, Hq * D, Hq * D, [BM2 // 2, D]),
         qkv.sq, qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
         out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BN=BN,
         STAGES=stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
-        CONS_REGS=regs, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4, maxnreg=regs)
+        CONS_REGS=regs, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4, maxnreg=maxnreg)
 
 
 def library_forward(qkv, cu, causal, scale, out, lse, row_max):

@@ -14,8 +14,7 @@
 # tests-kvblock (the fp8 recipe through the public API: emulation, audit, fuzz of
 # FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_long_check.py LONG_ARGS: fp8's kernels vs
 # float64 at 32k tokens), passes (benchmarks/bwd_fp8_passes_dev.py PASSES_ARGS: launch settings
-# of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), pingpong
-# (benchmarks/bwd_pingpong_spike.py PINGPONG_ARGS, default --check --time), fwd2
+# of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), fwd2
 # (benchmarks/fwd_two_consumer_spike.py FWD2_ARGS, default --check --time), fwd-ab
 # (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
 # (fp8's forward kernels), tests-fwd, tests-base (the cuDNN training baseline), tests-compile
@@ -114,8 +113,6 @@ stage() {  # name seconds: one stage
     passes) run_stage "$name" "$secs" python benchmarks/bwd_fp8_passes_dev.py ${PASSES_ARGS:-} ;;
     long-check) run_stage "$name" "$secs" python benchmarks/fp8_long_check.py ${LONG_ARGS:-} ;;
     dev) run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py ${DEV_ARGS:-} ;;
-    pingpong) run_stage "$name" "$secs" python benchmarks/bwd_pingpong_spike.py \
-             ${PINGPONG_ARGS:---check --time} ;;
     fwd-ab) run_stage "$name" "$secs" python benchmarks/fwd_ab.py ${FWD_AB_ARGS:-} ;;
     fwd2) run_stage "$name" "$secs" python benchmarks/fwd_two_consumer_spike.py \
              ${FWD2_ARGS:---check --time} ;;

@@ -130,7 +130,8 @@ if HAVE_GLUON:
             (F._pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
                                 k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
                                 v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU,
-                                2 * 16 * num_warps, BN, CAUSAL, QBUF)),
+                                gl.program_id(0), gl.num_programs(0), 2 * 16 * num_warps, BN,
+                                CAUSAL, QBUF)),
         ], [4, 1], [CONS_REGS, PRODUCER_REGS])
         invalidate_barriers((q_ready, q_free, k_ready, v_ready, rel))
 
@@ -160,6 +161,95 @@ def forward_two_consumer(qkv, cu, causal: bool, scale: float, out, lse, row_max,
         CONS_REGS=regs, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4, maxnreg=maxnreg)
 
 
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _alloc_stream(q_desc, k_desc, v_desc, sc_desc, o_desc, BM: gl.constexpr,
+                      BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                      QBUF: gl.constexpr):
+        """One consumer's shared memory and barriers, as the library kernel allocates them."""
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
+        k_smem, v_smem, sk_smem, sv_smem = F._alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES, BN,
+                                                            D)
+        return (q_smem, o_smem, k_smem, v_smem, sk_smem, sv_smem, alloc_barriers(QBUF),
+                alloc_barriers(QBUF), alloc_barriers(STAGES), alloc_barriers(STAGES),
+                alloc_barriers(STAGES))
+
+    @gluon.jit(do_not_specialize=["T", "N_ITEMS"])
+    def _fwd_independent_kernel(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, o_desc, SQ,
+                                VCAP, O, LSE, RMAX, PCU, ITEMS, stride_ot, stride_oh, T,
+                                N_ITEMS, HQ, GROUP, qk_scale, D: gl.constexpr,
+                                BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                PRODUCER_REGS: gl.constexpr, CONS_REGS: gl.constexpr,
+                                QBUF: gl.constexpr, ROW_MAX: gl.constexpr,
+                                num_warps: gl.constexpr):
+        """Three consumer warpgroups on independent work sequences (consumer c of CTA p walks
+        w = 3 p + c, stride 3 G), each with its own producer warp, shared memory and barriers:
+        the library's consumer and producer as they are, three times in one CTA (12 consumer
+        warps per SM at one CTA, the Triton kernel's count at D=64)."""
+        W = N_ITEMS * HQ
+        BM: gl.constexpr = 16 * num_warps
+        pid = gl.program_id(0)
+        G3 = 3 * gl.num_programs(0)
+        q0, o0, k0, v0, a0, b0, qr0, qf0, kr0, vr0, r0 = _alloc_stream(
+            q_desc, k_desc, v_desc, sc_desc, o_desc, BM, BN, D, STAGES, QBUF)
+        q1, o1, k1, v1, a1, b1, qr1, qf1, kr1, vr1, r1 = _alloc_stream(
+            q_desc, k_desc, v_desc, sc_desc, o_desc, BM, BN, D, STAGES, QBUF)
+        q2, o2, k2, v2, a2, b2, qr2, qf2, kr2, vr2, r2 = _alloc_stream(
+            q_desc, k_desc, v_desc, sc_desc, o_desc, BM, BN, D, STAGES, QBUF)
+        gl.warp_specialize([
+            (F._pers_consumer, (q0, k0, v0, a0, b0, o0, qr0, qf0, kr0, vr0, r0, ITEMS, N_ITEMS,
+                                HQ, GROUP, W, SQ, VCAP, o_desc, O, LSE, RMAX, stride_ot,
+                                stride_oh, T, qk_scale, 3 * pid, G3, D, BN, STAGES, CAUSAL,
+                                num_warps, QBUF, ROW_MAX)),
+            (F._pers_consumer, (q1, k1, v1, a1, b1, o1, qr1, qf1, kr1, vr1, r1, ITEMS, N_ITEMS,
+                                HQ, GROUP, W, SQ, VCAP, o_desc, O, LSE, RMAX, stride_ot,
+                                stride_oh, T, qk_scale, 3 * pid + 1, G3, D, BN, STAGES, CAUSAL,
+                                num_warps, QBUF, ROW_MAX)),
+            (F._pers_consumer, (q2, k2, v2, a2, b2, o2, qr2, qf2, kr2, vr2, r2, ITEMS, N_ITEMS,
+                                HQ, GROUP, W, SQ, VCAP, o_desc, O, LSE, RMAX, stride_ot,
+                                stride_oh, T, qk_scale, 3 * pid + 2, G3, D, BN, STAGES, CAUSAL,
+                                num_warps, QBUF, ROW_MAX)),
+            (F._pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q0, k0, v0,
+                                a0, b0, qr0, qf0, kr0, vr0, r0, ITEMS, N_ITEMS, HQ, GROUP, W,
+                                PCU, 3 * pid, G3, BM, BN, CAUSAL, QBUF)),
+            (F._pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q1, k1, v1,
+                                a1, b1, qr1, qf1, kr1, vr1, r1, ITEMS, N_ITEMS, HQ, GROUP, W,
+                                PCU, 3 * pid + 1, G3, BM, BN, CAUSAL, QBUF)),
+            (F._pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q2, k2, v2,
+                                a2, b2, qr2, qf2, kr2, vr2, r2, ITEMS, N_ITEMS, HQ, GROUP, W,
+                                PCU, 3 * pid + 2, G3, BM, BN, CAUSAL, QBUF)),
+        ], [4, 4, 1, 1, 1], [CONS_REGS, CONS_REGS, PRODUCER_REGS, PRODUCER_REGS,
+                             PRODUCER_REGS])
+        invalidate_barriers((qr0, qf0, kr0, vr0, r0, qr1, qf1, kr1, vr1, r1, qr2, qf2, kr2,
+                             vr2, r2))
+
+
+def forward_independent(qkv, cu, causal: bool, scale: float, out, lse, row_max,
+                        stages: int = 2, qbuf: int = 2, ctas: int = 1,
+                        regs: int = CONSUMER_REGS) -> None:
+    """The three-consumer kernel on the library's operands and work list (64-row items),
+    one CTA per SM: 16 warps (three consumer warpgroups, three producer warps, Triton rounds
+    to a warpgroup), so the launch count is 128 registers and setmaxnreg gives the consumers
+    what the producers leave."""
+    F.check_operands(qkv)
+    T, Hq, Hkv, D = qkv.shape
+    cfg = PersistentFwdConfig()
+    BM, BN = cfg.block_m, cfg.block_n
+    items = work_list(cu, T, BM, BN, causal)
+    n_items = items.shape[1]
+    maxnreg = 65536 // (512 * ctas) // 8 * 8
+    regs = min(regs, (16 * maxnreg - 4 * cfg.producer_regs) // 12 // 8 * 8)
+    q_d, k_d, v_d, sc_d, kd_d, vd_d = F._descriptors(qkv, BM, BN)
+    _fwd_independent_kernel[persistent_grid(n_items * Hq, ctas, out.device)](
+        q_d, k_d, v_d, sc_d, kd_d, vd_d, descriptor_2d(out, T, Hq * D, Hq * D, [BM, D]),
+        qkv.sq, qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
+        out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BN=BN,
+        STAGES=stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
+        CONS_REGS=regs, QBUF=qbuf, ROW_MAX=row_max is not None, num_warps=4, maxnreg=maxnreg)
+
+
 def library_forward(qkv, cu, causal, scale, out, lse, row_max):
     """The library's persistent Gluon kernel (at D=64 too, where the library runs the Triton
     kernel: triton_forward below)."""
@@ -176,7 +266,11 @@ def triton_forward(qkv, cu, causal, scale, out, lse, row_max):
     out.copy_(o), lse.copy_(l_), row_max.copy_(m)
 
 
-def compile_report(dims, stages, ctas=1, regs=CONSUMER_REGS):
+VARIANTS = {"two": (forward_two_consumer, "_fwd_two_consumer_kernel"),
+            "independent": (forward_independent, "_fwd_independent_kernel")}
+
+
+def compile_report(dims, stages, ctas=1, regs=CONSUMER_REGS, variant="two"):
     """CPU: the sm_90a build per D (registers, spills, shared memory, SASS per tile)."""
     from benchmarks.tools.compile import build, cu_seqlens, fake_qkv, report
     from benchmarks.tools.sass import describe_paths, sass_of
@@ -185,16 +279,19 @@ def compile_report(dims, stages, ctas=1, regs=CONSUMER_REGS):
         T, Hq = 4096, 8
         out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
         lse, rmax = torch.empty(Hq, T), torch.empty(Hq, T)
-        built = build(forward_two_consumer, qkv, cu_seqlens([4096]), True, D ** -0.5, out, lse,
-                      rmax, stages, 2, ctas, regs)
-        kern = built["_fwd_two_consumer_kernel"]
+        fn, kname = VARIANTS[variant]
+        built = build(fn, qkv, cu_seqlens([4096]), True, D ** -0.5, out, lse, rmax, stages, 2,
+                      ctas, regs)
+        kern = built[kname]
         u = report(kern)
         print(f"D={D} stages={stages} regs={regs}: " + json.dumps({k: u.get(k) for k in (
             "regs", "spill_stores", "shared", "wgmma_serialized", "partition_regs")}))
         print(describe_paths(sass_of(kern)))
 
 
-def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, regs: int):
+def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, regs: int,
+            variant: str = "two"):
+    spike = VARIANTS[variant][0]
     from benchmarks.bwd_sm90_dev import cuda_ms
     from flamia.inputs import make_qkv
     from flamia.ops.quantize import quantize_qkv
@@ -216,7 +313,7 @@ def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, reg
                     torch.full((Hq, T), float("nan"), device="cuda"))
         a, b = outputs(), outputs()
         library_forward(x, cu, True, scale, *a)
-        forward_two_consumer(x, cu, True, scale, *b, stages=stages, ctas=ctas, regs=regs)
+        spike(x, cu, True, scale, *b, stages=stages, ctas=ctas, regs=regs)
         torch.cuda.synchronize()
         row = {"workload": w["name"]}
         if check:
@@ -228,7 +325,7 @@ def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, reg
             row["nan"] = bool(b[0].isnan().any() or b[1].isnan().any())
         if time_it:
             row["library ms"] = cuda_ms(lambda: library_forward(x, cu, True, scale, *a))
-            row["two-consumer ms"] = cuda_ms(lambda: forward_two_consumer(
+            row["two-consumer ms"] = cuda_ms(lambda: spike(
                 x, cu, True, scale, *b, stages=stages, ctas=ctas, regs=regs))
             row["library ms (again)"] = cuda_ms(lambda: library_forward(x, cu, True, scale, *a))
             if D != 128:     # the library runs the Triton kernel there
@@ -237,7 +334,7 @@ def run_gpu(names, dims, check: bool, time_it: bool, stages: int, ctas: int, reg
         print(json.dumps(row), flush=True)
         rows.append(row)
     if time_it:
-        print("\n| workload | library Gluon ms | two consumers ms | change | Triton ms (D=64) |"
+        print("\n| workload | library Gluon ms | spike ms | change | Triton ms (D=64) |"
               "\n| --- | --- | --- | --- | --- |")
         for r in rows:
             base = min(r["library ms"], r["library ms (again)"])
@@ -257,16 +354,19 @@ def main():
     ap.add_argument("--check", action="store_true", help="GPU: bitwise against the library")
     ap.add_argument("--time", action="store_true", help="GPU: forward kernel vs the library's")
     ap.add_argument("--workloads", default="")
+    ap.add_argument("--variant", default="two", choices=sorted(VARIANTS),
+                    help="two: consumers sharing K / V on 128-row items; independent: three "
+                         "consumers on their own 64-row items")
     args = ap.parse_args()
     if not HAVE_GLUON:
         sys.exit("needs triton's Gluon")
     if args.check or args.time:
         run_gpu([x for x in args.workloads.split(",") if x],
                 [int(x) for x in args.dims.split(",")], args.check, args.time, args.stages,
-                args.ctas, args.regs)
+                args.ctas, args.regs, args.variant)
     else:
         compile_report([int(x) for x in args.dims.split(",")], args.stages, args.ctas,
-                       args.regs)
+                       args.regs, args.variant)
 
 
 if __name__ == "__main__":

@@ -354,8 +354,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
                        k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel,
-                       ITEMS, N_ITEMS, HQ, GROUP, W, PCU, first, stride, BM: gl.constexpr,
-                       BN: gl.constexpr, CAUSAL: gl.constexpr, QBUF: gl.constexpr):
+                       ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM: gl.constexpr, BN: gl.constexpr,
+                       CAUSAL: gl.constexpr, QBUF: gl.constexpr):
         """Every TMA load. Tile t of an item holds the document's keys [t BN, (t + 1) BN), from
         the token copies (kd_desc, vd_desc, scale_cols rows 2-3) on the query block's own
         128-block when causal, else from the block copies (k_desc, v_desc, scale_cols rows 0-1;
@@ -364,7 +364,7 @@ if HAVE_GLUON:
         D: gl.constexpr = k_smem.type.shape[2]
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
         it = 0              # items started so far
-        for w in range(first, W, stride):
+        for w in range(gl.program_id(0), W, gl.num_programs(0)):
             doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w)
             if doc >= 0:
                 q_lo = blk * BM
@@ -480,10 +480,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _pers_consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
                        k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc, O,
-                       LSE, RMAX, stride_ot, stride_oh, T, qk_scale, first, stride,
-                       D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, NW: gl.constexpr, QBUF: gl.constexpr,
-                       ROW_MAX: gl.constexpr):
+                       LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       NW: gl.constexpr, QBUF: gl.constexpr, ROW_MAX: gl.constexpr):
         """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
         Q buffer (every QK^T of the item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
@@ -493,8 +492,8 @@ if HAVE_GLUON:
         # No dependent global load on an item's path: the work list entries are loaded two
         # items ahead and the per-row loads (which need an entry) one item ahead, each issued
         # when an item starts, so they land while it computes.
-        G = stride
-        pid = first
+        G = gl.num_programs(0)
+        pid = gl.program_id(0)
         doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, pid)
         sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
         for w in range(pid, W, G):
@@ -538,8 +537,6 @@ if HAVE_GLUON:
         """kd_desc, vd_desc: the token copies; sc_desc: scale_cols; PCU: the padded
         columns' document starts (_pers_producer). ROW_MAX: the row max m into RMAX too."""
         W = N_ITEMS * HQ
-        pid = gl.program_id(0)
-        G = gl.num_programs(0)
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES, BN, D)
@@ -549,12 +546,12 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
                               k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP,
-                              o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, pid, G,
-                              D, BN, STAGES, CAUSAL, num_warps, QBUF, ROW_MAX)),
+                              o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D, BN,
+                              STAGES, CAUSAL, num_warps, QBUF, ROW_MAX)),
             (_pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc,
                               q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
-                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, pid, G,
-                              BM, BN, CAUSAL, QBUF)),
+                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
+                              CAUSAL, QBUF)),
         ], [1], [PRODUCER_REGS])
         invalidate_barriers((q_ready, q_free, k_ready, v_ready, rel))
 

@@ -69,9 +69,11 @@ def stubbed_sm90():
 
     from flamia.ops import config
 
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binders: dict = {}
-    launched: list[str] = []
+    launched: list[tuple[str, int]] = []     # (kernel, TMA descriptors among its arguments)
 
     def run(fn, *args, grid, warmup, **kwargs):
         if fn not in binders:
@@ -79,7 +81,7 @@ def stubbed_sm90():
         binder, key_cache = binders[fn]
         _bound, specialization, options = binder(*args, **kwargs)
         compute_cache_key(key_cache, specialization, options)
-        launched.append(fn.__name__)
+        launched.append((fn.__name__, sum(isinstance(a, TensorDescriptor) for a in args)))
 
     saved = JITFunction.run, config.is_sm90, config.interpreting
     JITFunction.run = run
@@ -94,22 +96,11 @@ def stubbed_sm90():
 @contextlib.contextmanager
 def host_inventory():
     """An Inventory of everything issued inside the block (module docstring)."""
-    from flamia.ops import gluon_common
-
     inv = Inventory()
-    descriptor_cls = gluon_common.TensorDescriptor
-
-    def counted(*args, **kwargs):
-        inv.descriptors += 1
-        return descriptor_cls(*args, **kwargs)
-
-    gluon_common.TensorDescriptor = counted
-    try:
-        with stubbed_sm90() as launched, _Counter(inv):
-            yield inv
-        inv.launches = launched
-    finally:
-        gluon_common.TensorDescriptor = descriptor_cls
+    with stubbed_sm90() as launched, _Counter(inv):
+        yield inv
+    inv.launches = [name for name, _ in launched]
+    inv.descriptors = sum(n for _, n in launched)
 
 
 def memo_entries(cu_seqlens: torch.Tensor) -> int:

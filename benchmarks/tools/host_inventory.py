@@ -69,7 +69,9 @@ def stubbed_sm90():
 
     from flamia.ops import config
 
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    descriptor_types = (GluonDescriptor, TensorDescriptor)
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binders: dict = {}
@@ -81,16 +83,21 @@ def stubbed_sm90():
         binder, key_cache = binders[fn]
         _bound, specialization, options = binder(*args, **kwargs)
         compute_cache_key(key_cache, specialization, options)
-        launched.append((fn.__name__, sum(isinstance(a, TensorDescriptor) for a in args)))
+        launched.append((fn.__name__, sum(isinstance(a, descriptor_types) for a in args)))
 
-    saved = JITFunction.run, config.is_sm90, config.interpreting
+    saved = (JITFunction.run, config.is_sm90, config.interpreting,
+             config.triton_forward_config)
+    triton_config = config.triton_forward_config
     JITFunction.run = run
     config.is_sm90 = lambda device: True
     config.interpreting = lambda: False
+    config.triton_forward_config = lambda d, fp8, device: triton_config(d, fp8,
+                                                                        torch.device("cuda"))
     try:
         yield launched
     finally:
-        JITFunction.run, config.is_sm90, config.interpreting = saved
+        (JITFunction.run, config.is_sm90, config.interpreting,
+         config.triton_forward_config) = saved
 
 
 @contextlib.contextmanager

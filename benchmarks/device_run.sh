@@ -33,8 +33,9 @@
 # forward_gluon.py: the forward's), PATCH_TESTS: more pytest args; each such kernel timed against
 # this tree's module in one process (bwd_sm90_dev.py --fp8 --ab: the whole backward, both
 # recipes; fwd_ab.py --gluon: the forward kernel at D=128), PAB_ARGS / PAB_FWD_ARGS: more args
-# of the backward's / the forward's A/B script; a ptest and a pab of one patch must not share a
-# + group).
+# of the backward's / the forward's A/B script; pprof-NAME: profile_call.py PROFILE_ARGS in the
+# patched tree, to set against a `profile` stage of this tree in the same call; a ptest and a
+# pab of one patch must not share a + group).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
 # (or $(git rev-parse ...) inside the command) names a stale commit.
@@ -181,7 +182,7 @@ stage() {  # name seconds: one stage
         head -c 6000 "$OUT/ncu-bwd-$wl-source.txt"
         gzip -f "$OUT/ncu-bwd-$wl-source.csv"
       done ;;
-    ptest-*|pab-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
+    ptest-*|pab-*|pprof-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
       local pname=${name#p*-} d
       if ! d=$(patched_tree "$pname"); then
         echo "$name: benchmarks/patches/$pname.patch does not apply" | tee -a "$summary"
@@ -201,7 +202,10 @@ stage() {  # name seconds: one stage
         abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
       fi
       [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
-      if [ "${name%%-*}" = ptest ]; then
+      if [ "${name%%-*}" = pprof ]; then   # profile_call.py (PROFILE_ARGS) in the patched tree
+        run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
+          python benchmarks/profile_call.py ${PROFILE_ARGS:-}"
+      elif [ "${name%%-*}" = ptest ]; then
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
           python -m pytest -q -s -x $tests ${PATCH_TESTS:-}"
       else

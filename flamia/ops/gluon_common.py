@@ -29,45 +29,17 @@ def shared_layout(block_shape, dtype):
     return lay
 
 
-_GL_DTYPES: dict = {}
-
-
 def gl_dtype(torch_dtype):
-    if not _GL_DTYPES:
-        import torch
-        _GL_DTYPES.update({torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                           torch.float32: gl.float32, torch.float8_e4m3fn: gl.float8e4nv,
-                           torch.float8_e5m2: gl.float8e5})
-    return _GL_DTYPES[torch_dtype]
-
-
-_DESCRIPTORS: dict = {}
+    import torch
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+            torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}[torch_dtype]
 
 
 def descriptor_2d(x, rows: int, cols: int, row_stride: int, box):
     """Host TMA descriptor over x seen as a (rows, cols) row-major matrix, box `box`; reads past
-    the bounds return zeros, writes past them are dropped.
-
-    TensorDescriptor validates its fields when built (~7 us of host time, 18 descriptors per
-    fp8 call): it is built once per (rows, cols, stride, box, dtype), kept without its tensor,
-    and copied with the new base afterwards; of its checks only the base's 16-byte alignment
-    depends on the tensor, and is made here."""
-    key = (rows, cols, row_stride, tuple(box), x.dtype)
-    template = _DESCRIPTORS.get(key)
-    if template is None:
-        desc = TensorDescriptor(x, [rows, cols], [row_stride, 1], list(box),
-                                shared_layout(box, gl_dtype(x.dtype)))
-        if len(_DESCRIPTORS) >= 1024:      # a bound, for programs that sweep shapes
-            _DESCRIPTORS.clear()
-        _DESCRIPTORS[key] = template = TensorDescriptor.__new__(TensorDescriptor)
-        template.__dict__.update(desc.__dict__, base=None)
-        return desc
-    if x.data_ptr() % 16:
-        raise ValueError(f"TMA descriptor: the base address of a {tuple(x.shape)} {x.dtype} "
-                         f"tensor is not 16-byte aligned")
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.__dict__.update(template.__dict__, base=x)
-    return desc
+    the bounds return zeros, writes past them are dropped."""
+    return TensorDescriptor(x, [rows, cols], [row_stride, 1], list(box),
+                            shared_layout(box, gl_dtype(x.dtype)))
 
 
 if HAVE_GLUON:

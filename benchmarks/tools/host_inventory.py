@@ -19,14 +19,14 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten operations that launch nothing on CUDA: allocations, views and metadata
+# aten operations that launch nothing on CUDA: allocations and views (_local_scalar_dense, a
+# device sync, is counted apart)
 _ALLOCATIONS = ("empty.memory_format", "empty_strided.default", "empty_like.default",
                 "new_empty.default", "new_empty_strided.default")
 _NO_KERNEL = ("view", "_unsafe_view", "as_strided", "slice", "select", "permute", "t",
               "transpose", "unsqueeze", "squeeze", "expand", "alias", "detach", "_reshape_alias",
               "reshape", "unflatten", "flatten", "split", "chunk", "unbind", "lift_fresh",
-              "view_as", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim",
-              "is_contiguous", "stride", "size", "numel", "_local_scalar_dense")
+              "view_as")
 
 
 class _Counter(TorchDispatchMode):

@@ -46,3 +46,30 @@ def test_no_sync_and_metadata_once(report, case):
     assert r["memo_entries"] > 0
     assert r["memo_entries_after_second_call"] == r["memo_entries"]
     assert r["first_call_extra_torch_kernels"] > 0     # the metadata really is built on call 1
+
+
+def test_descriptor_templates():
+    """descriptor_2d builds one TensorDescriptor per (rows, cols, stride, box, dtype) and copies
+    it with the new base: the copy has the given tensor and the same fields, the cache keeps no
+    tensor alive, and a base off 16-byte alignment is refused as on the first build."""
+    import gc
+    import weakref
+
+    import torch
+
+    from flamia.ops.gluon_common import HAVE_GLUON, descriptor_2d
+    if not HAVE_GLUON:
+        pytest.skip("triton.experimental.gluon is not available")
+    a = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    b = torch.ones(64, 256, dtype=torch.float8_e4m3fn)
+    da = descriptor_2d(a, 64, 256, 256, [64, 128])
+    db = descriptor_2d(b, 64, 256, 256, [64, 128])
+    assert da.base is a and db.base is b
+    assert {k: v for k, v in vars(da).items() if k != "base"} == \
+        {k: v for k, v in vars(db).items() if k != "base"}
+    ref = weakref.ref(a)
+    del a, da
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        descriptor_2d(b.view(-1)[1:16385], 64, 256, 256, [64, 128])

@@ -1,0 +1,347 @@
+# A/B variant of flamia/ops/quantize.py (benchmarks/quant_ab.py --ab name=this file): q quantized
+# over contiguous (token, head) rows, Q_ROWS per program, the +-1 matrix loaded once per Q_ROWS
+# rows instead of once per 64 tokens of one head. The device command substitutes Q_ROWS and
+# Q_ROW_WARPS in copies of this file. Bitwise the library's output on the CPU interpreter.
+"""Quantize q, k, v once for every GEMM of forward and backward: the fp8 recipe's token-block
+scaling (reference.py "Token-block scaling"; ops/__init__.py and layout.QuantizedQKV have the
+layout).
+
+Three launches. The first (_quantize_q_kernel) quantizes q per (token, head):
+  q8 = e4m3(rotate(q) / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0).
+The second (_quantize_kv_kernel) takes each document-local 128-token K or V block of one head
+(the blocks of build_schedule's non-causal 128-row list) as one tile: from the same registers
+it writes the per-token copies (causal only: the diagonal pairs' bytes and scales, computed as
+q's) and the V token norms, then the block copy with the block's scale (broadcast to its
+tokens) and the block copy's V norms. The block scale is pow2 of the block's amax over its
+tokens (one head), as reference.quantize_token_blocks. Two kernels, so that each runs at its own
+warps: q's 64-token programs at 4 warps (127 registers at D=128), the K / V blocks at 8 (128
+registers; 255 with spills at 4). The third (_kvblock_cols_kernel) writes the K-major V copies
+(block and, causal, token; Hopper's FP8 wgmma takes its B operand K-major only, and the
+forward's PV GEMM reduces over tokens) in kmajor's padded column layout, the scales in the
+same columns (scale_cols, for the Gluon forward's TMA) and, per K/V block, the visible maxima
+vcap and vnorm (reference._visible_max).
+
+Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in
+its own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32
+summation order differs from the reference's fp32 `x @ H` (an fp32 ulp, which changes an e4m3
+value only when it sits on a rounding boundary: a few in a million). Scales are computed with
+integer exponent arithmetic on the IEEE quotient amax / 448, which is what quant.pow2_scale
+computes with log2/ceil. Non-finite tokens get scale NaN and values x * 0 (NaN where x is not
+finite), as the reference's safe_reciprocal gives.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import config, interpreting
+from .kmajor import ORDER_MMA_A, check_copy, copy_columns, kmajor_layout
+from .layout import KV_BLOCK, QuantizedQKV, new_tensor
+from .numerics import hadamard_signs, pow2_scale_bits
+from .schedule import per_cu_seqlens, work_list
+from ..recipes import Recipe, get_recipe
+
+
+@triton.jit
+def _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D: tl.constexpr,
+                   ROTATE: tl.constexpr):
+    """Tokens offs_t (rows, masked by tmask: zeros) of one head as fp32, Hadamard-rotated when
+    ROTATE (had: the +-1 matrix; exact products, fp32 sums)."""
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+                mask=tmask[:, None], other=0.0)
+    if ROTATE:
+        xf = tl.dot(x, had) * rot_scale
+    else:
+        xf = x.to(tl.float32)
+    return xf
+
+
+@triton.jit
+def _row_scales(xf):
+    """Per row of xf: (scale, 1/scale) of its amax (quant.pow2_scale), the amax and whether
+    the row holds a NaN / Inf (a NaN comparison is false; tl.max may drop NaNs)."""
+    ax = tl.abs(xf)
+    amax = tl.max(ax, axis=1)
+    bad = tl.min((ax < float("inf")).to(tl.int32), axis=1) == 0
+    scale, inv = pow2_scale_bits(amax, bad)
+    return scale, inv, amax, bad
+
+
+@triton.jit
+def _load_had(HAD, rot_scale, D: tl.constexpr, ROTATE: tl.constexpr):
+    """The +-1 matrix (D x D, 16-bit) when ROTATE, else a placeholder."""
+    offs_d = tl.arange(0, D)
+    if ROTATE:
+        had = tl.load(HAD + offs_d[:, None] * D + offs_d[None, :])
+    else:
+        had = rot_scale                          # (unused without the rotation)
+    return had
+
+
+@triton.jit
+def _quantize_q_kernel(Q, Q8, SQ, HAD, stride_qt, stride_qh, T, HQ, rot_scale,
+                       D: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr):
+    """BLOCK_T tokens (axis 1) of one q head (axis 0): rotate, scale per token, cast, store."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    tmask = offs_t < T
+    had = _load_had(HAD, rot_scale, D, ROTATE)
+    xf = _load_rows_f32(Q + h * stride_qh, stride_qt, offs_t, tmask, had, rot_scale, D, ROTATE)
+    scale, inv, _, _ = _row_scales(xf)
+    y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
+    tl.store(Q8 + offs_t.to(tl.int64)[:, None] * (HQ * D) + h * D + offs_d[None, :], y,
+             mask=tmask[:, None])
+    tl.store(SQ + h * T + offs_t, scale, mask=tmask)
+
+
+# rows of q per program and warps (the A/B's variants substitute these)
+Q_ROWS = 128
+Q_ROW_WARPS = 4
+
+
+@triton.jit
+def _quantize_q_rows_kernel(Q, Q8, SQ, HAD, R, T, HQ, rot_scale, D: tl.constexpr,
+                            BLOCK_R: tl.constexpr, ROTATE: tl.constexpr):
+    """BLOCK_R consecutive rows of contiguous q seen as (T * HQ, D) (token-major, heads
+    fastest): rotate, scale per row, cast, store. The +-1 matrix is loaded once per BLOCK_R
+    rows of any heads, and the program reads one contiguous span."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D)
+    rmask = offs_r < R
+    had = _load_had(HAD, rot_scale, D, ROTATE)
+    xf = _load_rows_f32(Q, D, offs_r, rmask, had, rot_scale, D, ROTATE)
+    scale, inv, _, _ = _row_scales(xf)
+    y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
+    tl.store(Q8 + offs_r[:, None] * D + offs_d[None, :], y, mask=rmask[:, None])
+    tl.store(SQ + (offs_r % HQ) * T + offs_r // HQ, scale, mask=rmask)
+
+
+@triton.jit
+def _quantize_block(X, stride_xt, YB, YT, SB, ST, NB, NT, HAD, rot_scale, lo, hi, HKV,
+                    D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
+                    TOKEN_COPY: tl.constexpr, NORMS: tl.constexpr):
+    """Tokens [lo, hi) of one head (one document-local block, hi - lo <= KVB) as one tile: the
+    per-token copy YT / ST (TOKEN_COPY; q's values) and, from the same registers, the block
+    copy YB / SB, and with NORMS the 2-norms over D of the dequantized copies (NT, NB). X, Y*
+    ((T, HKV, D)), S*, N* ((T,) rows) point at the head's first token."""
+    offs_d = tl.arange(0, D)
+    offs_t = lo + tl.arange(0, KVB)
+    tmask = offs_t < hi
+    had = _load_had(HAD, rot_scale, D, ROTATE)
+    xf = _load_rows_f32(X, stride_xt, offs_t, tmask, had, rot_scale, D, ROTATE)
+    scale, inv, amax, bad = _row_scales(xf)       # masked rows: zeros, amax 0, not bad
+    yoffs = offs_t.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
+    if TOKEN_COPY:
+        y = (xf * inv[:, None]).to(tl.float8e4nv)
+        tl.store(YT + yoffs, y, mask=tmask[:, None])
+        tl.store(ST + offs_t, scale, mask=tmask)
+        if NORMS:
+            yd = y.to(tl.float32) * scale[:, None]
+            tl.store(NT + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
+    # pow2 is monotone: the block's scale is also the max of its tokens' scales
+    sb, invb = pow2_scale_bits(tl.max(amax, axis=0), tl.max(bad.to(tl.int32), axis=0) != 0)
+    y = (xf * invb).to(tl.float8e4nv)
+    tl.store(YB + yoffs, y, mask=tmask[:, None])
+    tl.store(SB + offs_t, tl.zeros([KVB], tl.float32) + sb, mask=tmask)
+    if NORMS:
+        yd = y.to(tl.float32) * sb
+        tl.store(NB + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
+
+
+@triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
+def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, ITEMS, N_ITEMS,
+                        stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
+                        D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
+                        CAUSAL: tl.constexpr):
+    """Axis 0: k heads, then v heads; axis 1: the document-local KVB-token blocks of the work
+    list ITEMS (_quantize_block). NORMS (2, HKV, T): the block copy's and the token copy's V
+    norms."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    doc = tl.load(ITEMS + j)
+    if doc >= 0:
+        blk = tl.load(ITEMS + N_ITEMS + j)
+        start = tl.load(ITEMS + 2 * N_ITEMS + j)
+        L = tl.load(ITEMS + 3 * N_ITEMS + j)
+        lo = start + blk * KVB
+        hi = start + tl.minimum((blk + 1) * KVB, L)
+        if row < HKV:
+            h = row
+            _quantize_block(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D, SK + h * T,
+                            SKD + h * T, NORMS, NORMS, HAD, rot_scale, lo, hi, HKV, D, KVB,
+                            ROTATE, CAUSAL, False)
+        else:
+            h = row - HKV
+            _quantize_block(V + h * stride_vh, stride_vt, V8 + h * D, V8D + h * D, SV + h * T,
+                            SVD + h * T, NORMS + h * T, NORMS + (HKV + h) * T, HAD, rot_scale,
+                            lo, hi, HKV, D, KVB, False, CAUSAL, True)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) with unit stride over D (a copy only when that is not already so)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _visible_max_block(OFF, DIAG, OUT, start, lo, hi, end, CAUSAL: tl.constexpr,
+                       KVB: tl.constexpr, CHUNK: tl.constexpr):
+    """reference._visible_max on the rows [lo, hi) of one KVB-token block of the document
+    [start, end) of (T,) rows: causal, per row the max of OFF over the document's tokens before
+    the block and of DIAG over the block up to the row; otherwise the document's max of OFF.
+    The blocks of a document are independent programs: the carry is a max over the tokens
+    before the block in CHUNK-wide loads, not a scan through the document."""
+    carry = tl.max(tl.zeros([CHUNK], tl.float32), axis=0)        # the quantities are >= 0
+    lim = lo if CAUSAL else end
+    for t0 in range(start, lim, CHUNK):
+        offs = t0 + tl.arange(0, CHUNK)
+        carry = tl.maximum(carry, tl.max(tl.load(OFF + offs, mask=offs < lim, other=0.0), axis=0))
+    offs = lo + tl.arange(0, KVB)
+    m = offs < hi
+    if CAUSAL:
+        d = tl.load(DIAG + offs, mask=m, other=0.0)
+        tl.store(OUT + offs, tl.maximum(tl.associative_scan(d, 0, _max_combine), carry), mask=m)
+    else:
+        tl.store(OUT + offs, tl.zeros([KVB], tl.float32) + carry, mask=m)
+
+
+@triton.jit
+def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """DST[s, h, c] = S_s[h, tok(c)] (0 on pad columns) for the NS (2 or 4) scale vectors, over
+    the padded columns of program_id(0)'s block."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < Tp
+    tok = tl.load(TOK_OF_COL + c, mask=c_ok, other=-1)
+    ok = tok >= 0
+    src = h * T + tok
+    out = DST + h * Tp + c
+    plane = HKV * Tp
+    tl.store(out, tl.load(S0 + src, mask=ok, other=0.0), mask=c_ok)
+    tl.store(out + plane, tl.load(S1 + src, mask=ok, other=0.0), mask=c_ok)
+    if NS > 2:
+        tl.store(out + 2 * plane, tl.load(S2 + src, mask=ok, other=0.0), mask=c_ok)
+        tl.store(out + 3 * plane, tl.load(S3 + src, mask=ok, other=0.0), mask=c_ok)
+
+
+@triton.jit(do_not_specialize=["N_ITEMS", "N_COL_BLOCKS"])   # (as _quantize_kv_kernel)
+def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
+                         TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
+                         D: tl.constexpr, BLOCK_C: tl.constexpr,
+                         CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
+    """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V
+    into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
+    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of
+    the K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    if j < HKV:
+        if i < N_COL_BLOCKS:
+            copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, i * BLOCK_C, D, BLOCK_C,
+                         1)   # ORDER_MMA_A
+            _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j,
+                           4 if CAUSAL else 2, BLOCK_C)
+    elif j < 2 * HKV:
+        if CAUSAL:
+            if i < N_COL_BLOCKS:
+                copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, i * BLOCK_C, D,
+                             BLOCK_C, 1)
+    elif i < N_ITEMS:
+        if tl.load(ITEMS + i) >= 0:
+            h = (j - 2 * HKV).to(tl.int64)
+            blk = tl.load(ITEMS + N_ITEMS + i)
+            start = tl.load(ITEMS + 2 * N_ITEMS + i)
+            end = start + tl.load(ITEMS + 3 * N_ITEMS + i)
+            lo = start + blk * KVB
+            hi = tl.minimum(lo + KVB, end)
+            _visible_max_block(SV + h * T, SVD + h * T, VCAP + h * T, start, lo, hi, end, CAUSAL,
+                               KVB, CHUNK)
+            _visible_max_block(NORMS + h * T, NORMS + (HKV + h) * T, VNORM + h * T, start, lo, hi,
+                               end, CAUSAL, KVB, CHUNK)
+
+
+def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
+                 launch: config.QuantizeConfig | None = None,
+                 poison: bool = False) -> QuantizedQKV:
+    """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
+
+    fp8 (token-block scaling, module docstring): q rotated, per-(token, head) e4m3 values and
+    fp32 power-of-two scales; k8 / v8 / sk / sv the block copies (a scale per document-local
+    128-token block and head, broadcast to its tokens); causal, the per-token copies k8_diag /
+    v8_diag / sk_diag / sv_diag; vcap and vnorm the visible maxima (reference._visible_max);
+    vt8 (and vt8_diag) in kmajor's padded column layout (kv_pcu), scale_cols the scales in
+    those columns. vt8's columns are in wgmma key order within 16-token groups
+    (flamia.ops.kmajor), which both forward kernels read. bf16: the inputs themselves (bf16;
+    fp16 inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
+    program and warps (QuantizeConfig() by default; the values do not depend on it).
+    poison=True fills outputs with NaN first (tests: every element written).
+    """
+    rec: Recipe = get_recipe(recipe)
+    if rec.name == "bf16":
+        q8, k8, v8 = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in (q, k, v))
+        return QuantizedQKV("bf16", q8, k8, v8, None, None, None, None, rotated=False, vt8=None)
+    if rec.name != "fp8":
+        raise ValueError(f"quantize_qkv implements fp8 and bf16, not {rec.name!r}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q, k, v must be bf16 or fp16, got {q.dtype}")
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {D} not supported by the quantize kernel")
+    q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
+    launch = launch or config.QuantizeConfig()
+    fill = functools.partial(new_tensor, device=q.device, fill=float("nan") if poison else None)
+    dev = q.device
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    pcu, tok_of_col, Tp = per_cu_seqlens(cu_seqlens, ("kmajor", T),
+                                         lambda: kmajor_layout(cu_seqlens, T))
+    q8, k8, v8 = fill((T, Hq, D), f8), fill((T, Hkv, D), f8), fill((T, Hkv, D), f8)
+    sq, sk, sv = fill((Hq, T), f32), fill((Hkv, T), f32), fill((Hkv, T), f32)
+    vcap, vnorm = fill((Hkv, T), f32), fill((Hkv, T), f32)
+    vt8 = fill((Hkv, D, Tp), f8)
+    scale_cols = fill((4 if causal else 2, Hkv, Tp), f32)
+    norms = torch.empty((2, Hkv, T), dtype=f32, device=dev)   # block copy's, token copy's
+    k8d, v8d, skd, svd, vt8d = (
+        fill((T, Hkv, D), f8), fill((T, Hkv, D), f8), fill((Hkv, T), f32), fill((Hkv, T), f32),
+        fill((Hkv, D, Tp), f8)) if causal else (None,) * 5
+    out = QuantizedQKV(rec.name, q8, k8, v8, sq, sk, sv, vcap, rotated=bool(rec.rotate_qk),
+                       vt8=vt8, k8_diag=k8d, v8_diag=v8d,
+                       sk_diag=skd, sv_diag=svd, vnorm=vnorm, kv_pcu=pcu,
+                       vt8_diag=vt8d, scale_cols=scale_cols)
+    if T == 0:
+        return out
+    rotate = bool(rec.rotate_qk)
+    had = hadamard_signs(D, q.dtype, dev) if rotate else q
+    items = work_list(cu_seqlens, T, KV_BLOCK, KV_BLOCK, False)    # the K/V blocks
+    n_items = items.shape[1]
+    # non-causal: the token-copy pointers are placeholders of the right type (never written)
+    k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
+    rot_scale = 1.0 / math.sqrt(D)
+    qc = q if q.is_contiguous() else q.contiguous()
+    _quantize_q_rows_kernel[(triton.cdiv(T * Hq, Q_ROWS),)](
+        qc, q8, sq, had, T * Hq, T, Hq, rot_scale, D=D, BLOCK_R=Q_ROWS, ROTATE=rotate,
+        num_warps=Q_ROW_WARPS)
+    _quantize_kv_kernel[(2 * Hkv, n_items)](
+        k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
+        ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
+    check_copy(v8, vt8, ORDER_MMA_A)
+    block_c = 64
+    n_cols = triton.cdiv(Tp, block_c)
+    _kvblock_cols_kernel[(max(n_cols, n_items), 3 * Hkv)](
+        v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
+        (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
+        vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,
+        BLOCK_C=block_c, CAUSAL=bool(causal), KVB=KV_BLOCK,
+        CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=4)
+    return out

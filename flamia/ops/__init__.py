@@ -1,25 +1,15 @@
 """The kernels. The contract between the public API (flamia/interface.py) and the kernels.
 
 Numerics: exactly flamia/reference.py (the kernels match it by the FlashAttention rule,
-|out - ref64| <= 2 |reference - ref64| + atol, and satisfy P1/P2 bitwise).
-
-Recipes with kernels: bf16 and fp8 (token-block scaling, reference.py "Token-block scaling").
-Kernel-side layout (packed tokens; the dense API reshapes (B, S, H, D) to (B*S, H, D) with
-cu_seqlens = [0, S, 2S, ...]), for fp8 (layout.QuantizedQKV has every field):
-  q8  (T, Hq, D)  e4m3 (bf16 for the bf16 recipe): rotated q divided by its per-token scale sq
-  k8, v8 (T, Hkv, D): the block copies (one scale per document-local 128-token block and head,
-      sk / sv (Hkv, T) broadcast to the block's tokens); causal, k8_diag / v8_diag with per-token
-      scales sk_diag / sv_diag for the diagonal pairs
-  vcap (Hkv, T) fp32: the visible max of the V scales a row's pairs use (reference._visible_max)
-  lse (Hq, T) fp32, natural log, of the softmax-scaled scores; row_max (Hq, T) the row max
-Entry points (quantize.py / forward.py / backward.py; config.py says which kernel runs where):
-  quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> QuantizedQKV
-  attention_forward(qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
-      -> (out (T, Hq, D) out_dtype, lse (Hq, T) fp32); return_row_max=True adds the row max
-      (Hq, T), which fp8's backward needs (qkv.row_max)
-  attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal,
-                     softmax_scale, deterministic) -> (dq, dk, dv) in the caller's dtype, rotated
-                     back to the input space
+|out - ref64| <= 2 |reference - ref64| + atol, and satisfy P1/P2 bitwise). Recipes with kernels:
+bf16 and fp8 (token-block scaling, reference.py "Token-block scaling"). Tokens are packed (the dense
+API reshapes (B, S, H, D) to (B*S, H, D) with cu_seqlens = [0, S, 2S, ...]). Entry points (config.py
+says which kernel runs where):
+  quantize.quantize_qkv(q, k, v, cu_seqlens, recipe, causal) -> layout.QuantizedQKV
+  forward.attention_forward(qkv, cu_seqlens, max_seqlen, causal, softmax_scale, out_dtype)
+      -> out (T, Hq, D), lse (Hq, T) fp32 (natural log) [, row_max (fp8's backward)]
+  backward.attention_backward(dout, out, lse, qkv, cu_seqlens, max_seqlen, causal,
+      softmax_scale, deterministic) -> (dq, dk, dv), rotated back to the input space
 """
 from __future__ import annotations
 
@@ -35,11 +25,9 @@ def interpreting() -> bool:
 
 
 def kernels_available(x, recipe_name: str) -> bool:
-    """True when a call on tensor x with this recipe should run the Triton kernels.
-
-    On CUDA always (for KERNEL_RECIPES); on the CPU only under the Triton interpreter and when
-    FLAMIA_KERNELS=1, which is how CI tests the real kernels without a GPU.
-    """
+    """True when a call on tensor x with this recipe should run the Triton kernels: on CUDA always
+    (for KERNEL_RECIPES); on the CPU only under the Triton interpreter and when FLAMIA_KERNELS=1,
+    which is how CI tests the real kernels without a GPU."""
     if recipe_name not in KERNEL_RECIPES:
         return False
     if os.environ.get("FLAMIA_KERNELS", "") == "0":

@@ -1,10 +1,7 @@
-"""The backward's dispatch: the one-pass Hopper kernel, or the reference where it does not run.
-
-attention_backward runs, per config.backward_config, the one-pass kernel (backward_sm90: the
-bf16 and fp8 recipes at head dims 64 and 128 on sm_90), or elsewhere (other GPUs, the CPU
-interpreter) flamia.reference.backward in fp32 on the kernel forward's operands
-(ReferenceBwdConfig): the kernel's function, not its speed, and memory of one score matrix per
-document and head.
+"""The backward's dispatch (config.backward_config): the one-pass Hopper kernel (backward_sm90), or
+where it does not run flamia.reference.backward in fp32 on the kernel forward's operands
+(ReferenceBwdConfig: the kernel's function, not its speed, and memory of one score matrix per
+document and head).
 """
 from __future__ import annotations
 
@@ -15,14 +12,11 @@ from .layout import QuantizedQKV, reference_saved
 def attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen, causal=True,
                        softmax_scale=None, deterministic=False, config=None, grad_dtype=None):
     """(dq (T, Hq, D), dk, dv (T, Hkv, D)) in grad_dtype (default dout's dtype), dq and dk rotated
-    back to the input space. dout, out (T, Hq, D); lse (Hq, T) fp32 from the forward.
-
-    config: config.backward_config(D, recipe, device, dtype) by default; a
-    backward_sm90.Sm90BwdConfig runs the one-pass Hopper kernel (its dQ adds are unordered
-    unless deterministic=True; qkv.row_max is required for fp8), ReferenceBwdConfig
-    flamia.reference.backward on qkv's operands (deterministic). max_seqlen is unused (the
-    kernel's work list is built from cu_seqlens); cu_seqlens[-1] must be T.
-    """
+    back to the input space. dout, out (T, Hq, D); lse (Hq, T) fp32 from the forward. config:
+    config.backward_config(D, recipe, device, dtype) by default; a backward_sm90.Sm90BwdConfig runs
+    the one-pass Hopper kernel (its dQ adds are unordered unless deterministic=True; qkv.row_max is
+    required for fp8), ReferenceBwdConfig flamia.reference.backward on qkv's operands
+    (deterministic). max_seqlen is unused; cu_seqlens[-1] must be T."""
     D = qkv.shape[3]
     cfg = config or backward_config(D, qkv.recipe, dout.device, qkv.q8.dtype)
     if isinstance(cfg, ReferenceBwdConfig):

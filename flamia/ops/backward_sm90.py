@@ -1,9 +1,9 @@
-"""Attention backward for Hopper (sm_90a) in Gluon: one pass, five GEMMs per tile, dQ by TMA
-reduce-add.
+"""Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ by TMA reduce-add.
 
-One CTA owns one key block (BN keys of one document) of one KV head and walks every query block
-that sees it, for every query head of the KV head's GQA group, in one loop. Per step (query
-block of BM rows, one query head), with S^T and dP^T in registers (keys are the rows):
+One CTA owns one key block (BN keys of one document) of one KV head and walks every query block that
+sees it, for every query head of the KV head's GQA group, in one loop; recipes bf16 (bf16 or fp16
+inputs as given) and fp8 (every GEMM in FP8: "The fp8 recipe" below). Per step (query block of BM
+rows, one query head), with S^T and dP^T in registers (keys are the rows):
 
     S^T  = K Q^T            (wgmma, A = K from shared memory)
     dP^T = V dO^T           (wgmma, A = V from shared memory)
@@ -14,24 +14,19 @@ block of BM rows, one query head), with S^T and dP^T in registers (keys are the 
     dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
 
 dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
-atomics); dQ of each step goes to shared memory, and a dedicated warp adds it into an fp32
-buffer with a TMA reduce-add. A small pass converts that buffer to dq.
+atomics); dQ of each step goes to shared memory, and a dedicated warp adds it into an fp32 buffer
+with a TMA reduce-add. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two
+MMA warpgroups in the default partition (keys 0-63 and 64-127 of the block, warps stacked along M of
+every key-major GEMM; dQ splits its columns between them), one TMA loader warp and the dQ reduce-add
+warp, both at a low register budget.
 
-Warp roles (gl.warp_specialize): the default partition is two MMA warpgroups (keys 0-63 and
-64-127 of the block, warps stacked along M of every key-major GEMM; dQ splits its columns
-between them), worker 0 is one TMA loader warp, worker 1 the dQ reduce-add warp, both at a low
-register budget.
-
-Layouts. Tokens are packed (cu_seqlens); documents are never crossed: query blocks and key
-blocks are document-local. The fp32 dQ buffer and the per-query vectors lse2 / delta use a
-padded row layout in which every document starts at a multiple of BM (row = token - doc start +
-padded doc start), so a query block's reduce-add box never touches another document. K, Q, dO
-rows past the document end (loaded by TMA from the next document) are zeroed in shared memory
-before a GEMM reduces over them (0 * Inf would be NaN); V's and masked scores are discarded by
-selects. So every document's gradients depend on that document alone (P2), NaN/Inf included.
-
-Recipes: bf16 (inputs bf16 or fp16, the tensors as given) and fp8 (every GEMM in FP8, the
-token-block scales; the section "The fp8 recipe" below).
+Layouts. Tokens are packed (cu_seqlens); documents are never crossed: query blocks and key blocks
+are document-local. The fp32 dQ buffer and the per-query vectors lse2 / delta use a padded row
+layout in which every document starts at a multiple of BM (row = token - doc start + padded doc
+start), so a query block's reduce-add box never touches another document. K, Q, dO rows past the
+document end (loaded by TMA from the next document) are zeroed in shared memory before a GEMM
+reduces over them (0 * Inf would be NaN); V's and masked scores are discarded by selects. So every
+document's gradients depend on that document alone (P2), NaN/Inf included.
 """
 from __future__ import annotations
 
@@ -78,19 +73,16 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
                n_kv_heads: int = 1, pad: int | None = None) -> KeyBlocks:
     """The CTAs' work, one (key block, KV head) each, in launch order:
 
-    - heaviest first by cost class (floor(log2(query blocks seen)), every item of fewer than 8
-      query blocks in one class): the long items of every KV head start early, so none of
-      them ends the launch alone;
-    - within a class, KV head, then document (heaviest first), then key block (heaviest first,
-      ties in packed order): the CTAs resident at one time share one KV head and a few
-      documents, so the Q, dO and dQ rows they all walk stay in L2. The short items' one class
-      keeps a short document's key blocks together (H200: longtail bf16 -9 %, d64_longtail
-      fp8 -5 %, the rest within noise; benchmarks/NOTES.md);
+    - heaviest first by cost class (floor(log2(query blocks seen)); all items under 8 query blocks
+      form one class): every KV head's long items start early, none ends the launch alone;
+    - within a class by KV head, document (heaviest first), key block (heaviest first, ties in
+      packed order): CTAs resident at one time share one KV head and a few documents, whose Q, dO
+      and dQ rows stay in L2; a short document's key blocks stay together (benchmarks/NOTES.md);
     - padding items (doc -1) last.
-    Within one (document, KV head), a lower key block never comes later (deterministic mode's
-    dQ adds wait on them). In the padded row layout every document starts at a multiple of
-    `pad` (default BM; a multiple of BM). Built on the device with no host sync; item count and
-    padded rows bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs;
+    Within one (document, KV head), a lower key block never comes later (deterministic mode's dQ
+    adds wait on them). In the padded row layout every document starts at a multiple of `pad`
+    (default BM; a multiple of BM). Built on the device with no host sync; item count and padded
+    rows bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs;
     sum_d ceil(L_d / pad) pad <= T + n_docs (pad - 1))."""
     pad = pad or BM
     dev = cu_seqlens.device
@@ -281,12 +273,11 @@ if HAVE_GLUON:
     def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                        QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr):
-        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one
-        (query head, query block) happen in key-block order 0, 1, ...: the CTA of key block b
-        waits until SEM[head, block] == b and increments it once its add has landed. Every key
-        block before b sees that query block too, and sits earlier in the work list (heavier,
-        or the same cost and earlier in the document), so it was launched before: the wait
-        cannot deadlock."""
+        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one (query
+        head, query block) happen in key-block order 0, 1, ...: the CTA of key block b waits until
+        SEM[head, block] == b and increments it once its add has landed. Every key block before b
+        sees that query block too, and sits earlier in the work list (heavier, or the same cost and
+        earlier in the document), so it was launched before: the wait cannot deadlock."""
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
@@ -444,36 +435,33 @@ if HAVE_GLUON:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fp8 recipe (scaling "kvblock128", reference.py "Token-block scaling"): the same skeleton
-# with every GEMM in FP8
+# The fp8 recipe (scaling "kvblock128", reference.py "Token-block scaling"): every GEMM in FP8
 # ---------------------------------------------------------------------------------------------
 #
 # Operands (e4m3). Row-major, as the forward quantized them: q8 (T, Hq, D) per-token scales sq;
-# k8 / v8 the K / V block copies (one scale per document-local 128-token block: a CTA scalar)
-# and, causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. The preprocess adds
-# dO quantized per 64-row block (do8, token layout) and K-major copies in the 128-aligned padded
-# layout (columns = padded rows, zeros between documents): dO^T and Q^T (Hq, D, QR) for
-# dV += P^T dO and dK += dS^T Q, their columns in wgmma order within 16 (flamia.ops.kmajor: the
-# accumulators of X^T and Y^T are then the A operands as they are, in-thread byte moves only),
-# and K^T of the block copy (Hkv, D, QR) for dQ = dS K, its columns in pair order within 16 (as
-# the kernel stores dS: 2-byte instead of 1-byte stores) (Hopper's FP8 wgmma reads both operands
-# K-major).
+# k8 / v8 the K / V block copies (one scale per document-local 128-token block: a CTA scalar) and,
+# causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. Hopper's FP8 wgmma reads
+# both operands K-major, so the preprocess adds dO quantized per 64-row block (do8, token layout)
+# and K-major copies in the 128-aligned padded layout (columns = padded rows, zeros between
+# documents): dO^T and Q^T (Hq, D, QR) for dV += P^T dO and dK += dS^T Q, columns in wgmma order
+# within 16 (flamia.ops.kmajor: X^T's and Y^T's accumulators are then the A operands), and K^T of
+# the block copy (Hkv, D, QR) for dQ = dS K, columns in pair order within 16 (the kernel stores dS
+# as 2-byte, not 1-byte, values).
 #
-# Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row
-# vectors A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row),
-# Hv = sqf (0 for a zero dO row), E = delta sqf / sdo (0 there), and the CTA scalars c_pt, c_ds
-# (the per-CTA bounds), R = c_pt / c_ds, skb / svb (block scales):
+# Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row vectors
+# A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row), Hv = sqf (0 for a
+# zero dO row), E = delta sqf / sdo (0 there), and the CTA scalars c_pt, c_ds (the per-CTA bounds),
+# R = c_pt / c_ds, skb / svb (block scales):
 #     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
-# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the
-# key block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared.
-# Diagonal steps (the query block inside the key block) recompute S^T and dP^T from the token
-# copies, as the forward did: skt_j, svt_j multiply them
-# per key row. dQ reads the block copy on every step (reference.py). Epilogue:
-# dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two bf16 wgmmas, H in the
-# dead K tiles); the post pass divides dQ by sqf, multiplies by the softmax scale and rotates it
-# back.
+# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the key
+# block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
+# steps (the query block inside the key block) recompute S^T and dP^T from the token copies, as the
+# forward did: skt_j, svt_j multiply them per key row. dQ reads the block copy on every step
+# (reference.py). Epilogue: dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two
+# bf16 wgmmas, H in the dead K tiles); the post pass divides dQ by sqf, multiplies by the softmax
+# scale and rotates it back.
 
 FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
 DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
@@ -491,16 +479,15 @@ def _pow2_bound(amax):
 def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, DO8B, Q8B,
                         K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
                         D: tl.constexpr, BT: tl.constexpr):
-    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the
-    block (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and
-    the block's maxima of the per-row bounds (reference.backward_scales):
+    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
+    (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
+    block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's
-    reduce-adds start from; and the block's columns of the K-major copies dO^T, Q^T (wgmma
-    order) and, for the first head of a GQA group, K^T (pair order), gathered as bytes (DO8B,
-    Q8B, K8B: uint8 views) after the block's do8 rows are stored. Program blk * HQ + head: the
-    CTAs resident together hold one block's heads, so they read and write whole (token, head,
-    D) rows (H200: -4 to -9 % against one head's blocks side by side)."""
+    zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's reduce-adds
+    start from; the block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first
+    head of a GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the
+    block's do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
+    block's heads and move whole (token, head, D) rows."""
     pid = tl.program_id(0)
     h = pid % HQ
     blk = pid // HQ
@@ -550,9 +537,9 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, D
 @triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
 def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.constexpr,
                     BT: tl.constexpr, CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
-    """c_pt, c_ds of one CTA (work-list column): power-of-two scales of the max of the row
-    bounds over the rows it sees (rows >= its first key when causal, the document otherwise;
-    every query head of its GQA group; reference.cta_scales)."""
+    """c_pt, c_ds of one CTA (work-list column): power-of-two scales of the max of the row bounds
+    over the rows it sees (rows >= its first key when causal, the document otherwise; every query
+    head of its GQA group; reference.cta_scales)."""
     item = tl.program_id(0)
     doc = tl.load(ITEMS + item)
     if doc >= 0:
@@ -588,9 +575,8 @@ def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
                          D: tl.constexpr, BT: tl.constexpr):
-    """dq = rotate_back(dq_acc * scale / sqf) (dK leaves the kernel rotated back).
-    One BT-row block per program: blocks of several rows per program (H loaded once) measured
-    slower (H200, doc32k 0.361 ms at one block, 0.372-0.386 at 4-16)."""
+    """dq = rotate_back(dq_acc * scale / sqf) (dK leaves the kernel rotated back), one BT-row block
+    per program (several per program are slower: benchmarks/NOTES.md)."""
     h = tl.program_id(1)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = t < T
@@ -611,11 +597,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _rotate_back_rows(x, spare, num_warps: gl.constexpr):
-        """x (R, D) fp32 in a wgmma accumulator layout @ H / sqrt(D) (H the +-1 Sylvester
-        matrix, as the post pass's fwht): H built in registers into the dead shared tile
-        `spare` (>= 2 D^2 bytes) as bf16 (exact), x split into bf16 hi + lo (16 of fp32's 24
-        mantissa bits, below the bf16 result's rounding) and multiplied by two wgmmas that sum
-        in fp32."""
+        """x (R, D) fp32 (wgmma accumulator layout) @ H / sqrt(D), H the +-1 Sylvester matrix built
+        as bf16 (exact) in the dead shared tile `spare` (>= 2 D^2 bytes): x = hi + lo in bf16 (16 of
+        fp32's 24 mantissa bits, below the result's rounding), two wgmmas accumulating in fp32."""
         R: gl.constexpr = x.type.shape[0]
         D: gl.constexpr = x.type.shape[1]
         h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, D], gl.bfloat16)
@@ -694,10 +678,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_pairs_transposed(yt, ds_smem):
-        """ds_smem[q, c] = e4m3(yt[key(c), q]) with key(c) the pair order (kmajor.ORDER_PAIRS):
-        each thread's two keys 16a + l and 16a + 8 + l of a 16-key group (rows l and l + 8 of
-        its MMA fragment) become one 16-bit element, so the transposed store is one of 16-bit
-        values (stmatrix .trans) instead of single bytes."""
+        """ds_smem[q, c] = e4m3(yt[key(c), q]), key(c) in pair order (kmajor's module docstring): a
+        thread's two keys of a pair form one 16-bit element, stored transposed (stmatrix .trans)."""
         BN: gl.constexpr = yt.type.shape[0]
         BM: gl.constexpr = yt.type.shape[1]
         y4 = gl.permute(gl.reshape(yt, [BN // 16, 2, 8, BM]), (0, 2, 3, 1))   # [a, l, q, h]
@@ -893,14 +875,12 @@ if HAVE_GLUON:
 def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
                             grad_dtype=None, deterministic=False,
                             config: Sm90BwdConfig | None = None):
-    """(dq, dk, dv) of causal (or full) attention over packed documents.
-
-    q, dout, out (T, Hq, D); k, v (T, Hkv, D), bf16 or fp16, unit stride in D; lse (Hq, T) fp32,
-    natural log of the softmax-scaled scores (the forward's); cu_seqlens int32 (n_docs + 1,)
-    with cu_seqlens[-1] == T. By default the dQ adds of different key blocks land in any order
-    (fp32 sums not bitwise reproducible between runs; dK and dV are); deterministic=True orders
-    them (bitwise reproducible, at the cost of waits).
-    """
+    """(dq, dk, dv) of causal (or full) attention over packed documents. q, dout, out (T, Hq, D);
+    k, v (T, Hkv, D), bf16 or fp16, unit stride in D; lse (Hq, T) fp32, natural log of the
+    softmax-scaled scores (the forward's); cu_seqlens int32 (n_docs + 1,) with cu_seqlens[-1] == T.
+    By default the dQ adds of different key blocks land in any order (fp32 sums not bitwise
+    reproducible between runs; dK and dV are); deterministic=True orders them (bitwise reproducible,
+    at the cost of waits)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     cfg = config or sm90_backward_config(D)
@@ -955,8 +935,7 @@ class Fp8Prep:
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
                 cfg: Sm90BwdConfig) -> Fp8Prep:
-    """The preprocess (dO quantized, delta, per-row vectors and bounds, the K-major copies) and
-    the CTA scales."""
+    """Preprocess (dO quantized, delta, per-row vectors and bounds, K-major copies), CTA scales."""
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     BM, BN = cfg.block_m, SM90_BLOCK_N
@@ -995,14 +974,9 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
                                 softmax_scale=None, grad_dtype=None, deterministic=False,
                                 config: Sm90BwdConfig | None = None):
-    """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized
-    operands (qkv: flamia.ops.layout.QuantizedQKV with the block and diagonal copies), its out,
-    lse (Hq, T) and row max (Hq, T), all as reference.backward / _backward_kvblock define them.
-
-    Launches: the preprocess (dO quantized, delta, per-row vectors and bounds, the K-major
-    copies dO^T, Q^T and K^T), the CTA scales, the kernel, the post pass (dQ out of its units
-    and rotated back).
-    """
+    """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized operands qkv
+    (layout.QuantizedQKV with the block and diagonal copies), out, lse and row max (Hq, T), as
+    reference.backward / _backward_kvblock define them: fp8_prepare, the kernel, fp8_post."""
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     cfg = config or sm90_backward_config(D)

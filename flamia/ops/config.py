@@ -1,19 +1,14 @@
 """Which kernel runs where, and every tunable of the kernels.
 
-`select(head_dim, recipe, device)` resolves, for one call, the forward kernel and its config and
-the backward's kernels and their configs; the launchers take these configs (tests and
-benchmarks may pass their own). Nothing here reads the environment: what runs depends on the
-device, the recipe, the head dim and the input dtype, never on a switch. Tile shapes were
-measured on the H200 (benchmarks/NOTES.md).
+`select(head_dim, recipe, device)` resolves, for one call, the forward kernel and the backward's
+kernels and their configs; the launchers take these configs (tests and benchmarks may pass their
+own). Nothing here reads the environment: what runs depends on the device, the recipe, the head dim
+and the input dtype, never on a switch. Tile shapes: benchmarks/NOTES.md.
 
     forward   fp8 at D=128 on sm_90: the persistent Gluon kernel (forward_gluon),
-              PersistentFwdConfig
-              otherwise: the Triton kernel (forward), FwdConfig
-              (fp8: both read V^T in wgmma key order, quantize_qkv's default)
+              PersistentFwdConfig; otherwise the Triton kernel (forward), FwdConfig
     backward  bf16 and fp8 at D=64/128 on sm_90: the one-pass kernel (backward_sm90),
-              Sm90BwdConfig (sm90_backward_config)
-              elsewhere (other GPUs, the CPU interpreter): ReferenceBwdConfig, the reference
-              backward on the kernel forward's operands
+              Sm90BwdConfig; elsewhere (other GPUs, the CPU interpreter) ReferenceBwdConfig
 """
 from __future__ import annotations
 
@@ -41,24 +36,22 @@ class FwdConfig:
     num_stages: int = 2
     use_tma: bool = True        # TMA descriptors for Q/K/V tiles (pointer loads otherwise)
     maxnreg: int | None = None  # register cap per thread (e.g. 168: three 4-warp CTAs per SM)
-    # fold_lr: exp2(s * row_f - (m - lr)) instead of exp2((s * row_f - m) + lr): the per-row
-    # offset joins the per-row max once per tile, not once per score (-64 FADD per 64 x 128
-    # tile per thread). Rounding differs by one fp32 add on the exponent (|m| 2^-24).
+    # fold_lr: exp2(s * row_f - (m - lr)) instead of exp2((s * row_f - m) + lr): the per-row offset
+    # joins the per-row max once per tile, not once per score. Rounding differs by one fp32 add on
+    # the exponent (|m| 2^-24).
     fold_lr: bool = False
-    # masked_stages: pipeline depth of the masked-tile loops (head / diagonal / document end,
-    # one or two tiles per query block); None = num_stages. 1 (no prefetch there) is what lets
-    # ptxas keep the unmasked loop's wgmmas asynchronous at num_stages = 3: with the masked
-    # loops pipelined too, ptxas serializes every wgmma of the kernel (C7515, non-wgmma code
-    # defining accumulator registers inside a pipeline stage).
+    # masked_stages: pipeline depth of the masked-tile loops (head / diagonal / document end, one or
+    # two tiles per query block); None = num_stages. 1 (no prefetch there) lets ptxas keep the
+    # unmasked loop's wgmmas asynchronous at num_stages = 3; pipelined masked loops make it
+    # serialize every wgmma (C7515: non-wgmma code defining accumulator registers in a stage).
     masked_stages: int | None = None
 
 
 def triton_forward_config(head_dim: int, fp8: bool, device: torch.device) -> FwdConfig:
-    """Tile shapes of the Triton forward per head dim (H200, benchmarks/NOTES.md). FP8: 64x128
-    tiles at 4 warps, so one CTA's softmax overlaps another's MMAs (Triton has no ping-pong
-    inside a program); the unmasked loop prefetches 2 (D=128) or 3 (D=64) tiles, the masked loops
-    none (pipelined, ptxas serializes every wgmma: C7515); D=64 caps registers at 168 for three
-    CTAs per SM. The CPU (the interpreter) takes small tiles and pointer loads."""
+    """Tile shapes of the Triton forward per head dim. FP8: 64x128 tiles at 4 warps, so one CTA's
+    softmax overlaps another's MMAs (Triton has no ping-pong inside a program); the unmasked loop
+    prefetches 2 (D=128) or 3 (D=64) tiles, the masked loops none (masked_stages); D=64 caps
+    registers at 168 for three CTAs per SM. The CPU takes small tiles and pointer loads."""
     if device.type != "cuda":
         return FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, use_tma=False)
     if fp8:
@@ -86,18 +79,16 @@ class PersistentFwdConfig:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """quantize_qkv's launches (flamia.ops.quantize): tokens per q program, warps of the q
-    programs and of the K / V block programs (one 128-token block each: 128 registers, 2 CTAs
-    per SM; H200, benchmarks/NOTES.md). Only the schedule: every choice writes the same bytes."""
+    """quantize_qkv's launches: tokens per q program, warps of the q programs and of the K / V block
+    programs (one 128-token block each). Only the schedule: every choice writes the same bytes."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:
-    """fp8 at D=128 on an sm_90 GPU runs the persistent Gluon kernel: its producer warp loads the
-    next item's Q, K and V while the consumer computes, which short documents need (doc512_x64
-    -19 %, doc8k_x4 +2 %); at D=64 it is 9 % slower than the Triton kernel (benchmarks/NOTES.md)."""
+    """fp8 at D=128 on sm_90 runs the persistent Gluon kernel: its producer warp loads the next item
+    while the consumer computes, which short documents need; at D=64 the Triton kernel is faster."""
     if interpreting() or _recipe_name(recipe) != FP8_RECIPE or head_dim != 128:
         return False
     return is_sm90(torch.device(device)) and HAVE_GLUON
@@ -111,9 +102,8 @@ def forward_config(head_dim: int, recipe, device) -> FwdConfig | PersistentFwdCo
 
 
 def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> bool:
-    """The one-pass Hopper kernel (backward_sm90) runs the backward of the bf16 recipe (16-bit
-    operands: P and dS feed its GEMMs in their dtype) and of fp8, on an sm_90 GPU at head dims
-    64 and 128."""
+    """The one-pass Hopper kernel (backward_sm90) runs the backward of bf16 (16-bit operands: P and
+    dS feed its GEMMs in their dtype) and fp8 on sm_90 at head dims 64 and 128."""
     name = _recipe_name(recipe)
     if head_dim not in (64, 128) or interpreting() or not HAVE_GLUON:
         return False
@@ -124,10 +114,10 @@ def uses_sm90_backward(head_dim: int, recipe, device, dtype=torch.bfloat16) -> b
     return is_sm90(torch.device(device))
 
 
-# The one-pass Hopper backward's fixed shape: 128 keys per CTA (64 per MMA warpgroup; fp8's
-# K/V scale block, so not a tunable), a 2-deep Q / dO ring (shared memory holds no third stage
-# at D=128), setmaxnreg 24 for the loader and dQ-writer warps (the MMA warpgroups get 240), and
-# 64 rows per program in the bf16 pre and post passes.
+# The one-pass Hopper backward's fixed shape: 128 keys per CTA (64 per MMA warpgroup; fp8's K/V
+# scale block, so not a tunable), a 2-deep Q / dO ring (shared memory holds no third stage at
+# D=128), setmaxnreg 24 for the loader and dQ-writer warps (the MMA warpgroups get 240), and 64 rows
+# per program in the bf16 pre and post passes.
 SM90_BLOCK_N = 128
 SM90_STAGES = 2
 SM90_LOADER_REGS = 24
@@ -146,9 +136,8 @@ class Sm90BwdConfig:
 
 
 def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
-    """The one-pass backward's tiles (H200, benchmarks/NOTES.md): 64 query rows per step at
-    D=128 (128 do not fit the registers next to dK and dV), 128 at D=64 (12-18 % faster than
-    64); fp8's preprocess at 8 warps, post pass at 64 rows x 4 warps. Both recipes alike."""
+    """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
+    next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)

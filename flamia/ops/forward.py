@@ -12,19 +12,18 @@ FP8 numerics (flamia/reference.py, "Token-block scaling"): with scores S_ij = sq
     A_ij  = e4m3(p'_ij * sv_j)                                          (= p_ij sv_j/cap_i 256)
     acc_i = sum_j A_ij v8_j,   l'_i = sum_j p'_ij,   O_i = acc_i / l'_i
 cap_i = vcap (the visible max of the pairs' V scales). Folding 256/cap_i into the exponent costs
-nothing per element (it shifts the row's max), and it cancels in acc / l'. With the online max
-the rounding of A happens at the running max instead of the final one (rescaled by alpha
-afterwards), as in every FlashAttention FP8 kernel: the result matches the reference emulation
-by the FlashAttention rule, not bitwise. lr_i is capped at 100 so l' cannot overflow; that only
-matters for V whose amax is below ~1e-26 (cap < 2^-92).
+nothing per element (it shifts the row's max), and it cancels in acc / l'. With the online max the
+rounding of A happens at the running max instead of the final one (rescaled by alpha afterwards), as
+in every FlashAttention FP8 kernel: the result matches the reference emulation by the FlashAttention
+rule, not bitwise. lr_i is capped at 100 so l' cannot overflow; that only matters for V whose amax
+is below ~1e-26 (cap < 2^-92).
 The key-tile grid sits at document-local multiples of BLOCK_N (BLOCK_M and BLOCK_N divide the
 128-token K/V block): the tiles of the query block's own 128-block (causal) read the per-token
-copies k8_diag / vt8_diag with their per-token scales, every other tile the block copies k8 /
-vt8 (one K and one V scale per tile, folded into per-row constants: _attn_inner's TILE_SCALES).
-vt8 is in kmajor's padded column layout (document d from column kv_pcu[d], a multiple of 16), so
-every tile's V^T box starts at a 16-aligned column; K tiles are read at any token row.
-return_row_max also stores the row max m (natural log), which the backward's bound needs
-(Saved.row_max).
+copies k8_diag / vt8_diag with their per-token scales, every other tile the block copies k8 / vt8
+(one K and one V scale per tile, folded into per-row constants: _attn_inner's TILE_SCALES). vt8 is
+in kmajor's padded column layout (document d from column kv_pcu[d], a multiple of 16), so every
+tile's V^T box starts at a 16-aligned column; K tiles are read at any token row. return_row_max also
+stores the row max m (natural log), which the backward's bound needs (Saved.row_max).
 
 bf16 recipe: the same kernel with bf16 operands, no scales, P rounded to bf16; its KV tiles
 start at absolute token rows that are multiples of 16 (a head tile, masked, may hold keys of
@@ -52,17 +51,13 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 MASKED: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                 FOLD_LR: tl.constexpr, LOOP_STAGES: tl.constexpr, K_ALIGNED: tl.constexpr,
                 TILE_SCALES: tl.constexpr = False):
-    """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles.
-    FP8 reads V from the K-major copy vt8, whose column vcol0 + n holds the document's key n
-    (vcol0 + lo a multiple of 16), in wgmma key order: row p of a V tile is key mma_order16(p) of
-    the tile, and P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a
-    multiple of 16 too (the token-block grid starts tiles at document-local offsets).
-    TILE_SCALES (unmasked tiles of the token-block scaling's block copies): every key of a tile
-    has the same power-of-two sk and sv, read once per tile, and no per-element scale work is
-    left: s * sk joins the row factor (an exact rescaling) and sv the exponent's per-row
-    constant, A = e4m3(exp2(x - m + e)) with e = lr + log2 sv (= e4m3(p' sv) up to the fp32
-    rounding of that constant), l' += sum(p' sv) 2^(lr - e); e is floored at -90, where every
-    A is 0 anyway (forward_gluon._online_softmax_block has the argument)."""
+    """KV tiles [lo, hi) of the document (doc-local token indices); MASKED: diagonal/end tiles. FP8
+    reads V from the K-major copy vt8, whose column vcol0 + n holds the document's key n (vcol0 + lo
+    a multiple of 16), in wgmma key order: row p of a V tile is key mma_order16(p) of the tile, and
+    P is passed to the PV wgmma in that key order too. K_ALIGNED: tok0 + lo is a multiple of 16 too
+    (the token-block grid starts tiles at document-local offsets). TILE_SCALES (unmasked tiles of
+    the block copies): one power-of-two sk and sv per tile, read once; s * sk joins the row factor
+    (exactly) and sv the exponent's per-row constant (forward_gluon._online_softmax_block)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     if FP8:
@@ -133,8 +128,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
             else:
                 sv = tl.load(SV + offs_n)
             a = (p * sv[None, :]).to(tl.float8e4nv)          # sv_j / cap_i * 256 folded, RNE
-            # column p of the A operand = P's column mma_order16(p): every value stays in the
-            # thread holding it (flamia.ops.kmajor's module docstring)
+            # A's column p = P's column mma_order16(p), each value in its thread (kmajor)
             a = mma_key_order(a)
         else:
             a = p.to(tl.bfloat16)
@@ -216,11 +210,8 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
         Vh = V + kvh * stride_vh
         VDh = VD + kvh * stride_vh
     if FP8:
-        # Key tiles at document-local multiples of BLOCK_N, which divides the 128-token K/V block
-        # (as BLOCK_M does), so every tile lies in one block. Causal: the tiles of the query
-        # block's own 128-block use the token copies (KD, VD, SKD, SVD), the earlier ones the
-        # block copies; not causal: the block copies everywhere. vt8's columns are the padded
-        # layout's (the document starts at column PCU[doc], a multiple of 16).
+        # Key tiles at document-local multiples of BLOCK_N (module docstring); causal, the query
+        # block's own 128-block reads the token copies (KD, VD, SKD, SVD).
         vcol0 = tl.load(PCU + doc).to(tl.int64)
         if CAUSAL:
             d0 = (q_lo // 128) * 128              # keys < d0: off-diagonal, all visible
@@ -251,11 +242,9 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                                         stride_vd, D, BLOCK_N, CAUSAL, True, FP8, USE_TMA,
                                         FOLD_LR, MASKED_STAGES, False)
     else:
-        # bf16: KV tiles start at absolute token rows that are multiples of 16 (the K and V row
-        # loads are hinted 16-aligned: K_ALIGNED, vrow0), so in doc-local keys tile j is
-        # [j*BN - shift, ...): a head tile holding `shift` keys of the previous document
-        # (masked), if shift > 0; full tiles left of the diagonal (no mask); the diagonal /
-        # document-end tiles (masked).
+        # bf16 (module docstring; K_ALIGNED, vrow0: 16-aligned rows): in doc-local keys tile j is
+        # [j*BN - shift, ...): a masked head tile if shift > 0, full tiles left of the diagonal (no
+        # mask), the diagonal / document-end tiles (masked).
         shift = start % 16
         if CAUSAL:
             limit = q_lo                            # keys < q_lo are visible to every row
@@ -299,19 +288,15 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
                       causal: bool, softmax_scale: float | None, out_dtype, *,
                       config: FwdConfig | PersistentFwdConfig | None = None,
                       poison: bool = False, return_row_max: bool = False):
-    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores);
-    with return_row_max=True (out, lse, row_max), row_max (Hq, T) fp32 the row max m of the
+    """out (T, Hq, D) in out_dtype and lse (Hq, T) fp32 (natural log, softmax-scaled scores); with
+    return_row_max=True (out, lse, row_max), row_max (Hq, T) fp32 the row max m of the
     softmax-scaled scores (natural log: the largest normalised P of a row is exp(m - lse)).
 
-    fp8 (token-block scaling): key tiles at document-local multiples of block_n, which must
-    divide 128 (and so must block_m); off the diagonal 128-block the block copies, on it the
-    token copies (reference._forward_kvblock).
-
-    The work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths).
-    config: the kernel and its tiles, config.forward_config(D, recipe, device) by default (a
-    PersistentFwdConfig runs forward_gluon's kernel, a FwdConfig _attn_fwd_kernel).
-    poison=True: outputs start as NaN (tests).
-    """
+    fp8: block_m and block_n must divide 128 (module docstring; reference._forward_kvblock). The
+    work list needs only cu_seqlens (max_seqlen: an upper bound on the document lengths). config:
+    the kernel and its tiles, config.forward_config(D, recipe, device) by default (a
+    PersistentFwdConfig runs forward_gluon's kernel, a FwdConfig _attn_fwd_kernel). poison:
+    NaN-filled outputs (tests)."""
     T, Hq, Hkv, D = qkv.shape
     if qkv.recipe not in ("bf16", "fp8"):
         raise ValueError(f"the forward kernels implement bf16 and fp8, not {qkv.recipe!r}")

@@ -1,49 +1,36 @@
 """The fp8 attention forward for Hopper (sm_90a) in Gluon: a persistent, warp-specialized kernel.
 
-Same contract and numerics as flamia.ops.forward._attn_fwd_kernel for the fp8 recipe (that
-module's docstring: token-block scaling), the same work list (flamia.ops.schedule) and the same
-KV tile grid inside each document (tile t covers the document's keys [t BN, (t + 1) BN), BN
-dividing the 128-token K/V block).
+Same contract, numerics, work list (flamia.ops.schedule) and KV tile grid as
+flamia.ops.forward._attn_fwd_kernel for the fp8 recipe (token-block scaling: that module's
+docstring); the bf16 recipe runs there only.
 
-Each CTA walks work indices w = pid, pid + G, ... (G = grid size, config.ctas_per_sm CTAs per
-SM; w = item * HQ + head) with one producer warp (24 registers) that issues every TMA load and
-runs ahead across item boundaries, and one consumer warpgroup that computes. Per tile the
-consumer runs
+Each CTA walks work indices w = pid, pid + G, ... (G = grid size, config.ctas_per_sm CTAs per SM;
+w = item * HQ + head) with one producer warp (24 registers) that issues every TMA load and runs
+ahead across item boundaries, and one consumer warpgroup that computes. Per tile the consumer runs
 
     wait S_j = Q K_j^T (issued one tile earlier) -> softmax(S_j) -> release r_j
     -> acc *= alpha_j -> issue O += A_j V_j -> issue S_{j+1} -> retire PV_j
 
-so each tile's PV wgmma is retired within its tile and P's e4m3 A operand never crosses the
-loop's back edge (where the compiler would repack it); S_{j+1} crosses it in flight instead.
-V^T's columns are in wgmma key order (flamia.ops.kmajor), as the Triton kernel's: P's fp32
-registers are then the A operand's after a register renaming, and each thread packs its 4
-consecutive keys into one register (_key_ordered, _to_e4m3_operand), with no lane shuffles.
-Per row the operation order is the Triton kernel's: acc_j = alpha_j * acc_{j-1} + A_j V_j, l,
-m, the fp8 rounding of A and the epilogue are written the same way, the exponents to one fp32
-rounding (one FMA each), so results agree with the Triton kernel to the fp32 rounding of the
-MMA and of the exponent, and P1 / P2 hold bitwise by construction (masked scores are -inf, V^T
-columns outside the document are zeroed in shared memory before the PV wgmma, masked sk / sv
-count as 0).
+so each tile's PV wgmma is retired within its tile and P's e4m3 A operand never crosses the loop's
+back edge (where the compiler would repack it); S_{j+1} crosses it in flight instead. V^T's columns
+are in wgmma key order (flamia.ops.kmajor), as the Triton kernel's, so P becomes the A operand by a
+register renaming and an in-thread pack, with no lane shuffles (_key_ordered, _to_e4m3_operand). Per
+row the operation order is the Triton kernel's (acc_j = alpha_j * acc_{j-1} + A_j V_j, l, m, the fp8
+rounding of A, the epilogue; each exponent one FMA, one fp32 rounding), so results agree with it to
+the fp32 rounding of the MMA and of the exponent, and P1 / P2 hold bitwise by construction (masked
+scores are -inf, V^T columns outside the document are zeroed in shared memory before the PV wgmma,
+masked sk / sv count as 0).
 
-The producer loads tile t of an item from the per-token copies (k8_diag, vt8_diag, scale_cols
-rows 2-3) when it lies in the query block's own 128-block (causal), else from the block copies
-(k8, vt8, scale_cols rows 0-1), V^T and the scales at the padded column kv_pcu[doc] + t BN. On
-an unmasked tile (block copies: one K and one V scale) the consumer reads each scale once and
-folds it into per-row constants, so no per-element scale work is left
-(_online_softmax_block). return_row_max stores the row max too.
+The producer loads each tile from the token or the block copies as the Triton kernel does
+(_pers_producer); the consumer folds an unmasked tile's one K and one V scale into per-row constants
+(_online_softmax_block). Per item the consumer waits on no global load (_pers_consumer), and a query
+block inside its document leaves by a TMA store that nobody waits for (_store_out).
 
-Per item the consumer waits on no global load: the work-list entry and the per-row loads (sq,
-cap) of the next item are issued during this one, and a query block inside its document leaves
-through shared memory by one TMA store that nobody waits for (a block that reaches past its
-document's end is stored row-masked from registers).
-
-Ring protocol, in one tile sequence g = 0, 1, ... over all items of the CTA: K_g and V_g go to
-stage g % STAGES; the consumer's release r_g (after S_g is read and PV_{g-1} retired) frees K_g
-and V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES+1}. Q is double
-buffered (item i's Q goes to buffer i % 2 after the consumer's q_free of item i - 2), so the
-next item's Q loads while this one computes.
-
-bf16 recipe: not implemented here (the Triton kernel runs it).
+Ring protocol, in one tile sequence g = 0, 1, ... over all items of the CTA: K_g and V_g go to stage
+g % STAGES; the consumer's release r_g (after S_g is read and PV_{g-1} retired) frees K_g and
+V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES+1}. Q is double
+buffered (item i's Q goes to buffer i % 2 after the consumer's q_free of item i - 2), so the next
+item's Q loads while this one computes.
 """
 from __future__ import annotations
 
@@ -89,8 +76,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _row_loads(SQ, VCAP, T, start, q_lo, L, head, kvh, BM: gl.constexpr,
                    s_layout: gl.constexpr):
-        """sq and cap of query rows [q_lo, q_lo + BM) of an item: issued one item ahead,
-        _row_constants uses them."""
+        """sq and cap of query rows [q_lo, q_lo + BM) of an item (issued one item ahead)."""
         tok0, rows, row_ok = _query_rows(start, q_lo, L, BM, s_layout)
         sq = gl.load(SQ + head.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=0.0)
         cap = gl.load(VCAP + kvh.to(gl.int64) * T + tok0 + rows, mask=row_ok, other=1.0)
@@ -118,11 +104,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_k_cols(k_desc, sc_desc, k_smem, sk_smem, sv_smem, k_ready, st, krow, col, kvh,
                      srow_k, srow_v):
-        """TMA of the K tile (BN x D) at absolute token row krow (any row) and its sk / sv (1 x
-        BN) from rows srow_k / srow_v of the padded-column scales (scale_cols) at column col (a
-        multiple of 16) into ring stage st; the scales ride on K's barrier (S's softmax needs
-        both). Sizes come from the buffers' types: constexpr arguments of a worker partition
-        arrive as tensors."""
+        """TMA of the K tile (BN x D) at token row krow (any row) and its sk / sv (1 x BN) from
+        scale_cols rows srow_k / srow_v, column col (a multiple of 16), into ring stage st; the
+        scales ride on K's barrier (S's softmax needs both). Sizes come from the buffers' types (a
+        worker partition's constexpr arguments arrive as tensors)."""
         D: gl.constexpr = k_smem.type.shape[2]
         bk = k_ready.index(st)
         mbarrier.expect(bk, k_desc.block_type.nbytes + 2 * sc_desc.block_type.nbytes)
@@ -132,8 +117,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_v_at(v_desc, v_smem, v_ready, st, row, kvh):
-        """TMA of the V^T tile (D x BN) at absolute token column `row` of vt8 into ring stage
-        st."""
+        """TMA of the V^T tile (D x BN) at token column `row` of vt8 into ring stage st."""
         D: gl.constexpr = v_smem.type.shape[1]
         bv = v_ready.index(st)
         mbarrier.expect(bv, v_desc.block_type.nbytes)
@@ -155,11 +139,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _key_ordered(p, o_layout: gl.constexpr):
-        """p (fp32, S's accumulator layout) with its keys in wgmma order (V^T's column order),
-        in the PV wgmma's A operand layout: a register renaming (flamia.ops.kmajor). The identity
-        move before it stops the compiler from carrying the permuted layout back into the
-        softmax, where it turns the masks' index math into bit shuffles (+100 SASS per masked
-        tile); ptxas removes the moves."""
+        """p (fp32, S's accumulator layout) with its keys in wgmma order (V^T's column order), in
+        the PV wgmma's A operand layout: a register renaming (flamia.ops.kmajor). The identity move
+        before it keeps the compiler from carrying the permuted layout back into the softmax, where
+        the masks' index math would become bit shuffles; ptxas removes the moves."""
         p = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=gl.float32,
                                       is_pure=True, pack=1)
         return gl.convert_layout(mma_key_order_gluon(p),
@@ -168,9 +151,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _to_e4m3_operand(a32):
         """_key_ordered's fp32 values as the e4m3 A operand: each thread packs its 4 consecutive
-        keys (RNE, satfinite, as .to(float8e4nv)) into one register: 2 F2FP + 1 PRMT per 4
-        keys. After the masked / unmasked branches merge: e4m3 values merged from two branches
-        are repacked byte by byte at the wgmma."""
+        keys (RNE, satfinite, as .to(float8e4nv)) into one register, 2 F2FP + 1 PRMT. Used after the
+        masked / unmasked branches merge (merged e4m3 values are repacked bytewise at the wgmma)."""
         a8 = gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
@@ -179,9 +161,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _quad_sums(p):
-        """Partial row sums of p (BM, BN; S's accumulator layout, where the 4 lanes of a quad
-        share each row) as (BM, 4): each lane's sum over its own columns, no shuffles. l' is
-        kept so and reduced across the quad once per item (_row_sums)."""
+        """Partial row sums of p (BM, BN; S's accumulator layout: a quad's 4 lanes share each row)
+        as (BM, 4), each lane's sum over its own columns, no shuffles. l' is kept so and reduced
+        across the quad once per item (_pers_consumer)."""
         BM: gl.constexpr = p.type.shape[0]
         BN: gl.constexpr = p.type.shape[1]
         return gl.sum(gl.sum(gl.reshape(p, [BM, BN // 8, 4, 2]), axis=3), axis=1)
@@ -195,19 +177,17 @@ if HAVE_GLUON:
     def _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                         CAUSAL: gl.constexpr, o_layout: gl.constexpr):
         """Online softmax of one masked S tile (the token copies' diagonal tiles, the document's
-        end) in log2 units -> (p' sv key-ordered in fp32 (_key_ordered), m, l, alpha):
-        y = s sk (-inf where masked), m = max(m, max(y) rf), p' = exp2(y rf + (lr - m)) by one
-        FMA (the Triton kernel rounds x = y rf first and adds lr after: the two agree to the
-        fp32 rounding of the exponent, which the FlashAttention rule absorbs).
-
-        sk / sv are read from their shared-memory stage here (short register live ranges). Keys
-        past the document's end hold a neighbour's scales (maybe NaN): their scores become -inf
-        and their sv 0, as the Triton kernel's masked loads give."""
+        end) in log2 units -> (p' sv key-ordered in fp32 (_key_ordered), m, l, alpha): y = s sk
+        (-inf where masked), m = max(m, max(y) rf), p' = exp2(y rf + (lr - m)) by one FMA (the
+        Triton kernel rounds x = y rf first; the two agree to the exponent's fp32 rounding). sk / sv
+        are read from their shared-memory stage here (short live ranges). Keys past the document's
+        end hold a neighbour's scales (maybe NaN): their scores become -inf and their sv 0, as with
+        the Triton kernel's masks."""
         BN: gl.constexpr = s.type.shape[1]
         col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
         # tile-local key c (= key n0 + c) visible to row i iff c <= lim_i: one compare per score
-        # against loop-invariant column indices (rows past the document's end, never stored,
-        # see its keys as its last row does)
+        # against loop-invariant column indices (rows past the document's end, never stored, see its
+        # keys as its last row does)
         c = gl.arange(0, BN, layout=col_layout)
         sv = gl.where(c < L - n0, sv_s.load(col_layout), 0.0)
         if CAUSAL:
@@ -258,10 +238,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows, n0, L, full_end,
                       CAUSAL: gl.constexpr, o_layout: gl.constexpr):
-        """_online_softmax of the S tile whose keys start at n0 and whose scales sit in ring
-        stage st: masked where the tile reaches past the document's end or past full_end; an
-        unmasked tile reads the block copies (one K and one V scale per tile). -> (A, m, l,
-        alpha), A the PV wgmma's e4m3 operand in V^T's key order."""
+        """_online_softmax of the S tile whose keys start at n0 (scales in ring stage st), masked
+        where the tile reaches past the document's end or full_end, else _online_softmax_block ->
+        (A, m, l, alpha), A the PV wgmma's e4m3 operand in V^T's key order."""
         BN: gl.constexpr = s.type.shape[1]
         sk_s = _scale_view(sk_smem, st, BN)
         sv_s = _scale_view(sv_smem, st, BN)
@@ -280,12 +259,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _zero_v_outside(v_tile, n0, L, num_warps: gl.constexpr):
-        """Zero the V^T columns (keys; column c holds key n0 + mma_order16(c)) of a ring stage
-        that lie outside the document, in place.
-
-        Their P is 0, but 0 * NaN is NaN in the MMA: keys of a neighbouring document (head tile,
-        document end) must not let its NaN/Inf in (P2). Only for the <= 2 edge tiles per item.
-        """
+        """Zero in place the V^T columns (keys; column c holds key n0 + mma_order16(c)) of a ring
+        stage that lie outside the document: their P is 0, but 0 * NaN is NaN in the MMA, and a
+        neighbouring document's keys (head tile, document end) must not let its NaN/Inf in (P2).
+        Only for the <= 2 edge tiles per item."""
         BN: gl.constexpr = v_tile.type.shape[1]
         TPW_N: gl.constexpr = BN // 16
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
@@ -311,12 +288,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot, stride_oh, T,
                    tok0, q_lo, rows, row_ok, L, head, ROW_MAX: gl.constexpr):
-        """Epilogue of query rows [q_lo, q_lo + BM): O = acc / l' and
-        lse = ln2 * (m + log2 l' - lr); ROW_MAX: the row max ln2 * m into RMAX too. A block
-        inside its document goes out through o_smem by one TMA store, which the consumer does
-        not wait for (the next epilogue's store_wait does, before it reuses o_smem); a block
-        that reaches past the document's end is stored row-masked from registers (a TMA box
-        would overwrite the next document's first rows)."""
+        """Epilogue of query rows [q_lo, q_lo + BM): O = acc / l', lse = ln2 * (m + log2 l' - lr)
+        and, ROW_MAX, the row max ln2 * m into RMAX. A block inside its document goes out through
+        o_smem by one TMA store that the consumer does not wait for (the next epilogue's store_wait
+        does, before it reuses o_smem); a block reaching past the document's end is stored
+        row-masked from registers (a TMA box would overwrite the next document's first rows)."""
         BM: gl.constexpr = acc.type.shape[0]
         D: gl.constexpr = acc.type.shape[1]
         inv_l = 1.0 / l_i
@@ -343,10 +319,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_release(rel, st):
-        """One arrival of this consumer warpgroup on release barrier st, issued by one thread
-        once the barrier has seen every warp's reads of the scales complete; the fence orders
-        those generic-proxy reads (and the V zeroing stores) before the producer's next TMA
-        write to the stage."""
+        """One arrival of this consumer warpgroup on release barrier st, by one thread once the
+        barrier has seen every warp's scale reads complete; the fence orders those generic-proxy
+        reads (and the V zeroing stores) before the producer's next TMA write to the stage."""
         fence_async_shared()
         gl.thread_barrier()
         arrive_synced(rel.index(st))
@@ -382,9 +357,9 @@ if HAVE_GLUON:
                                                 q_ready.index(qb), q_smem.index(qb))
                 for t in range(n_tiles):
                     st = g % STAGES
-                    # K_g after r_{g-STAGES} (K_{g-STAGES} read); V_g after r_{g-STAGES+1}
-                    # (V_{g-STAGES} read), which K_{g+1} needs anyway. Re-waiting r_{g+1-STAGES}
-                    # at the next tile is safe: its barrier cannot complete again before K_{g+1}.
+                    # K_g after r_{g-STAGES}, V_g after r_{g-STAGES+1} (ring protocol: module
+                    # docstring); re-waiting r_{g+1-STAGES} at the next tile is safe: it cannot
+                    # complete again before K_{g+1}.
                     mbarrier.wait(rel.index(st), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
                     n0 = t * BN
                     col = pcol + n0
@@ -405,10 +380,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _keep_alive(x):
-        """An empty asm statement reading every register of x (an fp8 wgmma A operand): the
-        registers stay allocated up to here, past the wait that retires the wgmma reading them.
-        (warpgroup_mma_wait's deps takes no 8-bit tensor in triton 3.6: "Unexpected bitwidth in
-        WGMMAWaitGroupOp".) No instruction is emitted."""
+        """Keeps x's registers (an fp8 wgmma A operand) allocated past the wait that retires the
+        wgmma reading them: an empty asm statement, no instruction (warpgroup_mma_wait's deps takes
+        no 8-bit tensor in triton 3.6)."""
         gl.inline_asm_elementwise("", "=r,r", [x], dtype=gl.int8, is_pure=False, pack=4)
 
     @gluon.jit
@@ -416,11 +390,9 @@ if HAVE_GLUON:
                           rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g,
                           RESCALE: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr,
                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
-        """One tile g of _pers_serial_tiles: its S (in flight) -> softmax -> release r_g (K_g
-        read; V_{g-1} read by the previous PV, retired) -> rescale (RESCALE: not on an item's
-        first tile, whose acc is zero) -> PV_g; then (NEXT) S_{g+1} issued behind it, and PV_g
-        retired with S_{g+1} left in flight. P's registers are kept alive to that wait
-        (_keep_alive): the PV wgmma reads them asynchronously."""
+        """One tile g of _pers_serial_tiles in the module docstring's order; RESCALE: not on an
+        item's first tile (acc is zero); NEXT: S_{g+1} issued behind PV_g, then PV_g retired. P's
+        registers stay alive to that wait (_keep_alive): the PV wgmma reads them asynchronously."""
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         o_layout: gl.constexpr = wgmma_layout(NW, 1, acc.type.shape[1], 32)
         st = g % STAGES
@@ -449,9 +421,8 @@ if HAVE_GLUON:
                            BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                            CAUSAL: gl.constexpr, NW: gl.constexpr):
         """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
-        _pers_serial_step per tile. What crosses the loop's back edge is S_{j+1} in flight
-        (fp32 registers in the accumulator layout) and the retired acc, never P's e4m3 A
-        operand. Returns (acc with every PV added, m, l, g past the item)."""
+        _pers_serial_step per tile (S_{j+1} in flight and the retired acc cross the loop's back
+        edge, never P's A operand). Returns (acc with every PV added, m, l, g past the item)."""
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         o_layout: gl.constexpr = wgmma_layout(NW, 1, D, 32)
         st = g % STAGES
@@ -489,9 +460,9 @@ if HAVE_GLUON:
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         g = 0
         it = 0
-        # No dependent global load on an item's path: the work list entries are loaded two
-        # items ahead and the per-row loads (which need an entry) one item ahead, each issued
-        # when an item starts, so they land while it computes.
+        # No dependent global load on an item's path: work list entries are loaded two items ahead
+        # and the per-row loads (which need an entry) one item ahead, each issued when an item
+        # starts, so they land while it computes.
         G = gl.num_programs(0)
         pid = gl.program_id(0)
         doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, pid)
@@ -572,10 +543,9 @@ def check_operands(qkv: QuantizedQKV) -> None:
 
 
 def _descriptors(qkv: QuantizedQKV, BM: int, BN: int):
-    """Host TMA descriptors: q, k, V^T, scale_cols (an (n * Hkv, Tp) matrix, box (1, BN) at
-    16-aligned columns), and the token copies' k and V^T (causal; k's and V^T's otherwise,
-    unused). (T, H, D) with unit-stride heads / dims is a (T, H*D) matrix, vt8 (Hkv, D, Tp) an
-    (Hkv*D, Tp) one."""
+    """Host TMA descriptors of q, k, V^T, scale_cols (an (n * Hkv, Tp) matrix, box (1, BN) at
+    16-aligned columns) and the token copies' k and V^T (causal; else k's and V^T's, unused): a
+    (T, H, D) tensor as a (T, H*D) matrix, vt8 (Hkv, D, Tp) as an (Hkv*D, Tp) one."""
     T, Hq, Hkv, D = qkv.shape
     sc = qkv.scale_cols
 

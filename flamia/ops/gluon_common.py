@@ -1,8 +1,5 @@
-"""Gluon primitives shared by the Hopper kernels: layouts, TMA descriptors, mbarrier rings and
-the fp32 TMA reduce-add.
-
-Importable without Gluon (HAVE_GLUON is False then and nothing here may be used).
-"""
+"""Gluon primitives shared by the Hopper kernels (layouts, TMA descriptors, mbarrier rings, the fp32
+TMA reduce-add); importable without Gluon (HAVE_GLUON is False: use nothing here)."""
 from __future__ import annotations
 
 try:   # Gluon ships with triton >= 3.5
@@ -39,10 +36,10 @@ _DESCRIPTORS: dict = {}
 
 
 def descriptor_2d(x, rows: int, cols: int, row_stride: int, box):
-    """Host TMA descriptor over x seen as a (rows, cols) row-major matrix, box `box`; reads past
-    the bounds return zeros, writes past them are dropped. TensorDescriptor validates its fields
-    when built (~3 us each, 18 per fp8 call): one is built per (rows, cols, stride, box, dtype)
-    and later calls copy it with the new base, checking what depends on the base (alignment)."""
+    """Host TMA descriptor over x seen as a (rows, cols) row-major matrix, box `box`; reads past the
+    bounds return zeros, writes past them are dropped. Building one validates its fields (host time
+    at every call), so one is built per (rows, cols, stride, box, dtype) and later calls copy it
+    with the new base, checking what depends on the base (alignment)."""
     key = (rows, cols, row_stride, tuple(box), x.dtype)
     fields = _DESCRIPTORS.get(key)     # the template's fields without its tensor
     if fields is None:
@@ -65,9 +62,9 @@ if HAVE_GLUON:
     @builtin
     def tma_reduce_add(desc, coord, src, _semantic=None):
         """Asynchronous TMA reduce-add of the shared tile `src` into the global box of `desc` at
-        `coord` (cp.reduce.async.bulk.tensor ... add; fp32 adds in the L2, unordered between
-        CTAs). Call fence_async_shared() after writing src; completion is tracked like a TMA
-        store (tma.store_wait)."""
+        `coord` (cp.reduce.async.bulk.tensor ... add; fp32 adds in the L2, unordered between CTAs).
+        Call fence_async_shared() after writing src; completion is tracked like a TMA store
+        (tma.store_wait)."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord,
                                                   src.handle)

@@ -1,18 +1,15 @@
 """Make the Triton interpreter's float casts behave like the GPU's (the CPU path of the kernels).
 
 Under TRITON_INTERPRET=1 the interpreter converts floats with its own bit manipulation, which
-differs from the hardware on 1-6 % of values: fp32 -> fp8 loses the mantissa carry, rounds ties
-away from zero, truncates subnormals and does not saturate (537.6 -> 256), and fp32 -> bf16
-truncates instead of rounding to nearest even. The kernels rely on the hardware behaviour
+differs from the hardware on 1-6 % of values: fp32 -> fp8 loses the mantissa carry, rounds ties away
+from zero, truncates subnormals and does not saturate (537.6 -> 256), and fp32 -> bf16 truncates
+instead of rounding to nearest even. The kernels rely on the hardware behaviour
 (`cvt.rn.satfinite.e4m3x2.f32`, `cvt.rn.bf16.f32`), so `install()` routes every float <-> float
-conversion of the interpreter through torch, clamping to the format's finite range first for the
-FP8 formats (satfinite; NaN stays NaN). Kernel sources are unchanged: `x.to(tl.float8e4nv)` is
-the same line on the GPU and here.
-
-Also fixes tl.dot on bf16 operands (the interpreter multiplies their raw uint16 storage).
-
-Called by flamia.ops.numerics (which every kernel module imports) at import time, only when
-interpreting (TRITON_INTERPRET=1). Idempotent.
+conversion of the interpreter through torch, clamping to the format's finite range first for the FP8
+formats (satfinite; NaN stays NaN). Kernel sources are unchanged: `x.to(tl.float8e4nv)` is the same
+line on the GPU and here. Also fixes tl.dot on bf16 operands (the interpreter multiplies their raw
+uint16 storage). Called by flamia.ops.numerics (which every kernel module imports) at import time,
+only when interpreting (TRITON_INTERPRET=1). Idempotent.
 """
 from __future__ import annotations
 

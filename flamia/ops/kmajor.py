@@ -1,37 +1,36 @@
 """K-major (token-contiguous) copies of fp8 operands, for the Hopper wgmma B operand.
 
-Hopper's FP8 wgmma takes 8-bit operands only K-major, so every GEMM that reduces over tokens
-(PV in the forward; P^T dO, dS^T Q, dS K in the backward) reads a transposed copy xT8
-(heads, D, Tp) of the (T, heads, D) bytes the quantization produced: nothing is re-quantized.
+Hopper's FP8 wgmma takes 8-bit operands only K-major, so every GEMM that reduces over tokens (PV in
+the forward; P^T dO, dS^T Q, dS K in the backward) reads a transposed copy xT8 (heads, D, Tp) of the
+(T, heads, D) bytes the quantization produced: nothing is re-quantized.
 
 Column layout (`kmajor_layout`): document d occupies columns [pcu[d], pcu[d] + len_d) with
 pcu[d] = sum_{e<d} ceil16(len_e), so every document starts at a multiple of 16 and TMA (16-byte
-aligned coordinates along the contiguous axis) can read every tile whatever cu_seqlens is.
-Columns that hold no token are zero. A copy may hold the tokens of each 16-column group in
-another order (ORDER_*, below).
+aligned coordinates along the contiguous axis) can read every tile whatever cu_seqlens is. Columns
+that hold no token are zero. A copy may hold the tokens of each 16-column group in another order
+(ORDER_*, below).
 
-wgmma order. The FP8 wgmma A operand from registers (m64 k32) gives lane group c of a quad the
-keys 4c..4c+3 and 16+4c..16+4c+3 of each 32-key block; the fp32 accumulator that produced P
-gives it keys 2c, 2c+1 (+ 8, + 16, + 24). Read as an A operand as they are, P's registers hold
-in A position p (bits p3 p2 p1 p0) the key mma_order16(p) = (p1 p3 p2 p0): a permutation of
-bits 0-3, so within every 16-key group. Storing V^T with column p = that key makes the GEMM
-the same sum over keys, and the compiler's layout conversion of P an in-register byte shuffle
-instead of cross-lane shuffles (FlashAttention-3 reorders V for the same reason).
+wgmma order. The FP8 wgmma A operand from registers (m64 k32) gives lane group c of a quad the keys
+4c..4c+3 and 16+4c..16+4c+3 of each 32-key block; the fp32 accumulator that produced P gives it keys
+2c, 2c+1 (+ 8, + 16, + 24). Read as an A operand as they are, P's registers hold in A position p
+(bits p3 p2 p1 p0) the key mma_order16(p) = (p1 p3 p2 p0): a permutation of bits 0-3, so within
+every 16-key group. Storing V^T with column p = that key makes the GEMM the same sum over keys, and
+the compiler's layout conversion of P an in-register byte shuffle instead of cross-lane shuffles
+(FlashAttention-3 reorders V for the same reason).
 
 Pair order. An fp32 accumulator's thread holds rows l and l + 8 of each 16-row group; stored
 transposed to shared memory (K-major) as the A operand of the next GEMM (the backward's dS for
 dQ = dS K), they are two single-byte stores. With the rows in pair order (row 16a + 2l + h is
 row 16a + 8h + l) they are adjacent bytes, one 16-bit value, and the transposed store of 16-bit
-values is stmatrix's (backward_sm90._store_pairs_transposed). The GEMM's B operand (K^T) then
-holds its columns in the same order (`ORDER_PAIRS`).
+values is stmatrix's (backward_sm90._store_pairs_transposed). The GEMM's B operand (K^T) then holds
+its columns in the same order (`ORDER_PAIRS`).
 
 `copy_columns` works in the destination's frame: each program owns a block of output columns,
-gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole
-columns contiguously, pads included. The two alternatives are slow or wrong on the H200: torch's
-`index_copy_` / strided `copy_` along the transposed axis (2.0 ms per call for dO at 32k tokens,
-32 heads, 0.2 ms for V: byte-wise uncoalesced stores; benchmarks/NOTES.md) and a transposed
-store of freshly converted fp8 values inside the quantization kernels (Triton 3.6 miscompiles
-it on sm_90: 25 % of bytes wrong). Here the kernel only moves bytes (uint8) it loaded.
+gathers the D bytes of each column's token (a 128-byte row of the source) and stores whole columns
+contiguously, pads included, moving only bytes (uint8) it loaded. The alternatives are slow or
+wrong: torch's `index_copy_` / strided `copy_` along the transposed axis (byte-wise uncoalesced
+stores; benchmarks/NOTES.md) and a transposed store of freshly converted fp8 values inside the
+quantization kernels (Triton 3.6 miscompiles it on sm_90).
 """
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def padded_columns(T: int, n_docs: int) -> int:
 
 
 def kmajor_layout(cu: torch.Tensor, T: int):
-    """(pcu int32 (n_docs + 1,), tok_of_col int32 (Tp,), Tp) on the device, no host sync.
-
+    """(pcu int32 (n_docs + 1,), tok_of_col int32 (Tp,), Tp) on the device, no host sync;
     tok_of_col[c] is the packed token stored in column c, or -1 for a pad column."""
     n = cu.numel() - 1
     Tp = padded_columns(T, n)
@@ -77,8 +75,8 @@ def kmajor_layout(cu: torch.Tensor, T: int):
 
 def mma_order16_host(c):
     """The token held by column c of a wgmma-ordered copy: bits 0-3 of c = (p3 p2 p1 p0) ->
-    (p1 p3 p2 p0), bits 4 and up unchanged (module docstring). Plain operators, so the same
-    function serves torch tensors / ints here and Triton tensors as `mma_order16`."""
+    (p1 p3 p2 p0), bits 4 and up unchanged. Plain operators: torch tensors / ints here, Triton
+    tensors as `mma_order16`."""
     return (c & -16) | ((c >> 1) & 1) << 3 | ((c >> 3) & 1) << 2 | ((c >> 2) & 1) << 1 | (c & 1)
 
 
@@ -89,11 +87,10 @@ def pair_order16_host(c):
 
 
 def mma_key_order_host(x8):
-    """x8 (rows, k) with its columns put in wgmma A order: column p of the result is column
-    mma_order16(p) of x8. A reshape / permute of the 4 low column bits, which keeps every value
-    in the thread holding it when x8 is an MMA accumulator's (fp8) image, so converting the
-    result to the A operand layout moves no data. Tensor methods only, so the same function
-    serves torch tensors here and Triton / Gluon tensors as `mma_key_order(_gluon)`."""
+    """x8 (rows, k) with its columns in wgmma A order (column p = x8's column mma_order16(p)): a
+    reshape / permute of the 4 low column bits, which keeps every value in its thread when x8 is an
+    MMA accumulator's (fp8) image, so converting to the A operand layout moves no data. Tensor
+    methods only: torch tensors here, Triton / Gluon tensors as `mma_key_order(_gluon)`."""
     return x8.reshape([x8.shape[0], x8.shape[1] // 16, 2, 2, 2, 2]) \
              .permute((0, 1, 3, 4, 2, 5)).reshape([x8.shape[0], x8.shape[1]])
 
@@ -131,12 +128,11 @@ def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, c0, D: tl.constexpr,
 
 
 def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -> None:
-    """The argument rules of every launch built on copy_columns: dst[h, :, c] = src[tok_of_col[c],
-    h, :] (zeros where tok_of_col[c] < 0) for src (T, heads, D) with unit-stride heads and dims,
-    dst (heads, D, Tp) contiguous, both moved as bytes; order (ORDER_*, a bool: ORDER_MMA_A or
-    ORDER_TOKEN): column c holds what column mma_order16(c) / pair_order16(c) would (Tp a
-    multiple of 16; the padded layout's documents start at multiples of 16, so every 16-column
-    group stays in its document)."""
+    """The argument rules of the launches built on copy_columns (dst[h, :, c] = src[tok_of_col[c],
+    h, :], zeros where tok_of_col[c] < 0): src (T, heads, D) with unit-stride heads and dims and dst
+    (heads, D, Tp) contiguous, both 1-byte; order (ORDER_*, or a bool for ORDER_MMA_A /
+    ORDER_TOKEN): column c holds what column mma_order16(c) / pair_order16(c) would, Tp a multiple
+    of 16 (the padded layout keeps every 16-column group inside its document)."""
     T, H, D = src.shape
     Hd, Dd, Tp = dst.shape
     if (Hd, Dd) != (H, D) or src.element_size() != 1 or dst.element_size() != 1:

@@ -10,11 +10,8 @@ KV_BLOCK = 128          # tokens per K/V scale block (flamia.reference.KV_BLOCK)
 
 @dataclass
 class QuantizedQKV:
-    """Q, K, V quantized once for every GEMM of forward and backward.
-
-    For the bf16 recipe the tensors are bf16 and every scale is None; fp8 (token-block
-    scaling, reference.py "Token-block scaling") fills the fields below.
-    """
+    """Q, K, V quantized once for every GEMM of forward and backward: bf16 tensors and no scales for
+    the bf16 recipe; fp8 (reference.py "Token-block scaling") fills the fields below."""
     recipe: str
     q8: torch.Tensor              # (T, Hq, D)  rotated (fp8) q / sq
     k8: torch.Tensor              # (T, Hkv, D)
@@ -25,10 +22,7 @@ class QuantizedQKV:
     vcap: torch.Tensor | None     # (Hkv, T) the visible max of the V scales a row's pairs use
                                   #   (reference._visible_max)
     rotated: bool                 # q8/k8 live in the Hadamard-rotated space
-    vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8), in
-                                      #   kmajor's padded column layout (kv_pcu); in each
-    # 16-column group, column c holds token mma_order16(c) of the group (flamia.ops.kmajor), the
-    # key order in which the forward's P registers already are an FP8 wgmma A operand
+    vt8: torch.Tensor | None = None   # (Hkv, D, Tp) K-major V copy for the PV GEMM (fp8)
     # fp8: k8 / v8 / sk / sv are the block copies (one scale per document-local 128-token block
     # and head, sk / sv broadcast to the block's tokens); the fields below are None for bf16.
     k8_diag: torch.Tensor | None = None   # (T, Hkv, D) per-token copies for the diagonal pairs
@@ -37,10 +31,9 @@ class QuantizedQKV:
     sv_diag: torch.Tensor | None = None
     vnorm: torch.Tensor | None = None     # (Hkv, T) visible max of the 2-norms of V's
                                           #   dequantized copies (the backward's bound)
-    # The forward's column layout of the K-major copies: document d occupies columns
-    # [kv_pcu[d], kv_pcu[d] + len_d) of vt8 / vt8_diag / scale_cols (flamia.ops.kmajor's padded
-    # layout: every document starts at a multiple of 16, so tiles at document-local multiples of
-    # 16 are TMA-legal); the key order applies within its 16-column groups.
+    # vt8 / vt8_diag / scale_cols columns: flamia.ops.kmajor's padded layout (document d from column
+    # kv_pcu[d], a multiple of 16, so tiles at document-local multiples of 16 are TMA-legal) and, in
+    # vt8 / vt8_diag, its wgmma key order within each 16-column group.
     kv_pcu: torch.Tensor | None = None    # (n_docs + 1,) int32
     vt8_diag: torch.Tensor | None = None  # (Hkv, D, Tp) K-major copy of v8_diag (causal only)
     # (n, Hkv, Tp) fp32: sk, sv (n = 2), then sk_diag, sv_diag (causal: n = 4), in the padded

@@ -1,8 +1,7 @@
 """Exact power-of-two scale arithmetic, the +-1 Hadamard matrix and its in-register transform
-(fwht), log2 e, shared by the quantize pass and the forward and backward kernels (one definition
-each; this module imports only flamia.ops' package and its interpreter shim, so every kernel
-module can use it without an import cycle). Importing it under the Triton interpreter installs
-flamia.ops.interpreter."""
+(fwht), log2 e, shared by the quantize pass and the kernels (one definition each; importing only
+flamia.ops' package and its interpreter shim, so no import cycle). Importing it under the Triton
+interpreter installs flamia.ops.interpreter."""
 from __future__ import annotations
 
 import math
@@ -23,12 +22,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def pow2_scale_bits(amax, bad):
-    """(scale, 1/scale) with scale = 2^ceil(log2(amax / 448)), exponent clamped to [-126, 127].
-
-    Integer arithmetic on the quotient's bits gives the exact ceil(log2) that the reference's
-    torch.log2/ceil computes (quant.pow2_scale). amax == 0 -> (0, 0); non-finite rows (bad) ->
-    (NaN, 0).
-    """
+    """(scale, 1/scale) with scale = 2^ceil(log2(amax / 448)), exponent clamped to [-126, 127], by
+    integer arithmetic on the quotient's bits (the exact ceil(log2) of quant.pow2_scale's
+    torch.log2/ceil); amax == 0 -> (0, 0), non-finite rows (bad) -> (NaN, 0)."""
     ratio = tl.math.div_rn(amax, 448.0)
     bits = ratio.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)

@@ -1,29 +1,25 @@
 """Quantize q, k, v once for every GEMM of forward and backward: the fp8 recipe's token-block
-scaling (reference.py "Token-block scaling"; ops/__init__.py and layout.QuantizedQKV have the
-layout).
+scaling (reference.py "Token-block scaling"; layout.QuantizedQKV has the layout).
 
-Three launches. The first (_quantize_q_kernel) quantizes q per (token, head):
+Three launches. _quantize_q_kernel quantizes q per (token, head):
   q8 = e4m3(rotate(q) / s),  s = 2^ceil(log2(amax / 448))  (0 if amax == 0).
-The second (_quantize_kv_kernel) takes each document-local 128-token K or V block of one head
-(the blocks of build_schedule's non-causal 128-row list) as one tile: from the same registers
-it writes the per-token copies (causal only: the diagonal pairs' bytes and scales, computed as
-q's) and the V token norms, then the block copy with the block's scale (broadcast to its
-tokens) and the block copy's V norms. The block scale is pow2 of the block's amax over its
-tokens (one head), as reference.quantize_token_blocks. Two kernels, so that each runs at its own
-warps: q's 64-token programs at 4 warps (127 registers at D=128), the K / V blocks at 8 (128
-registers; 255 with spills at 4). The third (_kvblock_cols_kernel) writes the K-major V copies
-(block and, causal, token; Hopper's FP8 wgmma takes its B operand K-major only, and the
-forward's PV GEMM reduces over tokens) in kmajor's padded column layout, the scales in the
-same columns (scale_cols, for the Gluon forward's TMA) and, per K/V block, the visible maxima
-vcap and vnorm (reference._visible_max).
+_quantize_kv_kernel takes each document-local 128-token K or V block of one head (the blocks of
+build_schedule's non-causal 128-row list) as one tile: from the same registers it writes the
+per-token copies (causal only: the diagonal pairs' bytes and scales, computed as q's) and the V
+token norms, then the block copy with the block's scale (pow2 of the block's amax over its tokens,
+one head, as reference.quantize_token_blocks; broadcast to its tokens) and the block copy's V norms;
+a kernel of its own, so that it runs at its own warps (config.QuantizeConfig). _kvblock_cols_kernel
+writes the K-major V copies (block and, causal, token: the forward's PV GEMM reduces over tokens,
+flamia.ops.kmajor) in its padded column layout, the scales in the same columns (scale_cols, for the
+Gluon forward's TMA) and, per K/V block, the visible maxima vcap and vnorm (reference._visible_max).
 
-Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in
-its own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32
-summation order differs from the reference's fp32 `x @ H` (an fp32 ulp, which changes an e4m3
-value only when it sits on a rounding boundary: a few in a million). Scales are computed with
-integer exponent arithmetic on the IEEE quotient amax / 448, which is what quant.pow2_scale
-computes with log2/ceil. Non-finite tokens get scale NaN and values x * 0 (NaN where x is not
-finite), as the reference's safe_reciprocal gives.
+Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in its
+own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32 summation
+order differs from the reference's fp32 `x @ H` (an fp32 ulp, which changes an e4m3 value only when
+it sits on a rounding boundary: a few in a million). Scales are computed with integer exponent
+arithmetic on the IEEE quotient amax / 448, which is what quant.pow2_scale computes with log2/ceil.
+Non-finite tokens get scale NaN and values x * 0 (NaN where x is not finite), as the reference's
+safe_reciprocal gives.
 """
 from __future__ import annotations
 
@@ -101,8 +97,8 @@ def _quantize_block(X, stride_xt, YB, YT, SB, ST, NB, NT, HAD, rot_scale, lo, hi
                     D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
                     TOKEN_COPY: tl.constexpr, NORMS: tl.constexpr):
     """Tokens [lo, hi) of one head (one document-local block, hi - lo <= KVB) as one tile: the
-    per-token copy YT / ST (TOKEN_COPY; q's values) and, from the same registers, the block
-    copy YB / SB, and with NORMS the 2-norms over D of the dequantized copies (NT, NB). X, Y*
+    per-token copy YT / ST (TOKEN_COPY; q's values) and, from the same registers, the block copy
+    YB / SB, and with NORMS the 2-norms over D of the dequantized copies (NT, NB). X, Y*
     ((T, HKV, D)), S*, N* ((T,) rows) point at the head's first token."""
     offs_d = tl.arange(0, D)
     offs_t = lo + tl.arange(0, KVB)
@@ -133,9 +129,8 @@ def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, IT
                         stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
                         D: tl.constexpr, KVB: tl.constexpr, ROTATE: tl.constexpr,
                         CAUSAL: tl.constexpr):
-    """Axis 0: k heads, then v heads; axis 1: the document-local KVB-token blocks of the work
-    list ITEMS (_quantize_block). NORMS (2, HKV, T): the block copy's and the token copy's V
-    norms."""
+    """Axis 0: k heads, then v heads; axis 1: the document-local KVB-token blocks of the work list
+    ITEMS (_quantize_block). NORMS (2, HKV, T): the block copy's and token copy's V norms."""
     row = tl.program_id(0)
     j = tl.program_id(1)
     doc = tl.load(ITEMS + j)
@@ -171,10 +166,10 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
 def _visible_max_block(OFF, DIAG, OUT, start, lo, hi, end, CAUSAL: tl.constexpr,
                        KVB: tl.constexpr, CHUNK: tl.constexpr):
     """reference._visible_max on the rows [lo, hi) of one KVB-token block of the document
-    [start, end) of (T,) rows: causal, per row the max of OFF over the document's tokens before
-    the block and of DIAG over the block up to the row; otherwise the document's max of OFF.
-    The blocks of a document are independent programs: the carry is a max over the tokens
-    before the block in CHUNK-wide loads, not a scan through the document."""
+    [start, end) of (T,) rows: causal, per row the max of OFF over the document's tokens before the
+    block and of DIAG over the block up to the row; otherwise the document's max of OFF. The blocks
+    of a document are independent programs: the carry is a max over the tokens before the block in
+    CHUNK-wide loads, not a scan through the document."""
     carry = tl.max(tl.zeros([CHUNK], tl.float32), axis=0)        # the quantities are >= 0
     lim = lo if CAUSAL else end
     for t0 in range(start, lim, CHUNK):
@@ -213,10 +208,10 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr,
                          CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
-    """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V
-    into its K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
-    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of
-    the K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
+    """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V into its
+    K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
+    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of the
+    K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
     i = tl.program_id(0)
     j = tl.program_id(1)
     if j < HKV:
@@ -249,17 +244,11 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
                  poison: bool = False) -> QuantizedQKV:
     """Quantize packed q (T, Hq, D), k, v (T, Hkv, D) as `recipe` says -> QuantizedQKV.
 
-    fp8 (token-block scaling, module docstring): q rotated, per-(token, head) e4m3 values and
-    fp32 power-of-two scales; k8 / v8 / sk / sv the block copies (a scale per document-local
-    128-token block and head, broadcast to its tokens); causal, the per-token copies k8_diag /
-    v8_diag / sk_diag / sv_diag; vcap and vnorm the visible maxima (reference._visible_max);
-    vt8 (and vt8_diag) in kmajor's padded column layout (kv_pcu), scale_cols the scales in
-    those columns. vt8's columns are in wgmma key order within 16-token groups
-    (flamia.ops.kmajor), which both forward kernels read. bf16: the inputs themselves (bf16;
-    fp16 inputs are rounded to bf16 as the reference does), no scales. launch: tokens per q
-    program and warps (QuantizeConfig() by default; the values do not depend on it).
-    poison=True fills outputs with NaN first (tests: every element written).
-    """
+    fp8 (token-block scaling, module docstring): the fields of layout.QuantizedQKV, vt8 and vt8_diag
+    in wgmma key order (flamia.ops.kmajor), which both forward kernels read. bf16: the inputs
+    themselves (fp16 rounded to bf16 as the reference does), no scales. launch: tokens per q program
+    and warps (QuantizeConfig() by default; the values do not depend on it). poison=True fills
+    outputs with NaN first (tests: every element written)."""
     rec: Recipe = get_recipe(recipe)
     if rec.name == "bf16":
         q8, k8, v8 = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in (q, k, v))

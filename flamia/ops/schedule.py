@@ -1,15 +1,15 @@
 """Work lists for packed documents: which (document, query block) each program runs, heaviest first.
 
-A kernel over packed documents launches one program per (work item, query head). A work item is
-one query block of BLOCK_M rows inside one document, so no program straddles a document and the
-kernel reads its document, block, first token and length directly (no per-tile search, and no
-dependent cu_seqlens load before its first tile). Items are sorted by cost --
-the number of KV tiles the block visits (causal: up to its diagonal) -- longest first, so the
-long diagonal-heavy blocks of long documents start first and short ones fill the tail (LPT).
+A kernel over packed documents launches one program per (work item, query head). A work item is one
+query block of BLOCK_M rows inside one document, so no program straddles a document and the kernel
+reads its document, block, first token and length directly (no per-tile search, and no dependent
+cu_seqlens load before its first tile). Items are sorted by cost -- the number of KV tiles the block
+visits (causal: up to its diagonal) -- longest first, so the long diagonal-heavy blocks of long
+documents start first and short ones fill the tail (LPT).
 
-Built on the device with a handful of torch ops and no host sync: the item count is bounded on
-the host by T // BLOCK_M + n_docs (sum_d ceil(L_d / BLOCK_M) never exceeds it), and the unused
-tail of the list holds doc = -1 items that exit at once. `max_seqlen` is not needed.
+Built on the device with a handful of torch ops and no host sync: the item count is bounded on the
+host by T // BLOCK_M + n_docs (sum_d ceil(L_d / BLOCK_M) never exceeds it), and the unused tail of
+the list holds doc = -1 items that exit at once. `max_seqlen` is not needed.
 """
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ _MEMO_ATTR = "_flamia_memo"
 def per_cu_seqlens(cu_seqlens: torch.Tensor, key, build):
     """build(), memoized on the cu_seqlens tensor itself: one model step calls every attention
     layer, forward and backward, with the same cu_seqlens, and the metadata built from it (work
-    list, K-major column layout) costs a dozen small torch ops of host time (~0.8 ms for the
-    work list on the H200 machine's CPU), more than the kernels of a short-document layer.
-
-    The memo lives and dies with the tensor, and is dropped when the tensor's version counter
-    moves (any in-place change through autograd-visible ops). Bytes changed behind PyTorch's
-    back (`.data`, numpy views, CUDA kernels of other libraries) are not seen: a caller that
-    changes cu_seqlens that way passes a new tensor. Results must be treated as read-only."""
+    list, K-major column layout) costs a dozen small torch ops of host time, more than the kernels
+    of a short-document layer. The memo lives and dies with the tensor, and is dropped when the
+    tensor's version counter moves (any in-place change through autograd-visible ops). Bytes changed
+    behind PyTorch's back (`.data`, numpy views, CUDA kernels of other libraries) are not seen: a
+    caller that changes cu_seqlens that way passes a new tensor. Results are read-only."""
     version = cu_seqlens._version
     memo = getattr(cu_seqlens, _MEMO_ATTR, None)
     if memo is None or memo[0] != version:
@@ -102,10 +100,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w):
-        """(doc, head, kv head, first token, length, query block) of work index w = item * HQ +
-        head of a persistent kernel, straight from the work list (no dependent cu_seqlens load);
-        doc < 0 for a padding item or w >= W. The loads are independent: issued one item ahead,
-        they arrive while the current item computes."""
+        """(doc, head, kv head, first token, length, query block) of work index
+        w = item * HQ + head, straight from the work list (no dependent cu_seqlens load); doc < 0:
+        padding or w >= W."""
         ok = w < W
         head = w % HQ
         item = w // HQ

@@ -106,20 +106,26 @@ Q_ROW_WARPS = 4
 
 
 @triton.jit
-def _quantize_q_rows_kernel(Q, Q8, SQ, HAD, R, T, HQ, rot_scale, D: tl.constexpr,
-                            BLOCK_R: tl.constexpr, ROTATE: tl.constexpr):
-    """BLOCK_R consecutive rows of contiguous q seen as (T * HQ, D) (token-major, heads
-    fastest): rotate, scale per row, cast, store. The +-1 matrix is loaded once per BLOCK_R
-    rows of any heads, and the program reads one contiguous span."""
+def _quantize_q_rows_kernel(Q, Q8, SQ, HAD, stride_qt, stride_qh, R, T, HQ, rot_scale,
+                            D: tl.constexpr, BLOCK_R: tl.constexpr, ROTATE: tl.constexpr):
+    """BLOCK_R consecutive (token, head) rows r = t HQ + h of q (heads fastest, q8's order):
+    rotate, scale per row, cast, store. The +-1 matrix is loaded once per BLOCK_R rows."""
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, D)
     rmask = offs_r < R
+    t = offs_r // HQ
+    h = offs_r % HQ
     had = _load_had(HAD, rot_scale, D, ROTATE)
-    xf = _load_rows_f32(Q, D, offs_r, rmask, had, rot_scale, D, ROTATE)
+    x = tl.load(Q + (t * stride_qt + h * stride_qh)[:, None] + offs_d[None, :],
+                mask=rmask[:, None], other=0.0)
+    if ROTATE:
+        xf = tl.dot(x, had) * rot_scale
+    else:
+        xf = x.to(tl.float32)
     scale, inv, _, _ = _row_scales(xf)
     y = (xf * inv[:, None]).to(tl.float8e4nv)    # RNE, satfinite on sm_90
     tl.store(Q8 + offs_r[:, None] * D + offs_d[None, :], y, mask=rmask[:, None])
-    tl.store(SQ + (offs_r % HQ) * T + offs_r // HQ, scale, mask=rmask)
+    tl.store(SQ + h * T + t, scale, mask=rmask)
 
 
 @triton.jit
@@ -327,10 +333,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
     rot_scale = 1.0 / math.sqrt(D)
-    qc = q if q.is_contiguous() else q.contiguous()
     _quantize_q_rows_kernel[(triton.cdiv(T * Hq, Q_ROWS),)](
-        qc, q8, sq, had, T * Hq, T, Hq, rot_scale, D=D, BLOCK_R=Q_ROWS, ROTATE=rotate,
-        num_warps=Q_ROW_WARPS)
+        q, q8, sq, had, q.stride(0), q.stride(1), T * Hq, T, Hq, rot_scale, D=D, BLOCK_R=Q_ROWS,
+        ROTATE=rotate, num_warps=Q_ROW_WARPS)
     _quantize_kv_kernel[(2 * Hkv, n_items)](
         k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,

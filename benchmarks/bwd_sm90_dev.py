@@ -199,7 +199,14 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
                 row[f"fp8 m{cfg.block_m}n128"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkv8, cu, causal, scale, config=cfg))
+            want = B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkv8, cu, causal, scale,
+                                                 deterministic=True)
             for name, mod in AB_BASE.items():
+                # deterministic mode: a copy that reorders no add gives the same bits
+                got = mod.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkv8, cu, causal, scale,
+                                                      deterministic=True)
+                print(f"{w['name']} {name} fp8 deterministic grads bitwise the library's:",
+                      [bool(torch.equal(a, b)) for a, b in zip(got, want)], flush=True)
                 row[f"{name} fp8"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
                     do, o, lse_b, lse_b, qkv8, cu, causal, scale))
             if args_det:

@@ -134,7 +134,6 @@ class Sm90BwdConfig:
     fp8_post_warps: int = 4
 
 
-
 def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
     """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
     next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps."""

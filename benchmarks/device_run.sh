@@ -83,7 +83,7 @@ patched_tree() {  # NAME: /tmp/patched/NAME, the tree with benchmarks/patches/NA
   local d=/tmp/patched/$1 p=$PWD/benchmarks/patches/$1.patch
   if [ ! -f "$d/.applied" ]; then
     rm -rf "$d" && mkdir -p "$d" || return 1
-    tar cf - --exclude=benchmarks/results flamia tests benchmarks pyproject.toml | tar xf - -C "$d"
+    tar cf - --exclude=benchmarks/results flamia tests benchmarks pyproject.toml README.md | tar xf - -C "$d"
     (cd "$d" && { git apply "$p" 2>/dev/null || patch -s -p1 <"$p"; }) || return 1
     touch "$d/.applied"
   fi

@@ -1,6 +1,6 @@
 """The fp8 backward's preprocess on the CPU (Triton interpreter): everything before the
 Gluon kernel (backward_sm90.fp8_prepare: dO per 64-row block, the per-row vectors and bounds,
-the K-major copies, the CTA scales) against flamia.reference.backward_scales and torch, on
+the K-major copies, the bounds of the CTA scales) against flamia.reference.backward_scales and torch, on
 operands built from the reference forward. The kernel itself runs on the H200
 (tests/gpu/test_backward_sm90_fp8_gpu.py)."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from flamia import reference as R  # noqa: E402
+from flamia.quant import E4M3_MAX, pow2_scale  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import interpreting  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
@@ -62,14 +63,21 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
     assert torch.isinf(Bv[~live]).all() and (Bv[~live] > 0).all()
     assert torch.equal(Hv, torch.where(live, sc.sqf, 0 * one))
     torch.testing.assert_close(E, torch.where(live, sc.delta * sc.sqf / torch.where(live, sc.sdo, one), 0 * one))
-    # the CTA scales, per work-list column, against the reference's per (KV head, block)
+    # the 64-row block bounds the kernel takes its CTA scales from: per work-list column, the
+    # scales of their max over the blocks the CTA sees (the kernel's _cta_scales, mirrored in
+    # torch) against the reference's per (KV head, block); the kernel's own reduction is checked
+    # on the GPU (tests/gpu/test_backward_sm90_fp8_gpu.py)
     base = torch.tensor([0] + [-(-n // 128) for n in LENGTHS]).cumsum(0).tolist()
     items = prep.kb.items
+    group = Hq // Hkv
     for c in range(items.shape[1]):
-        d, blk, kvh = int(items[0, c]), int(items[1, c]), int(items[5, c])
+        d, blk, L, pq, kvh = (int(items[r, c]) for r in (0, 1, 3, 4, 5))
         if d >= 0:
-            assert prep.cpt[c].item() == sc.pt[kvh, base[d] + blk].item(), (c, d, blk, kvh)
-            assert prep.cds[c].item() == sc.ds[kvh, base[d] + blk].item(), (c, d, blk, kvh)
+            b0, b1 = (pq + blk * 128 if causal else pq) // 64, -(-(pq + L) // 64)
+            for bound, want in ((prep.bpt, sc.pt), (prep.bds, sc.ds)):
+                m = bound[kvh * group:(kvh + 1) * group, b0:b1].amax()
+                assert pow2_scale(m, E4M3_MAX).item() == want[kvh, base[d] + blk].item(), \
+                    (c, d, blk, kvh)
     # the K-major copies: column c of the padded layout holds the token of row c (wgmma order
     # within 16 for dO^T and Q^T, pair order for K^T), zeros on pad columns
     cols = torch.arange(prep.kb.q_rows)

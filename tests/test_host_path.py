@@ -12,7 +12,7 @@ SCRIPT = ("import runpy, sys; sys.argv[0] = 'host_cpu.py'; "
           "runpy.run_path('benchmarks/host_cpu.py', run_name='__main__')")
 
 QUANTIZE = ["_quantize_q_kernel", "_quantize_kv_kernel", "_kvblock_cols_kernel"]
-FP8_BACKWARD = ["_bwd_preprocess_fp8", "_bwd_cta_scales", "_attn_bwd_sm90_fp8_kernel",
+FP8_BACKWARD = ["_bwd_preprocess_fp8", "_attn_bwd_sm90_fp8_kernel",
                 "_bwd_postprocess_fp8"]
 EXPECTED = {
     "fp8 D=128": (QUANTIZE + ["_attn_fwd_gluon_persistent_kernel"], [], FP8_BACKWARD, []),

@@ -1,7 +1,8 @@
-# A/B variant of flamia/ops/backward_sm90.py (benchmarks/bwd_sm90_dev.py --time --fp8 --ab this file):
-# the fp8 kernel issues the next step's S^T (bwd_next_st) or S^T and dP^T (bwd_next_st_dpt)
-# behind the step's dK GEMM and retires them with it, so a step starts with them done. Builds
-# clean for sm_90a (bwd_next_st_dpt: 12 B of spills at D=64).
+# A/B variant of flamia/ops/backward_sm90.py before the CTA scales moved into the kernel
+# (benchmarks/bwd_sm90_dev.py --time --fp8 --ab this file; branch exp/bwd-next-st): the fp8
+# kernel issues the next step's S^T and dP^T behind the step's dK GEMM and retires them with it;
+# the last step recomputes its own. Mixed on the H100 (benchmarks/NOTES.md, third 2026-12-05
+# session): -2 to -3.5 % at D=128 long and medium documents, +1.7 % at doc512_x64, worse at D=64.
 """Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ by TMA reduce-add.
 
 One CTA owns one key block (BN keys of one document) of one KV head and walks every query block that

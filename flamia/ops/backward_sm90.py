@@ -467,6 +467,7 @@ FP8_PAD = 128           # padded layout of the fp8 path: documents start at mult
 DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
 N_VEC = 4               # per-row vectors A, B, Hv, E
 N_VEC_C = tl.constexpr(N_VEC)
+DO_BLOCK_C = tl.constexpr(DO_BLOCK)
 
 
 @triton.jit
@@ -534,37 +535,6 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, D
         copy_columns(K8B, KT8, PTOK, QR, stride_kt, h // GROUP, blk * BT, D, BT, 2)  # PAIRS
 
 
-@triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
-def _bwd_cta_scales(ITEMS, N_ITEMS, BPT, BDS, CPT, CDS, NB, GROUP, BN: tl.constexpr,
-                    BT: tl.constexpr, CAUSAL: tl.constexpr, CHUNK: tl.constexpr):
-    """c_pt, c_ds of one CTA (work-list column): power-of-two scales of the max of the row bounds
-    over the rows it sees (rows >= its first key when causal, the document otherwise; every query
-    head of its GQA group; reference.cta_scales)."""
-    item = tl.program_id(0)
-    doc = tl.load(ITEMS + item)
-    if doc >= 0:
-        blk = tl.load(ITEMS + N_ITEMS + item)
-        L = tl.load(ITEMS + 3 * N_ITEMS + item)
-        pq = tl.load(ITEMS + 4 * N_ITEMS + item)
-        kvh = tl.load(ITEMS + 5 * N_ITEMS + item)
-        first = pq + blk * BN if CAUSAL else pq
-        b0 = first // BT
-        b1 = (pq + L + BT - 1) // BT
-        m_pt = tl.zeros([CHUNK], tl.float32)
-        m_ds = tl.zeros([CHUNK], tl.float32)
-        for g in range(GROUP):
-            base = (kvh * GROUP + g).to(tl.int64) * NB
-            for c in range(b0, b1, CHUNK):
-                idx = c + tl.arange(0, CHUNK)
-                mk = idx < b1
-                m_pt = tl.maximum(m_pt, tl.load(BPT + base + idx, mask=mk, other=0.0))
-                m_ds = tl.maximum(m_ds, tl.load(BDS + base + idx, mask=mk, other=0.0))
-        c_pt, _ = _pow2_bound(tl.max(m_pt, 0))
-        c_ds, _ = _pow2_bound(tl.max(m_ds, 0))
-        tl.store(CPT + item, c_pt)
-        tl.store(CDS + item, c_ds)
-
-
 @triton.jit
 def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
     """x (M, D) fp32 @ H / sqrt(D), H the +-1 Sylvester matrix: fp32 butterflies in registers
@@ -594,6 +564,35 @@ def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _pow2_bounds(amax):
+        """_pow2_bound elementwise in Gluon (numerics.pow2_scale_bits' exponent arithmetic):
+        2^ceil(log2(amax / 448)), exponent clamped to [-126, 127]; 0 -> 0, NaN -> NaN."""
+        bits = gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+        e = gl.minimum(gl.maximum(e, -126), 127)
+        scale = gl.where(amax == 0.0, 0.0, ((e + 127) << 23).to(gl.float32, bitcast=True))
+        return gl.where(amax != amax, float("nan"), scale)
+
+    @gluon.jit
+    def _cta_scales(BPT, BDS, NB, kvh, GROUP, b0, b1, num_warps: gl.constexpr):
+        """(c_pt, c_ds) of a CTA (reference.cta_scales): the power-of-two scales of the max of the
+        preprocess's 64-row block bounds BPT / BDS (Hq, NB) over blocks [b0, b1) of every query
+        head of KV head kvh's group. pow2 is monotone and max ignores NaN, so the max of the
+        blocks' scales is the scale of their max (0 for no block)."""
+        CH: gl.constexpr = 4 * 32 * num_warps
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+        m_pt = gl.zeros([CH], gl.float32, lay)
+        m_ds = gl.zeros([CH], gl.float32, lay)
+        for g in range(GROUP):
+            base = (kvh * GROUP + g).to(gl.int64) * NB
+            for c in range(b0, b1, CH):
+                idx = c + gl.arange(0, CH, layout=lay)
+                mk = idx < b1
+                m_pt = gl.maximum(m_pt, gl.load(BPT + base + idx, mask=mk, other=0.0))
+                m_ds = gl.maximum(m_ds, gl.load(BDS + base + idx, mask=mk, other=0.0))
+        return gl.max(_pow2_bounds(m_pt), axis=0), gl.max(_pow2_bounds(m_ds), axis=0)
 
     @gluon.jit
     def _rotate_back_rows(x, spare, num_warps: gl.constexpr):
@@ -694,9 +693,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
-                     dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV, SKD, SVD,
-                     DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
+                     SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     ROTATE: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -718,9 +717,13 @@ if HAVE_GLUON:
         if doc >= 0:
             k0 = blk * BN
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
-            # CTA scalars
-            c_pt = gl.load(CPT + item)
-            c_ds = gl.load(CDS + item)
+            # CTA scalars over the rows the CTA sees (from its first key on when causal), also
+            # written to CTA (2, N_ITEMS) for the tests
+            first = pq + k0 if CAUSAL else pq
+            c_pt, c_ds = _cta_scales(BPT, BDS, NB, kvh, GROUP, first // DO_BLOCK_C,
+                                     (pq + L + DO_BLOCK_C - 1) // DO_BLOCK_C, num_warps)
+            gl.store(CTA + item, c_pt)
+            gl.store(CTA + N_ITEMS + item, c_ds)
             kv_row = kvh.to(gl.int64) * T + start + k0
             skb = gl.load(SK + kv_row)
             svb = gl.load(SV + kv_row)
@@ -823,11 +826,11 @@ if HAVE_GLUON:
             gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=keep)
 
     # values that follow cu_seqlens are not specialized on: one build for every split
-    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "T"])
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "NB", "T"])
     def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
                                   vd_desc, kt_desc, vec_desc, dq_desc, DK, DV, SEM,
-                                  ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, CPT, CDS, SK, SV, SKD, SVD,
-                                  T, stride_kt, sm_scale,
+                                  ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, BPT, BDS, NB, CTA, SK, SV,
+                                  SKD, SVD, T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                   ROTATE: gl.constexpr,
@@ -853,8 +856,8 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
-                            q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, CPT, CDS, SK, SV,
-                            SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
+                            q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                            SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
                             num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
@@ -925,8 +928,9 @@ class Fp8Prep:
     ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
     do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
     vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E per padded row
-    cpt: torch.Tensor       # (n_items,) the CTA scales c_pt, c_ds per work-list column
-    cds: torch.Tensor
+    bpt: torch.Tensor       # (Hq, QR / 64) per 64-row block the max of the row bounds of P^T
+    bds: torch.Tensor       # and of dS, of which the kernel takes its CTA scales
+    cta: torch.Tensor       # (2, n_items) c_pt, c_ds per work-list column, written by the kernel
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
@@ -935,7 +939,8 @@ class Fp8Prep:
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
                 cfg: Sm90BwdConfig) -> Fp8Prep:
-    """Preprocess (dO quantized, delta, per-row vectors and bounds, K-major copies), CTA scales."""
+    """The preprocess: dO quantized, delta, per-row vectors, the 64-row blocks' bounds (the kernel
+    takes its CTA scales from them), the K-major copies."""
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     BM, BN = cfg.block_m, SM90_BLOCK_N
@@ -964,11 +969,8 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
         bds, dq_acc, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
         BT=DO_BLOCK, num_warps=cfg.fp8_pre_warps)
-    cpt = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
-    cds = torch.empty((kb.n_items,), dtype=torch.float32, device=dev)
-    _bwd_cta_scales[(kb.n_items,)](kb.items, kb.n_items, bpt, bds, cpt, cds, nb, group, BN=BN,
-                                   BT=DO_BLOCK, CAUSAL=bool(causal), CHUNK=256, num_warps=4)
-    return Fp8Prep(kb, ptok, do8, vec, cpt, cds, qt8, dot8, kt8, dq_acc)
+    cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc)
 
 
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
@@ -1006,9 +1008,9 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     )
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
-        Hq, QR // BM, prep.cpt, prep.cds, qkv.sk, qkv.sv, skd, svd, T, Hkv * D, scale, BM=BM,
-        BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal), ROTATE=bool(qkv.rotated),
-        LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
+        T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
+        ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), num_warps=8)
     fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
     return dq, dk, dv

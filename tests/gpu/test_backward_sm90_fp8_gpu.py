@@ -20,6 +20,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
+from flamia.ops import backward_sm90 as B  # noqa: E402
 from flamia.ops.backward_sm90 import attention_backward_sm90_fp8  # noqa: E402
 from tests._kvblock import qkv_from_saved, random_case  # noqa: E402
 
@@ -98,6 +99,35 @@ def test_accuracy(D, causal, heads):
                            seed=D + heads[0] + causal)
     print(f"D={D} causal={causal} heads={heads} (kernel, emulation) max errors:",
           [f"{a:.2e}/{b:.2e}" for a, b in errs])
+
+
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("D", (64, 128))
+def test_cta_scales(D, causal, monkeypatch):
+    """The CTA scales the kernel reduces from the preprocess's block bounds (written to
+    Fp8Prep.cta), per work-list column, equal the reference's (reference.cta_scales) exactly,
+    over documents of 0, 1, 2 and several 128-key blocks and a GQA group of 4."""
+    lengths = [700, 0, 1, 2, 513, 129, 64, 1300]
+    Hq, Hkv = 8, 2
+    q, k, v, do = _inputs(lengths, Hq, Hkv, D, seed=D + causal)
+    cu = cu_seqlens_from_lengths(lengths, device=DEV)
+    out, lse, saved = _forward(q, k, v, cu, causal)
+    preps = []
+    prepare = B.fp8_prepare
+    monkeypatch.setattr(B, "fp8_prepare", lambda *a, **kw: preps.append(prepare(*a, **kw))
+                        or preps[-1])
+    _kernel(do, out, lse, saved, cu, causal)
+    prep = preps[0]
+    doo = R.quantize_token_blocks(do.float(), "e4m3", cu, R.DO_BLOCK)
+    sc = R.backward_scales(doo, doo.dequant(), out.float(), lse, saved, cu, causal)
+    base = torch.tensor([0] + [-(-n // 128) for n in lengths]).cumsum(0).tolist()
+    items = prep.kb.items.cpu()
+    cols = [c for c in range(items.shape[1]) if items[0, c] >= 0]
+    blocks = [base[int(items[0, c])] + int(items[1, c]) for c in cols]
+    heads = [int(items[5, c]) for c in cols]
+    assert len(cols) == sc.pt.numel() > 0
+    for i, want in enumerate((sc.pt, sc.ds)):
+        assert torch.equal(prep.cta[i, cols].cpu(), want[heads, blocks].float().cpu())
 
 
 @pytest.mark.parametrize("D", (64, 128))

@@ -1,0 +1,1112 @@
+# A/B variant of flamia/ops/backward_sm90.py (benchmarks/bwd_sm90_dev.py --time --fp8 --ab this file;
+# branch exp/bwd-next-peeled, patches/bwd-next-peeled.patch): the fp8 step as a function; at D=128
+# the next step's S^T and dP^T are issued behind dK and the last step is peeled.
+"""Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ by TMA reduce-add.
+
+One CTA owns one key block (BN keys of one document) of one KV head and walks every query block that
+sees it, for every query head of the KV head's GQA group, in one loop; recipes bf16 (bf16 or fp16
+inputs as given) and fp8 (every GEMM in FP8: "The fp8 recipe" below). Per step (query block of BM
+rows, one query head), with S^T and dP^T in registers (keys are the rows):
+
+    S^T  = K Q^T            (wgmma, A = K from shared memory)
+    dP^T = V dO^T           (wgmma, A = V from shared memory)
+    P^T  = exp2(S^T * scale * log2 e - lse2)          lse2 = lse * log2 e, per query (column)
+    dS^T = P^T * (dP^T - delta)                       delta = rowsum(dO * O), per query
+    dV  += P^T dO           (wgmma, A = P^T from registers)
+    dK  += dS^T Q           (wgmma, A = dS^T from registers)
+    dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
+
+dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
+atomics); dQ of each step goes to shared memory, and a dedicated warp adds it into an fp32 buffer
+with a TMA reduce-add. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two
+MMA warpgroups in the default partition (keys 0-63 and 64-127 of the block, warps stacked along M of
+every key-major GEMM; dQ splits its columns between them), one TMA loader warp and the dQ reduce-add
+warp, both at a low register budget.
+
+Layouts. Tokens are packed (cu_seqlens); documents are never crossed: query blocks and key blocks
+are document-local. The fp32 dQ buffer and the per-query vectors lse2 / delta use a padded row
+layout in which every document starts at a multiple of BM (row = token - doc start + padded doc
+start), so a query block's reduce-add box never touches another document. K, Q, dO rows past the
+document end (loaded by TMA from the next document) are zeroed in shared memory before a GEMM
+reduces over them (0 * Inf would be NaN); V's and masked scores are discarded by selects. So every
+document's gradients depend on that document alone (P2), NaN/Inf included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
+                     Sm90BwdConfig, sm90_backward_config)
+from .gluon_common import HAVE_GLUON
+from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
+from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits, sylvester_parity_host
+from .schedule import per_cu_seqlens
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    from .gluon_common import (alloc_barriers, arrive_synced, descriptor_2d, invalidate_barriers,
+                               tma_reduce_add, wgmma_layout)
+    from .kmajor import mma_key_order_gluon
+    _sylvester_parity = gluon.jit(sylvester_parity_host)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work list: key blocks by document, heaviest first, and the padded query-row layout
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class KeyBlocks:
+    items: torch.Tensor     # (6, n_items) int32 rows, one column per CTA in launch order:
+                            # document (-1: no work), key block, first token, length, padded
+                            # first query row of the document, KV head
+    n_items: int            # host bound on the number of real items (key blocks x KV heads)
+    q_rows: int             # rows of the padded query layout (host bound, a multiple of BM)
+    prow: torch.Tensor      # (T,) int32: padded row of every token
+
+
+def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
+               n_kv_heads: int = 1, pad: int | None = None) -> KeyBlocks:
+    """The CTAs' work, one (key block, KV head) each, in launch order:
+
+    - heaviest first by cost class (floor(log2(query blocks seen)); all items under 8 query blocks
+      form one class): every KV head's long items start early, none ends the launch alone;
+    - within a class by KV head, document (heaviest first), key block (heaviest first, ties in
+      packed order): CTAs resident at one time share one KV head and a few documents, whose Q, dO
+      and dQ rows stay in L2; a short document's key blocks stay together (benchmarks/NOTES.md);
+    - padding items (doc -1) last.
+    Within one (document, KV head), a lower key block never comes later (deterministic mode's dQ
+    adds wait on them). In the padded row layout every document starts at a multiple of `pad`
+    (default BM; a multiple of BM). Built on the device with no host sync; item count and padded
+    rows bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs;
+    sum_d ceil(L_d / pad) pad <= T + n_docs (pad - 1))."""
+    pad = pad or BM
+    dev = cu_seqlens.device
+    n_docs = cu_seqlens.numel() - 1
+    n = max(T // BN + n_docs, 1)
+    N = n * n_kv_heads
+    q_rows = max(-(-(T + n_docs * (pad - 1)) // pad) * pad, pad)
+    if n_docs <= 0 or T == 0:
+        return KeyBlocks(torch.full((6, N), -1, dtype=torch.int32, device=dev), N, q_rows,
+                         torch.zeros((T,), dtype=torch.int32, device=dev))
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    nq = (lengths + BM - 1) // BM
+    npad = (lengths + pad - 1) // pad * pad
+    pq = torch.cumsum(npad, 0) - npad                # padded first row of each document
+    nk = (lengths + BN - 1) // BN
+    ends = torch.cumsum(nk, 0)
+    idx = torch.arange(n, device=dev, dtype=torch.int64)
+    doc = torch.searchsorted(ends, idx, right=True)
+    valid = doc < n_docs
+    d = doc.clamp(max=n_docs - 1)
+    blk = idx - (ends[d] - nk[d])
+    cost = nq[d] - (blk * BN) // BM if causal else nq[d]
+    cost = torch.where(valid, cost, torch.full_like(cost, 0))
+    cls = torch.where(valid, torch.floor(torch.log2(cost.clamp(min=8).double())).long(),
+                      torch.full_like(cost, -1))
+    doc_order = torch.argsort(nq, descending=True, stable=True)
+    rank = torch.empty_like(doc_order)
+    rank[doc_order] = torch.arange(n_docs, device=dev, dtype=torch.int64)
+    drank = rank[d]
+    # one column per (item, KV head); stable sorts, least significant key first
+    pair = torch.arange(N, device=dev, dtype=torch.int64)
+    it, kvh = pair % n, pair // n
+    order = torch.argsort(it, stable=True)
+    for key, desc in ((cost[it], True), (drank[it], False), (kvh, False), (cls[it], True)):
+        order = order[torch.argsort(key[order], descending=desc, stable=True)]
+    it, kvh = it[order], kvh[order]
+    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[it], blk[it],
+                         cu[:-1][d][it], lengths[d][it], pq[d][it], kvh])
+    tok = torch.arange(T, device=dev, dtype=torch.int64)
+    tdoc = torch.searchsorted(cu[1:], tok, right=True).clamp(max=n_docs - 1)
+    prow = tok - cu[:-1][tdoc] + pq[tdoc]
+    return KeyBlocks(items.to(torch.int32).contiguous(), N, q_rows, prow.to(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre- and postprocess (Triton)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, PROW, LSE2, DELTA, T, QR, stride_t, D: tl.constexpr,
+                    BT: tl.constexpr):
+    """delta = rowsum(dO * O) and lse2 = lse * log2 e of tokens [pid * BT, +BT) of one head,
+    written at their padded rows."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    offs = t[:, None].to(tl.int64) * stride_t + h * D + d[None, :]
+    o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lse = tl.load(LSE + h.to(tl.int64) * T + t, mask=ok, other=0.0)
+    pr = tl.load(PROW + t, mask=ok, other=0)
+    tl.store(LSE2 + h.to(tl.int64) * QR + pr, lse * 1.4426950408889634, mask=ok)
+    tl.store(DELTA + h.to(tl.int64) * QR + pr, delta, mask=ok)
+
+
+@triton.jit
+def _bwd_postprocess(DQA, PROW, DQ, T, scale, stride_t, D: tl.constexpr, BT: tl.constexpr):
+    """dq[t, h] = scale * dq_acc[padded row of t, h]."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+    acc = tl.load(DQA + pr[:, None] * stride_t + h * D + d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DQ + t[:, None].to(tl.int64) * stride_t + h * D + d[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon kernel
+# ---------------------------------------------------------------------------------------------
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _item(ITEMS, N_ITEMS):
+        """(doc, key block, first token, length, padded first query row, KV head) of this CTA
+        (column program_id of the work list); doc < 0: no work."""
+        item = gl.program_id(0)
+        doc = gl.load(ITEMS + item)
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(ITEMS + 2 * N_ITEMS + item)
+        L = gl.load(ITEMS + 3 * N_ITEMS + item)
+        pq = gl.load(ITEMS + 4 * N_ITEMS + item)
+        kvh = gl.load(ITEMS + 5 * N_ITEMS + item)
+        return doc, blk, start, L, pq, kvh
+
+    @gluon.jit
+    def _query_blocks(k0, L, BM: gl.constexpr, CAUSAL: gl.constexpr):
+        """(first query block, number of query blocks) that see keys [k0, k0 + BN)."""
+        m_lo = k0 // BM if CAUSAL else k0 * 0
+        return m_lo, (L + BM - 1) // BM - m_lo
+
+    @gluon.jit
+    def _next_step(h, q0, m_lo, n_m, BM: gl.constexpr):
+        """(query head, first query row) of the step after (h, q0): the next query block, or the
+        first block of the next head of the GQA group (counters, not a division per step)."""
+        wrap = (q0 + BM == (m_lo + n_m) * BM).to(gl.int32)
+        return h + wrap, q0 + BM - wrap * (n_m * BM)
+
+    @gluon.jit
+    def _zero_rows_from(tile, first, num_warps: gl.constexpr):
+        """Zero rows >= first of a shared (R, C) tile in place: rows past the document end,
+        which TMA brought from the next document, before a GEMM reduces over them."""
+        R: gl.constexpr = tile.type.shape[0]
+        C: gl.constexpr = tile.type.shape[1]
+        TPR: gl.constexpr = C // 8
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [num_warps, 1], [1, 0])
+        x = tile.load(blk)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+        x = gl.where(gl.expand_dims(r < first, 1), x, gl.zeros_like(x))
+        tile.store(x)
+        fence_async_shared()      # generic-proxy stores -> visible to wgmma (async proxy)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _visible(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+        """(BN, BM) mask of an S^T tile (keys k0.., queries q0.., document-local): both inside
+        the document and, causal, key <= query."""
+        keys = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout)), 1)
+        qs = gl.expand_dims(q0 + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout)), 0)
+        ok = (keys < L) & (qs < L)
+        if CAUSAL:
+            ok = ok & (keys <= qs)
+        return ok
+
+    @gluon.jit
+    def _column_vector(ring, s, layout: gl.constexpr):
+        """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a vector in `layout`."""
+        BM: gl.constexpr = ring.type.shape[2]
+        return ring.index(s)._reinterpret(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0])
+                                          ).load(layout)
+
+    @gluon.jit
+    def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem, k_smem,
+                    v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free, ITEMS,
+                    N_ITEMS, GROUP, CAUSAL: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready, k_smem)
+            tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem)
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
+                s = i % STAGES
+                mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
+                qb = q_ready.index(s)
+                mbarrier.expect(qb, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + q0, h * D], qb, q_smem.index(s))
+                tma.async_copy_global_to_shared(lse_desc, [h, pq + q0], qb, lse_smem.index(s))
+                db = do_ready.index(s)
+                mbarrier.expect(db, do_desc.block_type.nbytes + dl_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
+                tma.async_copy_global_to_shared(dl_desc, [h, pq + q0], db, dl_smem.index(s))
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
+    def _bulk_writes_done():
+        """Wait until this thread's bulk async operations have completed their writes (not only
+        their shared-memory reads, as tma.store_wait does)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
+                       QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr):
+        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one (query
+        head, query block) happen in key-block order 0, 1, ...: the CTA of key block b waits until
+        SEM[head, block] == b and increments it once its add has landed. Every key block before b
+        sees that query block too, and sits earlier in the work list (heavier, or the same cost and
+        earlier in the document), so it was launched before: the wait cannot deadlock."""
+        BM: gl.constexpr = dq_smem.type.shape[1]
+        D: gl.constexpr = dq_smem.type.shape[2]
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
+                b = i % 2
+                mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
+                if DETERMINISTIC:
+                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
+                    turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                    while turn != blk:
+                        turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                if DETERMINISTIC:
+                    _bulk_writes_done()
+                    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+                else:
+                    tma.store_wait(0)
+                mbarrier.arrive(dq_free.index(b), count=1)
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
+    def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                     kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
+                     GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
+                     num_warps: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 16)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)       # dK, dV (BN, D)
+        if BM == 16 * num_warps:
+            dq_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)   # dQ (BM, D)
+        else:
+            dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 16)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 2)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            mbarrier.wait(kv_ready, 0)
+            if k0 + BN > L:
+                _zero_rows_from(k_smem, L - k0, num_warps)
+            dk = gl.zeros([BN, D], gl.float32, kv_layout)
+            dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            for i in range(GROUP * n_m):
+                q0 = (m_lo + i % n_m) * BM
+                s = i % STAGES
+                ph = (i // STAGES) & 1
+                q_tile = q_smem.index(s)
+                do_tile = do_smem.index(s)
+                edge_q = q0 + BM > L
+                mbarrier.wait(q_ready.index(s), ph)
+                if edge_q:
+                    _zero_rows_from(q_tile, L - q0, num_warps)
+                st = warpgroup_mma(k_smem, q_tile.permute((1, 0)),
+                                   gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(do_ready.index(s), ph)
+                if edge_q:
+                    _zero_rows_from(do_tile, L - q0, num_warps)
+                dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)),
+                                    gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                    is_async=True)
+                st = warpgroup_mma_wait(1, deps=[st])
+                if CAUSAL:
+                    masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
+                else:
+                    masked = edge_q | (k0 + BN > L)
+                # P^T while dP^T runs; lse2 dies before delta is loaded (registers at BM=128)
+                lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
+                pt = gl.exp2(st * qk_scale_log2 - lse2)
+                if masked:
+                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                    pt = gl.where(ok, pt, 0.0)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
+                dst = pt * (dpt - delta)
+                if masked:    # dP^T of keys past the document end may be NaN (V not zeroed)
+                    dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
+                pa = gl.convert_layout(pt.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
+                dsb = dst.to(dtype)
+                ds_smem.store(dsb)
+                fence_async_shared()
+                gl.thread_barrier()
+                dsa = gl.convert_layout(dsb, a_layout)
+                # dQ first: it goes to shared memory while dK runs
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                                   gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+                b = i % 2
+                mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
+                dq_smem.index(b).store(dq)
+                # one barrier for both releases: dQ written, Q / dO stage read by dK's wgmma
+                # (its wait before the fence: ptxas 12.8 crashes on the other order)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                fence_async_shared()
+                gl.thread_barrier()
+                arrive_synced(dq_ready.index(b))
+                arrive_synced(q_free.index(s))
+            # epilogue: dK (times the softmax scale) and dV of the keys inside the document
+            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            keep = rows < L
+            gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+            gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS"])
+    def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
+                              SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
+                              sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                              DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
+        dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], dl_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                       element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready = alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        gl.warp_specialize([
+            (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                            kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
+                            N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
+                            CAUSAL, num_warps)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
+                           k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
+                           ITEMS, N_ITEMS, GROUP, CAUSAL)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS,
+                              GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
+        ], [1, 1], [LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 recipe (scaling "kvblock128", reference.py "Token-block scaling"): every GEMM in FP8
+# ---------------------------------------------------------------------------------------------
+#
+# Operands (e4m3). Row-major, as the forward quantized them: q8 (T, Hq, D) per-token scales sq;
+# k8 / v8 the K / V block copies (one scale per document-local 128-token block: a CTA scalar) and,
+# causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. Hopper's FP8 wgmma reads
+# both operands K-major, so the preprocess adds dO quantized per 64-row block (do8, token layout)
+# and K-major copies in the 128-aligned padded layout (columns = padded rows, zeros between
+# documents): dO^T and Q^T (Hq, D, QR) for dV += P^T dO and dK += dS^T Q, columns in wgmma order
+# within 16 (flamia.ops.kmajor: X^T's and Y^T's accumulators are then the A operands), and K^T of
+# the block copy (Hkv, D, QR) for dQ = dS K, columns in pair order within 16 (the kernel stores dS
+# as 2-byte, not 1-byte, values).
+#
+# Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row vectors
+# A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row), Hv = sqf (0 for a
+# zero dO row), E = delta sqf / sdo (0 there), and the CTA scalars c_pt, c_ds (the per-CTA bounds),
+# R = c_pt / c_ds, skb / svb (block scales):
+#     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
+#     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
+#     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
+# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the key
+# block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
+# steps (the query block inside the key block) recompute S^T and dP^T from the token copies, as the
+# forward did: skt_j, svt_j multiply them per key row. dQ reads the block copy on every step
+# (reference.py). Epilogue: dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two
+# bf16 wgmmas, H in the dead K tiles); the post pass divides dQ by sqf, multiplies by the softmax
+# scale and rotates it back.
+
+FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
+DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
+N_VEC = 4               # per-row vectors A, B, Hv, E
+N_VEC_C = tl.constexpr(N_VEC)
+DO_BLOCK_C = tl.constexpr(DO_BLOCK)
+
+
+@triton.jit
+def _pow2_bound(amax):
+    """numerics.pow2_scale_bits of a finite bound (a NaN one gives a NaN scale)."""
+    return pow2_scale_bits(amax, amax != amax)
+
+
+@triton.jit
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, DO8B, Q8B,
+                        K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
+                        D: tl.constexpr, BT: tl.constexpr):
+    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
+    (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
+    block's maxima of the per-row bounds (reference.backward_scales):
+        row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
+    zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's reduce-adds
+    start from; the block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first
+    head of a GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the
+    block's do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
+    block's heads and move whole (token, head, D) rows."""
+    pid = tl.program_id(0)
+    h = pid % HQ
+    blk = pid // HQ
+    r = blk * BT + tl.arange(0, BT)
+    tok = tl.load(PTOK + r)
+    ok = tok >= 0
+    t = tl.where(ok, tok, 0).to(tl.int64)
+    d = tl.arange(0, D)
+    tl.store(DQA + (r.to(tl.int64)[:, None] * HQ + h) * D + d[None, :],
+             tl.zeros([BT, D], tl.float32))
+    offs = t[:, None] * stride_t + h * D + d[None, :]
+    o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    sdo, inv = _pow2_bound(tl.max(tl.max(tl.abs(do), 1), 0))
+    do8 = (do * inv).to(tl.float8e4nv)
+    tl.store(DO8 + offs, do8, mask=ok[:, None])
+    dq = do8.to(tl.float32) * sdo
+    live = tl.max(tl.abs(dq), 1) > 0.0
+    delta = tl.sum(dq * o, 1)
+    nrm = tl.sqrt(tl.sum(dq * dq, 1))
+    hrow = h.to(tl.int64) * T + t
+    lse = tl.load(LSE + hrow, mask=ok, other=0.0)
+    m = tl.load(RMAX + hrow, mask=ok, other=0.0)
+    sq = tl.load(SQ + hrow, mask=ok, other=0.0)
+    vn = tl.load(VNORM + (h // GROUP).to(tl.int64) * T + t, mask=ok, other=0.0)
+    pmax = tl.exp(m - lse)
+    sqf = tl.where(sq > 0.0, sq, 1.0)
+    live = live & ok
+    row_pt = tl.where(live, pmax * sdo, 0.0)
+    row_ds = tl.where(ok, pmax * (nrm * vn + tl.abs(delta)) * sqf, 0.0)
+    vrow = h.to(tl.int64) * QR + r
+    tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
+    tl.store(VEC + HQ * QR + vrow,
+             tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo), float("inf")))
+    tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
+    tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
+    nb = QR // BT
+    tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
+    tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
+    tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
+    copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)        # ORDER_MMA_A
+    copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
+    if h % GROUP == 0:
+        copy_columns(K8B, KT8, PTOK, QR, stride_kt, h // GROUP, blk * BT, D, BT, 2)  # PAIRS
+
+
+@triton.jit
+def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
+    """x (M, D) fp32 @ H / sqrt(D), H the +-1 Sylvester matrix: fp32 butterflies in registers
+    (numerics.fwht), no matrix loaded per block."""
+    return fwht(x, M, D) * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
+                         D: tl.constexpr, BT: tl.constexpr):
+    """dq = rotate_back(dq_acc * scale / sqf) (dK leaves the kernel rotated back), one BT-row block
+    per program (several per program are slower: benchmarks/NOTES.md)."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+    acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
+                  other=0.0)
+    sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
+    acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
+    if ROTATE:
+        acc = _rotate_back(acc, BT, D)
+    tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
+             acc.to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _pow2_bounds(amax):
+        """_pow2_bound elementwise in Gluon (numerics.pow2_scale_bits' exponent arithmetic):
+        2^ceil(log2(amax / 448)), exponent clamped to [-126, 127]; 0 -> 0, NaN -> NaN."""
+        bits = gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+        e = gl.minimum(gl.maximum(e, -126), 127)
+        scale = gl.where(amax == 0.0, 0.0, ((e + 127) << 23).to(gl.float32, bitcast=True))
+        return gl.where(amax != amax, float("nan"), scale)
+
+    @gluon.jit
+    def _cta_scales(BPT, BDS, NB, kvh, GROUP, b0, b1, num_warps: gl.constexpr):
+        """(c_pt, c_ds) of a CTA (reference.cta_scales): the power-of-two scales of the max of the
+        preprocess's 64-row block bounds BPT / BDS (Hq, NB) over blocks [b0, b1) of every query
+        head of KV head kvh's group. pow2 is monotone and max ignores NaN, so the max of the
+        blocks' scales is the scale of their max (0 for no block)."""
+        CH: gl.constexpr = 4 * 32 * num_warps
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+        m_pt = gl.zeros([CH], gl.float32, lay)
+        m_ds = gl.zeros([CH], gl.float32, lay)
+        for g in range(GROUP):
+            base = (kvh * GROUP + g).to(gl.int64) * NB
+            for c in range(b0, b1, CH):
+                idx = c + gl.arange(0, CH, layout=lay)
+                mk = idx < b1
+                m_pt = gl.maximum(m_pt, gl.load(BPT + base + idx, mask=mk, other=0.0))
+                m_ds = gl.maximum(m_ds, gl.load(BDS + base + idx, mask=mk, other=0.0))
+        return gl.max(_pow2_bounds(m_pt), axis=0), gl.max(_pow2_bounds(m_ds), axis=0)
+
+    @gluon.jit
+    def _rotate_back_rows(x, spare, num_warps: gl.constexpr):
+        """x (R, D) fp32 (wgmma accumulator layout) @ H / sqrt(D), H the +-1 Sylvester matrix built
+        as bf16 (exact) in the dead shared tile `spare` (>= 2 D^2 bytes): x = hi + lo in bf16 (16 of
+        fp32's 24 mantissa bits, below the result's rounding), two wgmmas accumulating in fp32."""
+        R: gl.constexpr = x.type.shape[0]
+        D: gl.constexpr = x.type.shape[1]
+        h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, D], gl.bfloat16)
+        h_smem = spare._reinterpret(gl.bfloat16, [D, D], h_layout)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [num_warps, 1],
+                                             [1, 0])
+        i = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, blk)), 1)
+        j = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, blk)), 0)
+        h_smem.store((1 - 2 * _sylvester_parity(i, j)).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        x_l: gl.constexpr = x.type.layout
+        acc_l: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)
+        a_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+        x = gl.convert_layout(x, acc_l)
+        hi = x.to(gl.bfloat16)
+        lo = (x - hi.to(gl.float32)).to(gl.bfloat16)
+        y = warpgroup_mma(gl.convert_layout(hi, a_l), h_smem, gl.zeros([R, D], gl.float32, acc_l),
+                          use_acc=False)
+        y = warpgroup_mma(gl.convert_layout(lo, a_l), h_smem, y)
+        return gl.convert_layout(y * (1.0 / gl.sqrt(D * 1.0)), x_l)
+
+    @gluon.jit
+    def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                    kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+                    v_smem, kt_smem, vec_smem, kv_ready, kt_ready, q_ready, do_ready,
+                    q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            KV_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+            if CAUSAL:
+                mbarrier.expect(kv_ready, 2 * KV_BYTES)
+                tma.async_copy_global_to_shared(kd_desc, [start + k0, kvh * D], kv_ready,
+                                                k_smem.index(1))
+                tma.async_copy_global_to_shared(vd_desc, [start + k0, kvh * D], kv_ready,
+                                                v_smem.index(1))
+            else:
+                mbarrier.expect(kv_ready, KV_BYTES)
+            tma.async_copy_global_to_shared(k_desc, [start + k0, kvh * D], kv_ready,
+                                            k_smem.index(0))
+            tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready,
+                                            v_smem.index(0))
+            mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
+                s = i % STAGES
+                mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
+                qb = q_ready.index(s)
+                mbarrier.expect(qb, q_desc.block_type.nbytes + qt_desc.block_type.nbytes
+                                + 2 * vec_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [start + q0, h * D], qb, q_smem.index(s))
+                tma.async_copy_global_to_shared(qt_desc, [h * D, pq + q0], qb, qt_smem.index(s))
+                tma.async_copy_global_to_shared(vec_desc, [h, pq + q0], qb,
+                                                vec_smem.index(s * NV))
+                tma.async_copy_global_to_shared(vec_desc, [HQ + h, pq + q0], qb,
+                                                vec_smem.index(s * NV + 1))
+                db = do_ready.index(s)
+                mbarrier.expect(db, do_desc.block_type.nbytes + dot_desc.block_type.nbytes
+                                + 2 * vec_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
+                tma.async_copy_global_to_shared(dot_desc, [h * D, pq + q0], db, dot_smem.index(s))
+                tma.async_copy_global_to_shared(vec_desc, [2 * HQ + h, pq + q0], db,
+                                                vec_smem.index(s * NV + 2))
+                tma.async_copy_global_to_shared(vec_desc, [3 * HQ + h, pq + q0], db,
+                                                vec_smem.index(s * NV + 3))
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
+    def _store_pairs_transposed(yt, ds_smem):
+        """ds_smem[q, c] = e4m3(yt[key(c), q]), key(c) in pair order (kmajor's module docstring): a
+        thread's two keys of a pair form one 16-bit element, stored transposed (stmatrix .trans)."""
+        BN: gl.constexpr = yt.type.shape[0]
+        BM: gl.constexpr = yt.type.shape[1]
+        y4 = gl.permute(gl.reshape(yt, [BN // 16, 2, 8, BM]), (0, 2, 3, 1))   # [a, l, q, h]
+        lo, hi = gl.split(y4)
+        y16 = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r",
+                                        [lo, hi], dtype=gl.int16, is_pure=True, pack=1)
+        y16 = gl.reshape(y16, [BN // 2, BM])
+        l16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                 rank=2)
+        ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
+
+    @gluon.jit
+    def _fp8_issue_sdp(k_smem, q_smem, v_smem, do_smem, q_ready, do_ready, i, m_lo, n_m, k0,
+                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """S^T = K Q^T and dP^T = V dO^T of step i as async wgmmas, each after its stage's
+        barrier: the token copies of K and V on a diagonal step (causal), the block copies
+        elsewhere."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)
+        q0 = (m_lo + i % n_m) * BM
+        if CAUSAL:
+            c = (q0 < k0 + BN).to(gl.int32)
+        else:
+            c = 0
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(q_ready.index(s), ph)
+        st = warpgroup_mma(k_smem.index(c), q_smem.index(s).permute((1, 0)),
+                           gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), ph)
+        dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
+                            gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                            is_async=True)
+        return st, dpt
+
+    @gluon.jit
+    def _fp8_step(st, dpt, dk, dv, i, args, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr,
+                  NEXT: gl.constexpr, num_warps: gl.constexpr):
+        """Step i of _fp8_compute (the algebra above this section's kernels) -> (dk, dv, S^T,
+        dP^T). PREFETCH: st and dpt are the step's, retired; otherwise the step issues them.
+        NEXT (PREFETCH only): the next step's S^T and dP^T are issued behind dK and returned
+        retired."""
+        (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem, ds_smem, dq_smem,
+         q_ready, do_ready, q_free, kt_ready, dq_ready, dq_free, m_lo, n_m, k0, L, skb, skt, svt,
+         lcpt, ratio, ratio_svb, u_off) = args
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        f8: gl.constexpr = gl.float8e4nv
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
+        if BM == 16 * num_warps:
+            dq_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)   # dQ (BM, D)
+        else:
+            dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 32)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 4)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        q0 = (m_lo + i % n_m) * BM
+        if CAUSAL:    # the query block inside the key block: the token copies
+            diag = q0 < k0 + BN
+        else:
+            diag = q0 < 0
+        s = i % STAGES
+        if not PREFETCH:
+            st, dpt = _fp8_issue_sdp(k_smem, q_smem, v_smem, do_smem, q_ready, do_ready, i, m_lo,
+                                     n_m, k0, CAUSAL, num_warps)
+            st = warpgroup_mma_wait(1, deps=[st])
+        edge_q = q0 + BM > L
+        if CAUSAL:
+            masked = diag | edge_q | (k0 + BN > L)
+        else:
+            masked = edge_q | (k0 + BN > L)
+        # one per-query vector live at a time (32 registers each at 128 query rows)
+        va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
+        if CAUSAL:
+            if diag:
+                xt = (st * skt) * va
+            else:
+                xt = st * (va * skb)
+        else:
+            xt = st * (va * skb)
+        vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+        xt = gl.exp2(xt - vb)
+        if masked:
+            ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+            xt = gl.where(ok, xt, 0.0)
+        if not PREFETCH:
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+        vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0)
+        if CAUSAL:
+            if diag:
+                yt = (dpt * svt) * (vh * ratio)
+            else:
+                yt = dpt * (vh * ratio_svb)
+        else:
+            yt = dpt * (vh * ratio_svb)
+        ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
+        yt = xt * (yt - ve)
+        if masked:   # dP^T of keys past the document end may be NaN
+            yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+        xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
+        dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+        y8 = yt.to(f8)
+        # dS for dQ: keys contiguous, in pair order (K^T's columns too)
+        _store_pairs_transposed(yt, ds_smem)
+        fence_async_shared()
+        gl.thread_barrier()
+        ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
+        mbarrier.wait(kt_ready, 0)
+        dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
+                           gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+        dq = dq * u_off
+        b = i % 2
+        mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
+        dq_smem.index(b).store(dq)
+        if NEXT:   # the next step's S^T and dP^T behind dK, retired with it
+            st, dpt = _fp8_issue_sdp(k_smem, q_smem, v_smem, do_smem, q_ready, do_ready, i + 1,
+                                     m_lo, n_m, k0, CAUSAL, num_warps)
+            dk, st, dpt = warpgroup_mma_wait(0, deps=[dk, st, dpt])
+        else:
+            dk = warpgroup_mma_wait(0, deps=[dk])   # one barrier for both, as above
+        fence_async_shared()
+        gl.thread_barrier()
+        arrive_synced(dq_ready.index(b))
+        arrive_synced(q_free.index(s))
+        return dk, dv, st, dpt
+
+    @gluon.jit
+    def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                     ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
+                     dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
+                     SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     ROTATE: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # D=128: S^T and dP^T of the next step issued behind dK (at D=64 their 128-row tiles do
+        # not fit beside dK and dV)
+        PREFETCH: gl.constexpr = D == 128
+
+        item = gl.program_id(0)
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if doc >= 0:
+            k0 = blk * BN
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            # CTA scalars over the rows the CTA sees (from its first key on when causal), also
+            # written to CTA (2, N_ITEMS) for the tests
+            first = pq + k0 if CAUSAL else pq
+            c_pt, c_ds = _cta_scales(BPT, BDS, NB, kvh, GROUP, first // DO_BLOCK_C,
+                                     (pq + L + DO_BLOCK_C - 1) // DO_BLOCK_C, num_warps)
+            gl.store(CTA + item, c_pt)
+            gl.store(CTA + N_ITEMS + item, c_ds)
+            kv_row = kvh.to(gl.int64) * T + start + k0
+            skb = gl.load(SK + kv_row)
+            svb = gl.load(SV + kv_row)
+            lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
+            ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+            ratio_svb = ratio * svb     # (exact: svb is a power of two) one product per column
+            u_off = c_ds * skb
+            if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
+                keys = gl.arange(0, BN, layout=row_l)
+                kin = keys < L - k0
+                skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
+                svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+            else:
+                skt, svt = skb, svb      # (unused)
+            mbarrier.wait(kv_ready, 0)
+            dk = gl.zeros([BN, D], gl.float32, kv_layout)
+            dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            n_steps = GROUP * n_m
+            args = (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem, ds_smem,
+                    dq_smem, q_ready, do_ready, q_free, kt_ready, dq_ready, dq_free, m_lo, n_m, k0,
+                    L, skb, skt, svt, lcpt, ratio, ratio_svb, u_off)
+            if PREFETCH:   # each step's S^T and dP^T issued at the end of the step before
+                st, dpt = _fp8_issue_sdp(k_smem, q_smem, v_smem, do_smem, q_ready, do_ready, 0,
+                                         m_lo, n_m, k0, CAUSAL, num_warps)
+                st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                for i in range(n_steps - 1):
+                    dk, dv, st, dpt = _fp8_step(st, dpt, dk, dv, i, args, CAUSAL, True, True,
+                                                num_warps)
+                dk, dv, st, dpt = _fp8_step(st, dpt, dk, dv, n_steps - 1, args, CAUSAL, True,
+                                            False, num_warps)
+            else:
+                for i in range(n_steps):
+                    dk, dv, _st, _dpt = _fp8_step(None, None, dk, dv, i, args, CAUSAL, False,
+                                                  False, num_warps)
+            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE)
+            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            keep = rows < L
+            gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+            dk = dk * (sm_scale * c_ds)
+            if ROTATE:
+                # K^T, K and the diagonal copies are dead: their bytes hold H for the rotation
+                gl.thread_barrier()
+                dk = _rotate_back_rows(dk, k_smem, num_warps)
+            gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=keep)
+
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "NB", "T"])
+    def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
+                                  vd_desc, kt_desc, vec_desc, dq_desc, DK, DV, SEM,
+                                  ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, BPT, BDS, NB, CTA, SK, SV,
+                                  SKD, SVD, T, stride_kt, sm_scale,
+                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  ROTATE: gl.constexpr,
+                                  LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                                  DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
+        f8: gl.constexpr = gl.float8e4nv
+        q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
+        do_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], do_desc.layout)
+        dot_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], dot_desc.layout)
+        k_smem = gl.allocate_shared_memory(f8, [2, BN, D], k_desc.layout)      # block, diagonal
+        v_smem = gl.allocate_shared_memory(f8, [2, BN, D], v_desc.layout)
+        kt_smem = gl.allocate_shared_memory(f8, [D, BN], kt_desc.layout)
+        vec_smem = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC_C, 1, BM], vec_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                       rank=2)
+        ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        gl.warp_specialize([
+            (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                            ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
+                            q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                            SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
+                            num_warps)),
+            (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                           kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
+                           q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
+                              QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
+        ], [1, 1], [LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(kt_ready)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host
+# ---------------------------------------------------------------------------------------------
+
+def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
+                            grad_dtype=None, deterministic=False,
+                            config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of causal (or full) attention over packed documents. q, dout, out (T, Hq, D);
+    k, v (T, Hkv, D), bf16 or fp16, unit stride in D; lse (Hq, T) fp32, natural log of the
+    softmax-scaled scores (the forward's); cu_seqlens int32 (n_docs + 1,) with cu_seqlens[-1] == T.
+    By default the dQ adds of different key blocks land in any order (fp32 sums not bitwise
+    reproducible between runs; dK and dV are); deterministic=True orders them (bitwise reproducible,
+    at the cost of waits)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    cfg = config or sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = q.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
+    if T == 0:
+        return dq, dk, dv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv))
+    QR = kb.q_rows
+    lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
+    _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
+                            D=D, BT=SM90_PASS_ROWS, num_warps=4)
+    q_desc = descriptor_2d(q, T, Hq * D, Hq * D, [BM, D])
+    do_desc = descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D])
+    k_desc = descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D])
+    v_desc = descriptor_2d(v, T, Hkv * D, Hkv * D, [BN, D])
+    lse_desc = descriptor_2d(lse2, Hq, QR, QR, [1, BM])
+    dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
+    dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
+    _attn_bwd_sm90_kernel[(kb.n_items,)](
+        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
+        _semaphores(deterministic, kb, Hq, BM), kb.items,
+        kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
+        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
+        DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
+    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
+                             num_warps=4)
+    return dq, dk, dv
+
+
+@dataclass
+class Fp8Prep:
+    """The fp8 backward's buffers after its preprocess (fp8_prepare), before the kernel."""
+    kb: KeyBlocks
+    ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
+    do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
+    vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E per padded row
+    bpt: torch.Tensor       # (Hq, QR / 64) per 64-row block the max of the row bounds of P^T
+    bds: torch.Tensor       # and of dS, of which the kernel takes its CTA scales
+    cta: torch.Tensor       # (2, n_items) c_pt, c_ds per work-list column, written by the kernel
+    qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
+    dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
+    kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
+    dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
+
+
+def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
+                cfg: Sm90BwdConfig) -> Fp8Prep:
+    """The preprocess: dO quantized, delta, per-row vectors, the 64-row blocks' bounds (the kernel
+    takes its CTA scales from them), the K-major copies."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = dout.device
+    group = Hq // Hkv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv, pad=FP8_PAD))
+    QR = kb.q_rows
+    ptok = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8_ptok", T, QR),
+                          lambda: _padded_tokens(kb.prow, QR))
+    f8 = torch.float8_e4m3fn
+    do8 = torch.empty((T, Hq, D), dtype=f8, device=dev)
+    vec = torch.empty((N_VEC, Hq, QR), dtype=torch.float32, device=dev)
+    nb = QR // DO_BLOCK
+    bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
+    qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+    dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+    kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
+    for src, dst, order in ((do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A),
+                            (qkv.k8, kt8, ORDER_PAIRS)):
+        check_copy(src, dst, order)
+    u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8, qt8, kt8)]
+    _bwd_preprocess_fp8[(nb * Hq,)](
+        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
+        bds, dq_acc, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
+        BT=DO_BLOCK, num_warps=cfg.fp8_pre_warps)
+    cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc)
+
+
+def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
+                                softmax_scale=None, grad_dtype=None, deterministic=False,
+                                config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized operands qkv
+    (layout.QuantizedQKV with the block and diagonal copies), out, lse and row max (Hq, T), as
+    reference.backward / _backward_kvblock define them: fp8_prepare, the kernel, fp8_post."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    cfg = config or sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = dout.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dout, out = dout.contiguous(), out.contiguous()
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
+    if T == 0:
+        return dq, dk, dv
+    prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
+    kb, QR = prep.kb, prep.kb.q_rows
+    k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
+                          else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
+    descs = (
+        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
+        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
+        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+    )
+    _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
+        *descs, dk, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
+        Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
+        T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
+        ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        DETERMINISTIC=bool(deterministic), num_warps=8)
+    fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
+    return dq, dk, dv
+
+
+def fp8_post(dq_acc, prow, sq, rotated: bool, scale: float, dq, cfg: Sm90BwdConfig):
+    """The post pass: dq (T, Hq, D) from the fp32 buffer dq_acc (padded rows prow, units of
+    sq), rotated back when `rotated`."""
+    T, Hq, D = dq.shape
+    grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq)
+    _bwd_postprocess_fp8[grid](dq_acc, prow, sq, dq, T, Hq, scale, ROTATE=rotated, D=D,
+                               BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
+
+
+def _grads(T, Hq, Hkv, D, dtype, dev):
+    """Empty (dq, dk, dv)."""
+    return (torch.empty((T, Hq, D), dtype=dtype, device=dev),
+            *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
+
+
+def _semaphores(deterministic: bool, kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:
+    """Deterministic mode's per-(query head, query block) counters of finished dQ adds; any
+    int32 tensor otherwise (never read)."""
+    if deterministic:
+        return torch.zeros((Hq, kb.q_rows // BM), dtype=torch.int32, device=kb.items.device)
+    return kb.items
+
+
+def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int32: the token at each row of the padded layout, -1 for a pad row."""
+    ptok = torch.full((rows,), -1, dtype=torch.int32, device=prow.device)
+    ptok[prow.long()] = torch.arange(prow.numel(), dtype=torch.int32, device=prow.device)
+    return ptok

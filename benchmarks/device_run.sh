@@ -14,7 +14,9 @@
 # tests-kvblock (the fp8 recipe through the public API: emulation, audit, fuzz of
 # FLAMIA_FUZZ_CASES), long-check (benchmarks/fp8_long_check.py LONG_ARGS: fp8's kernels vs
 # float64 at 32k tokens), passes (benchmarks/bwd_fp8_passes_dev.py PASSES_ARGS: launch settings
-# of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), fwd-ab
+# of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), abp
+# (the backward modules of the prepared patches ABP_PATCHES timed in one process next to this
+# tree's, ABP_ARGS), fwd-ab
 # (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
 # (fp8's forward kernels), tests-fwd, tests-base (the cuDNN training baseline), tests-compile
 # (torch.compile and CUDA graphs), tests (all), bench (every kernel recipe, every baseline;
@@ -182,6 +184,23 @@ stage() {  # name seconds: one stage
         head -c 6000 "$OUT/ncu-bwd-$wl-source.txt"
         gzip -f "$OUT/ncu-bwd-$wl-source.csv"
       done ;;
+    abp) # the backward modules of several prepared patches (ABP_PATCHES="a b ...") timed in one
+      # process next to this tree's (bwd_sm90_dev.py --time --fp8; ABP_ARGS: --workloads ...),
+      # each checked bitwise against it in deterministic mode first
+      local files="" n
+      for n in ${ABP_PATCHES:-}; do
+        local d=/tmp/abp/$n
+        rm -rf "$d" && mkdir -p "$d/flamia/ops" && cp flamia/ops/backward_sm90.py "$d/flamia/ops/"
+        if (cd "$d" && git apply --include=flamia/ops/backward_sm90.py \
+              "$OLDPWD/benchmarks/patches/$n.patch"); then
+          cp "$d/flamia/ops/backward_sm90.py" "/tmp/abp/${n//-/_}.py"
+          files="$files,/tmp/abp/${n//-/_}.py"
+        else
+          echo "abp: benchmarks/patches/$n.patch does not apply" | tee -a "$summary"
+        fi
+      done
+      run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py --time --fp8 \
+        --ab "${files#,}" ${ABP_ARGS:-} ;;
     ptest-*|pab-*|pprof-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
       local pname=${name#p*-} d
       if ! d=$(patched_tree "$pname"); then

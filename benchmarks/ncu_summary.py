@@ -101,7 +101,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--match", default="_dkdv,_dq,_attn_fwd,_attn_bwd,_quantize,_kmajor,_bwd_pre,"
-                    "_bwd_post,_bwd_cta,_kvblock_cols")
+                    "_bwd_post,_kvblock_cols")
     ap.add_argument("--memory-columns", default=None, help="also write every L2 / DRAM counter here")
     args = ap.parse_args()
     match = [m for m in args.match.split(",") if m]

@@ -53,6 +53,7 @@ if HAVE_GLUON:
                                tma_reduce_add, wgmma_layout)
     from .kmajor import mma_key_order_gluon
     _sylvester_parity = gluon.jit(sylvester_parity_host)
+    _pow2_scale_bits = gluon.jit(pow2_scale_bits.fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,21 +567,12 @@ def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
 if HAVE_GLUON:
 
     @gluon.jit
-    def _pow2_bounds(amax):
-        """_pow2_bound elementwise in Gluon (numerics.pow2_scale_bits' exponent arithmetic):
-        2^ceil(log2(amax / 448)), exponent clamped to [-126, 127]; 0 -> 0, NaN -> NaN."""
-        bits = gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
-        e = gl.minimum(gl.maximum(e, -126), 127)
-        scale = gl.where(amax == 0.0, 0.0, ((e + 127) << 23).to(gl.float32, bitcast=True))
-        return gl.where(amax != amax, float("nan"), scale)
-
-    @gluon.jit
     def _cta_scales(BPT, BDS, NB, kvh, GROUP, b0, b1, num_warps: gl.constexpr):
         """(c_pt, c_ds) of a CTA (reference.cta_scales): the power-of-two scales of the max of the
         preprocess's 64-row block bounds BPT / BDS (Hq, NB) over blocks [b0, b1) of every query
-        head of KV head kvh's group. pow2 is monotone and max ignores NaN, so the max of the
-        blocks' scales is the scale of their max (0 for no block)."""
+        head of KV head kvh's group, by the quantize kernels' numerics.pow2_scale_bits taken
+        elementwise: pow2 is monotone and max ignores NaN, so the max of the blocks' scales is
+        the scale of their max (0 for no block)."""
         CH: gl.constexpr = 4 * 32 * num_warps
         lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
         m_pt = gl.zeros([CH], gl.float32, lay)
@@ -592,7 +584,9 @@ if HAVE_GLUON:
                 mk = idx < b1
                 m_pt = gl.maximum(m_pt, gl.load(BPT + base + idx, mask=mk, other=0.0))
                 m_ds = gl.maximum(m_ds, gl.load(BDS + base + idx, mask=mk, other=0.0))
-        return gl.max(_pow2_bounds(m_pt), axis=0), gl.max(_pow2_bounds(m_ds), axis=0)
+        c_pt, _ = _pow2_scale_bits(m_pt, m_pt != m_pt)
+        c_ds, _ = _pow2_scale_bits(m_ds, m_ds != m_ds)
+        return gl.max(c_pt, axis=0), gl.max(c_ds, axis=0)
 
     @gluon.jit
     def _rotate_back_rows(x, spare, num_warps: gl.constexpr):

@@ -15,6 +15,7 @@ recipe's one-pass kernel on quantize_qkv's operands.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -154,7 +155,30 @@ def fp8_timing_inputs(q, k, v, cu, causal):
     return quantize_qkv(q, k, v, cu, "fp8", causal)
 
 
-def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False):
+def interleaved_ms(variants: dict, rounds: int, timer=None) -> dict:
+    """{name: (median ms, spread %)} of the calls in `variants` timed in `rounds` rounds, each
+    round every variant once (a block of calls, `timer`: cuda_ms over ~0.25 s), the order reversed
+    every other round; spread = (max - min) / median over the rounds."""
+    timer = timer or (lambda fn: cuda_ms(fn, target_s=0.25))
+    times = {n: [] for n in variants}
+    order = list(variants)
+    for r in range(rounds):
+        for n in (order if r % 2 == 0 else order[::-1]):
+            times[n].append(timer(variants[n]))
+    out = {}
+    for n, ts in times.items():
+        med = statistics.median(ts)
+        out[n] = (med, 100 * (max(ts) - min(ts)) / med if med else 0.0)
+    return out
+
+
+def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False,
+                   rounds=3):
+    """Per workload, every variant (the --ab copies and the library, bf16 and with fp8 the fp8
+    recipe, deterministic mode with args_det, FA4 when importable) timed in `rounds` interleaved
+    rounds, the order reversed every other round (a variant's block of calls is ~0.25 s): the
+    median over rounds, and the spread (max - min) / median in percent, so that a difference
+    between copies can be told from the machine's drift."""
     wl = json.load(open(os.path.join(os.path.dirname(__file__), "..", "flamia", "data",
                                      "workloads.json")))["workloads"]
     for spec in shapes:     # name:Hq:Hkv:D:L1+L2+...
@@ -180,38 +204,38 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
         import flamia
         o, lse = flamia.flamia_attn_varlen_func(q, k, v, cu, cu, maxlen, maxlen, recipe="bf16",
                                                 return_lse=True, check_finite=False)
-        row = {"workload": w["name"]}
+        variants = {}       # name -> a call to time
         for name, mod in AB_BASE.items():
-            row[name] = cuda_ms(lambda: mod.attention_backward_sm90(do, o, lse, q, k, v, cu,
-                                                                    causal, scale))
+            variants[name] = functools.partial(mod.attention_backward_sm90, do, o, lse, q, k, v,
+                                               cu, causal, scale)
         for cfg in configs(D):
-            ms = cuda_ms(lambda: B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
-                                                           config=cfg))
-            row[f"sm90 m{cfg.block_m}n128"] = ms
+            variants[f"sm90 m{cfg.block_m}n128"] = functools.partial(
+                B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale, config=cfg)
             if args_det:
-                row[f"sm90 m{cfg.block_m}n128 det"] = cuda_ms(lambda: B.attention_backward_sm90(
-                    do, o, lse, q, k, v, cu, causal, scale, deterministic=True, config=cfg))
+                variants[f"sm90 m{cfg.block_m}n128 det"] = functools.partial(
+                    B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale,
+                    deterministic=True, config=cfg)
         if fp8:
             # the bf16 forward's out and lse stand in for fp8's, lse for its row max: the values
             # do not change the kernel's work
             qkv8 = fp8_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
+            fp8_args = (do, o, lse_b, lse_b, qkv8, cu, causal, scale)
             for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
-                row[f"fp8 m{cfg.block_m}n128"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkv8, cu, causal, scale, config=cfg))
-            want = B.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkv8, cu, causal, scale,
-                                                 deterministic=True) if AB_BASE else None
+                variants[f"fp8 m{cfg.block_m}n128"] = functools.partial(
+                    B.attention_backward_sm90_fp8, *fp8_args, config=cfg)
+            want = (B.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
+                    if AB_BASE else None)
             for name, mod in AB_BASE.items():
                 # deterministic mode: a copy that reorders no add gives the same bits
-                got = mod.attention_backward_sm90_fp8(do, o, lse_b, lse_b, qkv8, cu, causal, scale,
-                                                      deterministic=True)
+                got = mod.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
                 print(f"{w['name']} {name} fp8 deterministic grads bitwise the library's:",
                       [bool(torch.equal(a, b)) for a, b in zip(got, want)], flush=True)
-                row[f"{name} fp8"] = cuda_ms(lambda: mod.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkv8, cu, causal, scale))
+                variants[f"{name} fp8"] = functools.partial(mod.attention_backward_sm90_fp8,
+                                                            *fp8_args)
             if args_det:
-                row["fp8 det"] = cuda_ms(lambda: B.attention_backward_sm90_fp8(
-                    do, o, lse_b, lse_b, qkv8, cu, causal, scale, deterministic=True))
+                variants["fp8 det"] = functools.partial(B.attention_backward_sm90_fp8, *fp8_args,
+                                                        deterministic=True)
         if fa4 is not None:
             qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
 
@@ -225,19 +249,25 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
                 out.backward(do)
                 qa.grad = ka.grad = va.grad = None
             try:
-                tf = cuda_ms(f_fwd)
-                tfb = cuda_ms(f_fb)
-                row["fa4 bwd"] = tfb - tf
-                row["fa4 fwd"] = tf
+                f_fb()
+                variants["fa4 fwd"], variants["fa4 fwd+bwd"] = f_fwd, f_fb
             except Exception as e:  # noqa: BLE001
                 print(f"FA4 failed on {w['name']}: {type(e).__name__}: {e}"[:300])
+        row = {"workload": w["name"]}
+        for n, (ms, spread) in interleaved_ms(variants, rounds).items():
+            row[n] = ms
+            row["_spread " + n] = spread
+        if "fa4 fwd" in row:
+            row["fa4 bwd"] = row.pop("fa4 fwd+bwd") - row["fa4 fwd"]
+            row.pop("_spread fa4 fwd+bwd")
         row["_tflop_b"] = flops_b / 1e12
         table.append(row)
         print(json.dumps(row), flush=True)
     keys = []
     for r in table:
         keys += [k for k in r if not k.startswith("_") and k not in keys]
-    print("\n| " + " | ".join(keys) + " |")
+    print(f"\nms (TFLOP/s; spread over {rounds} rounds, % of the median)")
+    print("| " + " | ".join(keys) + " |")
     print("|" + " --- |" * len(keys))
     for r in table:
         cells = [r["workload"]]
@@ -245,7 +275,8 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             if k in r:
                 ms = r[k]
                 tf = r["_tflop_b"] / (ms / 1e3) if "fwd" not in k else float("nan")
-                cells.append(f"{ms:.3f} ({tf:.0f})")
+                sp = r.get("_spread " + k)
+                cells.append(f"{ms:.3f} ({tf:.0f}" + (f"; {sp:.1f} %)" if sp is not None else ")"))
             else:
                 cells.append("-")
         print("| " + " | ".join(cells) + " |")
@@ -282,6 +313,8 @@ def main():
                     "comma separated")
     ap.add_argument("--fp8", action="store_true", help="also time the fp8 recipe's one-pass "
                     "backward (at each --configs tile)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per "
+                    "workload (median and spread reported)")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
 
@@ -301,7 +334,7 @@ def main():
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, args_det=args.det,
                        shapes=[x for x in args.shapes.split(",") if x],
-                       fp8=args.fp8)
+                       fp8=args.fp8, rounds=args.rounds)
     sys.exit(0 if ok else 1)
 
 

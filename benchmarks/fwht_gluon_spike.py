@@ -1,0 +1,79 @@
+"""CPU spike (no GPU): a 64 x 128 fp32 tile's Hadamard transform in registers, in Gluon, as the
+persistent forward would need it to quantize Q itself (benchmarks/NOTES.md, "Next", item 1).
+
+    python benchmarks/fwht_gluon_spike.py        # builds for sm_90a, prints resources and SASS
+
+The layout gives each thread 2 rows x 32 contiguous columns (4 lanes per row): stages of
+distance 1..16 are in-thread butterflies (reshape / split / join: register renaming), the
+stages of distance 32 and 64 one butterfly shuffle each (shfl.sync.bfly with lane xor 1, 2)
+and one FMA: y = x * (+-1) + partner, which rounds as partner +- x does. The stage order and
+each stage's (a + b, a - b) are numerics.fwht's, so the result is that function's bit for bit by
+construction (fma(x, +-1, p) rounds p +- x once); not yet run on a GPU. Nothing runs here: the
+build says what it costs (no shared memory, instructions per thread).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
+from benchmarks.tools.compile import compile_for, resource_usage  # noqa: E402
+from benchmarks.tools.sass import sass_of  # noqa: E402
+
+
+@gluon.jit
+def _butterfly_in_thread(x, M: gl.constexpr, HI: gl.constexpr, LO: gl.constexpr):
+    """Columns c and c + LO of every 2 LO-column group -> (a + b, a - b), both in the thread."""
+    y = gl.permute(gl.reshape(x, [M, HI, 2, LO]), (0, 1, 3, 2))
+    a, b = gl.split(y)
+    y = gl.permute(gl.join(a + b, a - b), (0, 1, 3, 2))
+    return gl.reshape(y, [M, HI * 2 * LO])
+
+
+@gluon.jit
+def _butterfly_lanes(x, cols, H: gl.constexpr, XOR: gl.constexpr):
+    """Columns c and c + H held by lanes l and l ^ XOR -> (a + b, a - b): one shuffle, one FMA."""
+    partner = gl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {XOR}, 0x1f, -1;", "=r,r",
+                                        [x], dtype=gl.float32, is_pure=True, pack=1)
+    sign = gl.expand_dims(gl.where((cols & H) != 0, -1.0, 1.0), 0)
+    return gl.fma(x, sign, partner)
+
+
+@gluon.jit
+def fwht_tile_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
+    """Y = X @ H_D (X bf16 (M, D) row-major, Y fp32), D = 128, 4 warps."""
+    lay: gl.constexpr = gl.BlockedLayout([2, 32], [8, 4], [4, 1], [1, 0])
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, lay))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
+    offs = gl.expand_dims(r, 1) * D + gl.expand_dims(c, 0)
+    x = gl.load(X + offs).to(gl.float32)
+    x = _butterfly_in_thread(x, M, D // 2, 1)
+    x = _butterfly_in_thread(x, M, D // 4, 2)
+    x = _butterfly_in_thread(x, M, D // 8, 4)
+    x = _butterfly_in_thread(x, M, D // 16, 8)
+    x = _butterfly_in_thread(x, M, D // 32, 16)
+    x = _butterfly_lanes(x, c, 32, 1)
+    x = _butterfly_lanes(x, c, 64, 2)
+    gl.store(Y + offs, x)
+
+
+def main():
+    x = torch.empty(64, 128, dtype=torch.bfloat16)
+    y = torch.empty(64, 128, dtype=torch.float32)
+    kern = compile_for(fwht_tile_kernel, (x, y), dict(M=64, D=128, num_warps=4))
+    print(resource_usage(kern))
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass_of(kern),
+                     re.M)
+    counts = Counter(op.split(".")[0] for op in ops)
+    print(f"{len(ops)} SASS per thread:", dict(counts.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()

@@ -64,15 +64,46 @@ def fwht_tile_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
     gl.store(Y + offs, x)
 
 
-def main():
-    x = torch.empty(64, 128, dtype=torch.bfloat16)
-    y = torch.empty(64, 128, dtype=torch.float32)
-    kern = compile_for(fwht_tile_kernel, (x, y), dict(M=64, D=128, num_warps=4))
-    print(resource_usage(kern))
+@gluon.jit
+def fwht_a_operand_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
+    """The same transform in the fp8 wgmma A operand layout (m64 k32, k_width 4: per 32 columns a
+    quad's lane c holds 4c..4c+3 and 16 + 4c..16 + 4c + 3), cast to e4m3 in place: what the
+    QK^T wgmma would take from registers. Columns' bits 0-1, 4-6 are in the thread, 2-3 across
+    the quad, so distances 4 and 8 are the shuffles. (The convert_layout calls are no-ops: the
+    in-thread stages return the same mapping as a linear layout.)"""
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 128, 32])
+    lay: gl.constexpr = gl.DotOperandLayout(0, acc, 4)
+    r = gl.arange(0, M, layout=gl.SliceLayout(1, lay))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
+    offs = gl.expand_dims(r, 1) * D + gl.expand_dims(c, 0)
+    x = gl.load(X + offs).to(gl.float32)
+    x = _butterfly_in_thread(x, M, D // 2, 1)
+    x = _butterfly_in_thread(x, M, D // 4, 2)
+    x = gl.convert_layout(x, lay)
+    x = _butterfly_lanes(x, c, 4, 1)
+    x = _butterfly_lanes(x, c, 8, 2)
+    x = _butterfly_in_thread(x, M, D // 32, 16)
+    x = _butterfly_in_thread(x, M, D // 64, 32)
+    x = _butterfly_in_thread(x, M, D // 128, 64)
+    x = gl.convert_layout(x, lay)
+    gl.store(Y + offs, x.to(gl.float8e4nv))
+
+
+def _report(kern):
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass_of(kern),
                      re.M)
     counts = Counter(op.split(".")[0] for op in ops)
-    print(f"{len(ops)} SASS per thread:", dict(counts.most_common(12)))
+    return f"{resource_usage(kern)}\n  {len(ops)} SASS per thread: {dict(counts.most_common(12))}"
+
+
+def main():
+    x = torch.empty(64, 128, dtype=torch.bfloat16)
+    for kernel, out in ((fwht_tile_kernel, torch.float32),
+                        (fwht_a_operand_kernel, torch.float8_e4m3fn)):
+        kern = compile_for(kernel, (x, torch.empty(64, 128, dtype=out)),
+                           dict(M=64, D=128, num_warps=4))
+        print(kernel.__name__, _report(kern))
 
 
 if __name__ == "__main__":

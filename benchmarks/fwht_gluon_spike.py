@@ -47,13 +47,18 @@ def _butterfly_lanes(x, cols, H: gl.constexpr, XOR: gl.constexpr):
 
 
 @gluon.jit
-def fwht_tile_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
-    """Y = X @ H_D (X bf16 (M, D) row-major, Y fp32), D = 128, 4 warps."""
-    lay: gl.constexpr = gl.BlockedLayout([2, 32], [8, 4], [4, 1], [1, 0])
+def _tile(X, M: gl.constexpr, D: gl.constexpr, lay: gl.constexpr):
+    """(X's (M, D) row-major tile as fp32 in `lay`, its offsets, its column indices)."""
     r = gl.arange(0, M, layout=gl.SliceLayout(1, lay))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
     offs = gl.expand_dims(r, 1) * D + gl.expand_dims(c, 0)
-    x = gl.load(X + offs).to(gl.float32)
+    return gl.load(X + offs).to(gl.float32), offs, c
+
+
+@gluon.jit
+def fwht_tile_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
+    """Y = X @ H_D (X bf16 (M, D) row-major, Y fp32), D = 128, 4 warps."""
+    x, offs, c = _tile(X, M, D, gl.BlockedLayout([2, 32], [8, 4], [4, 1], [1, 0]))
     x = _butterfly_in_thread(x, M, D // 2, 1)
     x = _butterfly_in_thread(x, M, D // 4, 2)
     x = _butterfly_in_thread(x, M, D // 8, 4)
@@ -74,10 +79,7 @@ def fwht_a_operand_kernel(X, Y, M: gl.constexpr, D: gl.constexpr):
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 128, 32])
     lay: gl.constexpr = gl.DotOperandLayout(0, acc, 4)
-    r = gl.arange(0, M, layout=gl.SliceLayout(1, lay))
-    c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
-    offs = gl.expand_dims(r, 1) * D + gl.expand_dims(c, 0)
-    x = gl.load(X + offs).to(gl.float32)
+    x, offs, c = _tile(X, M, D, lay)
     x = _butterfly_in_thread(x, M, D // 2, 1)
     x = _butterfly_in_thread(x, M, D // 4, 2)
     x = gl.convert_layout(x, lay)

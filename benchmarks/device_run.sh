@@ -18,7 +18,9 @@
 # (the backward modules of the prepared patches ABP_PATCHES timed in one process next to this
 # tree's, ABP_ARGS), fwd-ab
 # (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
-# (fp8's forward kernels), tests-fwd, tests-base (the cuDNN training baseline), tests-compile
+# (fp8's forward kernels), tests-fwd, cute-probe (benchmarks/cute_dsmem_probe.py: a CuTe DSL
+# 2-CTA cluster's shared-memory exchange, built and checked; needs the FA4 parts for CuTe DSL),
+# tests-base (the cuDNN training baseline), tests-compile
 # (torch.compile and CUDA graphs), tests (all), bench (every kernel recipe, every baseline;
 # BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
 # (benchmarks/graph_timing.py GRAPH_ARGS), fwd-sweep (Triton forward configs, fwd_dev.py
@@ -119,6 +121,7 @@ stage() {  # name seconds: one stage
     tests-fwd-kvblock) run_stage "$name" "$secs" python -m pytest -q -x \
              tests/gpu/test_forward_kvblock_gpu.py ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
+    cute-probe) run_stage "$name" "$secs" python benchmarks/cute_dsmem_probe.py ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     tests-base) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_baselines_gpu.py ;;
     tests-compile) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_compile_gpu.py \

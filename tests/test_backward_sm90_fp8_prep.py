@@ -43,15 +43,19 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
     scale = D ** -0.5
     empty = torch.empty
 
-    def poisoned(*args, **kwargs):     # every fp32 buffer starts as NaN: unwritten shows
+    def poisoned(*args, **kwargs):     # fp32 buffers start as NaN, int32 as -1: unwritten shows
         x = empty(*args, **kwargs)
+        if x.dtype == torch.int32:
+            return x.fill_(-1)
         return x.fill_(float("nan")) if x.dtype == torch.float32 else x
     monkeypatch.setattr(torch, "empty", poisoned)
     prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
                          sm90_backward_config(D))
     monkeypatch.setattr(torch, "empty", empty)
     prow = prep.kb.prow.long()
-    assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D) and not prep.dq_acc.any()  # zeroed
+    assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D)   # the kernel's first write stores
+    BM = sm90_backward_config(D).block_m
+    assert prep.sem.shape == (Hq, prep.kb.q_rows // BM) and not prep.sem.any()   # zeroed
     doo = R.quantize_token_blocks(do.float(), "e4m3", cu, R.DO_BLOCK)
     assert torch.equal(prep.do8.view(torch.uint8), doo.values.to(torch.float8_e4m3fn).view(torch.uint8))
     sc = R.backward_scales(doo, doo.dequant(), out.float(), lse, saved, cu, causal)

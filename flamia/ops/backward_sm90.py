@@ -264,9 +264,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _bulk_writes_done():
         """Wait until this thread's bulk async operations have completed their writes (not only
-        their shared-memory reads, as tma.store_wait does)."""
+        their shared-memory reads, as tma.store_wait does), ordered before the generic-proxy
+        release that follows."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r,r",
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; "
+                                  "mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _acquired_before_bulk():
+        """Orders the generic-proxy acquire before this thread's next bulk async operation."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r",
                                   [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -274,11 +284,16 @@ if HAVE_GLUON:
     def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                        QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
                        DETERMINISTIC: gl.constexpr):
-        """Adds each step's dQ tile into the fp32 buffer. DETERMINISTIC: the adds into one (query
-        head, query block) happen in key-block order 0, 1, ...: the CTA of key block b waits until
-        SEM[head, block] == b and increments it once its add has landed. Every key block before b
-        sees that query block too, and sits earlier in the work list (heavier, or the same cost and
-        earlier in the document), so it was launched before: the wait cannot deadlock."""
+        """Writes each step's dQ tile into the fp32 buffer, which nobody zeroes: the first tile to
+        reach a (query head, query block) is stored, every later one reduce-added once that store
+        has landed. SEM[head, block] (zeroed by the caller) says which: by default the writers
+        claim it (0 -> 1 by compare-and-swap; the winner stores, then sets 2 once the store has
+        landed; the others wait for 2, which only waits on a store already issued, so it cannot
+        deadlock). DETERMINISTIC: the adds happen in key-block order 0, 1, ...: the CTA of key
+        block b waits until SEM == b and increments it once its write has landed; key block 0,
+        which sees every query block of its document, stores. Every key block before b sees that
+        query block too, and sits earlier in the work list (heavier, or the same cost and earlier
+        in the document), so it was launched before: the wait cannot deadlock."""
         BM: gl.constexpr = dq_smem.type.shape[1]
         D: gl.constexpr = dq_smem.type.shape[2]
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
@@ -289,18 +304,30 @@ if HAVE_GLUON:
             for i in range(GROUP * n_m):
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
+                sem = SEM + h * QBLOCKS + (pq + q0) // BM
                 if DETERMINISTIC:
-                    sem = SEM + h * QBLOCKS + (pq + q0) // BM
                     turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
                     while turn != blk:
                         turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                    first = blk == 0
+                else:
+                    state = gl.atomic_cas(sem, 0, 1, sem="acquire", scope="gpu")
+                    first = state == 0
+                    while state == 1:
+                        state = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                _acquired_before_bulk()
+                if first:
+                    tma.async_copy_shared_to_global(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                else:
+                    tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+                tma.store_wait(0)
+                mbarrier.arrive(dq_free.index(b), count=1)
                 if DETERMINISTIC:
                     _bulk_writes_done()
                     gl.atomic_add(sem, 1, sem="release", scope="gpu")
-                else:
-                    tma.store_wait(0)
-                mbarrier.arrive(dq_free.index(b), count=1)
+                elif first:
+                    _bulk_writes_done()
+                    gl.atomic_xchg(sem, 2, sem="release", scope="gpu")
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
@@ -478,15 +505,15 @@ def _pow2_bound(amax):
 
 
 @triton.jit
-def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, DQA, DO8B, Q8B,
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, SEM, DO8B, Q8B,
                         K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
-                        D: tl.constexpr, BT: tl.constexpr):
+                        D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
     (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
     block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    zeros in the block's rows of the fp32 dQ buffer DQA (QR, HQ, D), which the kernel's reduce-adds
-    start from; the block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first
+    a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it; the
+    block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first
     head of a GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the
     block's do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
     block's heads and move whole (token, head, D) rows."""
@@ -498,8 +525,7 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, D
     ok = tok >= 0
     t = tl.where(ok, tok, 0).to(tl.int64)
     d = tl.arange(0, D)
-    tl.store(DQA + (r.to(tl.int64)[:, None] * HQ + h) * D + d[None, :],
-             tl.zeros([BT, D], tl.float32))
+    tl.store(SEM + h * (QR // BM) + (blk * BT) // BM, 0)
     offs = t[:, None] * stride_t + h * D + d[None, :]
     o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -893,7 +919,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     QR = kb.q_rows
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
-    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)   # the kernel stores first
     grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
     _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                             D=D, BT=SM90_PASS_ROWS, num_warps=4)
@@ -906,7 +932,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
     _attn_bwd_sm90_kernel[(kb.n_items,)](
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
-        _semaphores(deterministic, kb, Hq, BM), kb.items,
+        _semaphores(kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
         DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
@@ -928,7 +954,8 @@ class Fp8Prep:
     qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
     dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
-    dq_acc: torch.Tensor    # (QR, Hq, D) fp32 zeros: the kernel's dQ reduce-add target
+    dq_acc: torch.Tensor    # (QR, Hq, D) fp32, not initialized: the kernel's dQ target
+    sem: torch.Tensor       # (Hq, QR / BM) int32 zeros: the kernel's dQ writer states
 
 
 def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
@@ -952,6 +979,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
+    sem = torch.empty((Hq, QR // BM), dtype=torch.int32, device=dev)
     qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
@@ -961,10 +989,10 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8, qt8, kt8)]
     _bwd_preprocess_fp8[(nb * Hq,)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
-        bds, dq_acc, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
-        BT=DO_BLOCK, num_warps=cfg.fp8_pre_warps)
+        bds, sem, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
+        BT=DO_BLOCK, BM=BM, num_warps=cfg.fp8_pre_warps)
     cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
-    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc, sem)
 
 
 def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
@@ -1001,7 +1029,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
     )
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
-        *descs, dk, dv, _semaphores(deterministic, kb, Hq, BM), kb.items, kb.n_items, Hq // Hkv,
+        *descs, dk, dv, prep.sem, kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
         T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
         ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
@@ -1025,12 +1053,9 @@ def _grads(T, Hq, Hkv, D, dtype, dev):
             *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
 
 
-def _semaphores(deterministic: bool, kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:
-    """Deterministic mode's per-(query head, query block) counters of finished dQ adds; any
-    int32 tensor otherwise (never read)."""
-    if deterministic:
-        return torch.zeros((Hq, kb.q_rows // BM), dtype=torch.int32, device=kb.items.device)
-    return kb.items
+def _semaphores(kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:
+    """The dQ writer's per-(query head, query block) states (_bwd_dq_writer), zeroed."""
+    return torch.zeros((Hq, kb.q_rows // BM), dtype=torch.int32, device=kb.items.device)
 
 
 def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ by TMA reduce-add.
+"""Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ written by TMA.
 
 One CTA owns one key block (BN keys of one document) of one KV head and walks every query block that
 sees it, for every query head of the KV head's GQA group, in one loop; recipes bf16 (bf16 or fp16
@@ -14,8 +14,9 @@ rows, one query head), with S^T and dP^T in registers (keys are the rows):
     dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
 
 dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
-atomics); dQ of each step goes to shared memory, and a dedicated warp adds it into an fp32 buffer
-with a TMA reduce-add. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two
+atomics); dQ of each step goes to shared memory, and a dedicated warp writes it into an fp32 buffer
+by TMA: the first tile to reach a (query head, query block) is stored, the later ones reduce-added
+(_bwd_dq_writer), so the buffer is never zeroed. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two
 MMA warpgroups in the default partition (keys 0-63 and 64-127 of the block, warps stacked along M of
 every key-major GEMM; dQ splits its columns between them), one TMA loader warp and the dQ reduce-add
 warp, both at a low register budget.

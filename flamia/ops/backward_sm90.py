@@ -513,10 +513,10 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
     block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it; the
-    block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first
-    head of a GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the
-    block's do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
+    a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it;
+    the block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first head of a
+    GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the block's
+    do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
     block's heads and move whole (token, head, D) rows."""
     pid = tl.program_id(0)
     h = pid % HQ

@@ -15,6 +15,7 @@ recipe's one-pass kernel on quantize_qkv's operands.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -221,9 +222,13 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             qkv8 = fp8_timing_inputs(q, k, v, cu, causal)
             lse_b = lse.contiguous()
             fp8_args = (do, o, lse_b, lse_b, qkv8, cu, causal, scale)
-            for cfg in configs(D):      # the --configs tiles, as for the bf16 kernel
+            # the --configs tiles, as for the bf16 kernel, with the library's choice for this
+            # max_seqlen of where Q^T / dO^T are made
+            onchip = sm90_backward_config(D, maxlen).fp8_kmajor_onchip
+            for cfg in configs(D):
                 variants[f"fp8 m{cfg.block_m}n128"] = functools.partial(
-                    B.attention_backward_sm90_fp8, *fp8_args, config=cfg)
+                    B.attention_backward_sm90_fp8, *fp8_args,
+                    config=dataclasses.replace(cfg, fp8_kmajor_onchip=onchip))
             want = (B.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
                     if AB_BASE else None)
             for name, mod in AB_BASE.items():

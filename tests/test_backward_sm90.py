@@ -62,13 +62,14 @@ def test_key_blocks(causal, BM):
 
 
 _SCRIPT = r"""
-import json, re, sys, torch
+import dataclasses, json, re, sys, torch
 from flamia.ops import backward_sm90 as B
+from flamia.ops.config import sm90_backward_config
 from benchmarks.tools.compile import compile_only, fake_qkv, resource_usage
 from benchmarks.tools.sass import (local_memory_ops, loop_paths, main_loop, parse, predicated,
                                    sass_of)
 out = []
-for recipe, D, causal, det in json.loads(sys.argv[1]):
+for recipe, D, causal, det, onchip in json.loads(sys.argv[1]):
     T, Hq, Hkv = 1024, 8, 2
     q, do, o = (torch.randn(T, Hq, D).to(torch.bfloat16) for _ in range(3))
     k, v = (torch.randn(T, Hkv, D).to(torch.bfloat16) for _ in range(2))
@@ -77,7 +78,8 @@ for recipe, D, causal, det in json.loads(sys.argv[1]):
         if recipe == "fp8":
             B.attention_backward_sm90_fp8(do, o, torch.zeros(Hq, T), torch.zeros(Hq, T),
                                           fake_qkv(T, Hq, Hkv, D), cu, causal,
-                                          deterministic=det)
+                                          deterministic=det, config=dataclasses.replace(
+                                              sm90_backward_config(D), fp8_kmajor_onchip=onchip))
         else:
             B.attention_backward_sm90(do, o, torch.zeros(Hq, T), q, k, v, cu, causal,
                                       deterministic=det)
@@ -93,17 +95,20 @@ for recipe, D, causal, det in json.loads(sys.argv[1]):
     u["loop_local_ops"] = local_memory_ops(loop)
     plain = min(loop_paths(loop, predicated(sass)), key=len)
     u["plain_step_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
-    out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det})
+    out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det, "onchip": onchip})
 print("REPORT" + json.dumps(out))
 """
 
 
 def test_sm90_backward_compiles_clean():
-    jobs = [("bf16", 128, True, False), ("bf16", 64, True, False), ("bf16", 64, True, True),
-            ("bf16", 64, False, False), ("fp8", 128, True, False), ("fp8", 64, True, False),
-            ("fp8", 64, False, True)]
+    # (recipe, D, causal, deterministic, fp8's Q^T / dO^T made in the kernel)
+    jobs = [("bf16", 128, True, False, False), ("bf16", 64, True, False, False),
+            ("bf16", 64, True, True, False), ("bf16", 64, False, False, False),
+            ("fp8", 128, True, False, False), ("fp8", 128, True, False, True),
+            ("fp8", 64, True, False, False), ("fp8", 64, False, True, False)]
     for u in compile_report(_SCRIPT, json.dumps(jobs)):
-        tag = f"{u['recipe']} D={u['D']} causal={u['causal']} deterministic={u['det']}"
+        tag = (f"{u['recipe']} D={u['D']} causal={u['causal']} deterministic={u['det']} "
+               f"onchip={u['onchip']}")
         # D=64 steps of 128 query rows run at the register limit: ptxas parks a few scalars
         # there (20 B, one reload per step, an L1 hit); a spilled tile would be hundreds of
         # bytes and tens of loads per step.

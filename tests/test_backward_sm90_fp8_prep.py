@@ -5,6 +5,7 @@ operands built from the reference forward. The kernel itself runs on the H200
 (tests/gpu/test_backward_sm90_fp8_gpu.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported (tests/conftest.py too)
@@ -31,8 +32,8 @@ LOG2E = 1.4426950408889634
 
 
 @pytest.mark.parametrize("causal", (True, False))
-@pytest.mark.parametrize("D", (64, 128))
-def test_prepare_matches_reference(D, causal, monkeypatch):
+@pytest.mark.parametrize("D,onchip", ((64, False), (128, False), (128, True)))
+def test_prepare_matches_reference(D, onchip, causal, monkeypatch):
     Hq, Hkv = 4, 2
     q, k, v, cu = make_qkv(LENGTHS, Hq, Hkv, D, "outliers", seed=5)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
@@ -49,8 +50,9 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
             return x.fill_(-1)
         return x.fill_(float("nan")) if x.dtype == torch.float32 else x
     monkeypatch.setattr(torch, "empty", poisoned)
+    cfg = dataclasses.replace(sm90_backward_config(D), fp8_kmajor_onchip=onchip)
     prep = B.fp8_prepare(do, out, lse, saved.row_max.float().contiguous(), qkv, cu, causal, scale,
-                         sm90_backward_config(D))
+                         cfg)
     monkeypatch.setattr(torch, "empty", empty)
     prow = prep.kb.prow.long()
     assert prep.dq_acc.shape == (prep.kb.q_rows, Hq, D)   # the kernel's first write stores
@@ -85,8 +87,12 @@ def test_prepare_matches_reference(D, causal, monkeypatch):
     # the K-major copies: column c of the padded layout holds the token of row c (wgmma order
     # within 16 for dO^T and Q^T, pair order for K^T), zeros on pad columns
     cols = torch.arange(prep.kb.q_rows)
-    for x8, xT, order in ((prep.do8, prep.dot8, mma_order16_host), (qkv.q8, prep.qt8,
-                          mma_order16_host), (qkv.k8, prep.kt8, pair_order16_host)):
+    copies = [(qkv.k8, prep.kt8, pair_order16_host)]
+    if onchip:      # the kernel makes Q^T and dO^T itself
+        assert prep.qt8 is None and prep.dot8 is None
+    else:
+        copies += [(prep.do8, prep.dot8, mma_order16_host), (qkv.q8, prep.qt8, mma_order16_host)]
+    for x8, xT, order in copies:
         tok = prep.ptok.long()[order(cols)]
         ok = tok >= 0
         want = torch.zeros_like(xT.view(torch.uint8))

@@ -67,6 +67,12 @@ def test_backward_selection(monkeypatch, fake_capability):
             cfg = C.backward_config(D, recipe, cuda)
             assert cfg == Sm90BwdConfig(block_m=128 if D == 64 else 64), (recipe, D, cfg)
             assert C.select(D, recipe, cuda).backward == cfg
+    # fp8 at D=128 makes Q^T / dO^T in the kernel up to SM90_FP8_ONCHIP_MAX_SEQLEN tokens per
+    # document (max_seqlen), loads the preprocess's copies above it and at D=64
+    edge = C.SM90_FP8_ONCHIP_MAX_SEQLEN
+    for D, L, onchip in ((128, 512, True), (128, edge, True), (128, edge + 1, False),
+                         (128, None, False), (64, 512, False)):
+        assert C.backward_config(D, "fp8", cuda, max_seqlen=L).fp8_kmajor_onchip is onchip, (D, L)
     assert isinstance(C.backward_config(128, "bf16", cuda, torch.float16), Sm90BwdConfig)
     assert isinstance(C.backward_config(64, "fp8", cuda, torch.float8_e4m3fn), Sm90BwdConfig)
     assert isinstance(C.backward_config(128, "bf16", cuda, torch.float32), ReferenceBwdConfig)

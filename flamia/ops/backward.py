@@ -13,12 +13,13 @@ def attention_backward(dout, out, lse, qkv: QuantizedQKV, cu_seqlens, max_seqlen
                        softmax_scale=None, deterministic=False, config=None, grad_dtype=None):
     """(dq (T, Hq, D), dk, dv (T, Hkv, D)) in grad_dtype (default dout's dtype), dq and dk rotated
     back to the input space. dout, out (T, Hq, D); lse (Hq, T) fp32 from the forward. config:
-    config.backward_config(D, recipe, device, dtype) by default; a backward_sm90.Sm90BwdConfig runs
-    the one-pass Hopper kernel (its dQ adds are unordered unless deterministic=True; qkv.row_max is
-    required for fp8), ReferenceBwdConfig flamia.reference.backward on qkv's operands
-    (deterministic). max_seqlen is unused; cu_seqlens[-1] must be T."""
+    config.backward_config(D, recipe, device, dtype, max_seqlen) by default; a
+    backward_sm90.Sm90BwdConfig runs the one-pass Hopper kernel (its dQ adds are unordered unless
+    deterministic=True; qkv.row_max is required for fp8), ReferenceBwdConfig
+    flamia.reference.backward on qkv's operands (deterministic). max_seqlen (a bound on document
+    length) only selects the config; cu_seqlens[-1] must be T."""
     D = qkv.shape[3]
-    cfg = config or backward_config(D, qkv.recipe, dout.device, qkv.q8.dtype)
+    cfg = config or backward_config(D, qkv.recipe, dout.device, qkv.q8.dtype, max_seqlen)
     if isinstance(cfg, ReferenceBwdConfig):
         from ..reference import backward
         dq, dk, dv = backward(dout, out, lse, reference_saved(qkv, causal), cu_seqlens,

@@ -475,7 +475,9 @@ if HAVE_GLUON:
 # documents): dO^T and Q^T (Hq, D, QR) for dV += P^T dO and dK += dS^T Q, columns in wgmma order
 # within 16 (flamia.ops.kmajor: X^T's and Y^T's accumulators are then the A operands), and K^T of
 # the block copy (Hkv, D, QR) for dQ = dS K, columns in pair order within 16 (the kernel stores dS
-# as 2-byte, not 1-byte, values).
+# as 2-byte, not 1-byte, values). At D=128 on short documents (config.fp8_kmajor_onchip) the
+# kernel makes dO^T and Q^T itself: two transposer warps build each step's tiles in shared memory
+# from the do8 / q8 tiles, and the preprocess writes only K^T.
 #
 # Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row vectors
 # A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row), Hv = sqf (0 for a
@@ -508,15 +510,17 @@ def _pow2_bound(amax):
 @triton.jit
 def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, SEM, DO8B, Q8B,
                         K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
-                        D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
+                        D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                        QT_DOT: tl.constexpr):
     """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
     (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
     block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
     a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it;
-    the block's columns of the K-major copies dO^T, Q^T (wgmma order) and, for the first head of a
-    GQA group, K^T (pair order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the block's
-    do8 rows are stored. Program blk * HQ + head: the CTAs resident together hold one
+    the block's columns of the K-major copies dO^T, Q^T (wgmma order; QT_DOT, i.e. unless the
+    kernel makes them from q8 / do8 itself) and, for the first head of a GQA group, K^T (pair
+    order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the block's do8 rows are stored.
+    Program blk * HQ + head: the CTAs resident together hold one
     block's heads and move whole (token, head, D) rows."""
     pid = tl.program_id(0)
     h = pid % HQ
@@ -557,8 +561,9 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
     tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
     tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
-    copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)        # ORDER_MMA_A
-    copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
+    if QT_DOT:
+        copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)    # ORDER_MMA_A
+        copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
     if h % GROUP == 0:
         copy_columns(K8B, KT8, PTOK, QR, stride_kt, h // GROUP, blk * BT, D, BT, 2)  # PAIRS
 
@@ -643,10 +648,30 @@ if HAVE_GLUON:
         return gl.convert_layout(y * (1.0 / gl.sqrt(D * 1.0)), x_l)
 
     @gluon.jit
+    def _load_stage(desc, t_desc, vec_desc, bar, smem, t_smem, vec_smem, sv, VI: gl.constexpr, h,
+                    HQ, row, prow, ONCHIP: gl.constexpr):
+        """One ring stage of Q (VI = 0) or dO (VI = 2), all counted on `bar`: its rows, its
+        K-major copy unless ONCHIP, and its two per-row vectors (A, B or Hv, E) into vec_smem's
+        slots sv + VI and sv + VI + 1."""
+        D: gl.constexpr = smem.type.shape[1]
+        if ONCHIP:
+            mbarrier.expect(bar, desc.block_type.nbytes + 2 * vec_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes + t_desc.block_type.nbytes
+                            + 2 * vec_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(t_desc, [h * D, prow], bar, t_smem)
+        tma.async_copy_global_to_shared(desc, [row, h * D], bar, smem)
+        tma.async_copy_global_to_shared(vec_desc, [VI * HQ + h, prow], bar,
+                                        vec_smem.index(sv + VI))
+        tma.async_copy_global_to_shared(vec_desc, [(VI + 1) * HQ + h, prow], bar,
+                                        vec_smem.index(sv + VI + 1))
+
+    @gluon.jit
     def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                     kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
                     v_smem, kt_smem, vec_smem, kv_ready, kt_ready, q_ready, do_ready,
-                    q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL: gl.constexpr):
+                    q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL: gl.constexpr,
+                    KMAJOR_ONCHIP: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -676,24 +701,13 @@ if HAVE_GLUON:
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
-                qb = q_ready.index(s)
-                mbarrier.expect(qb, q_desc.block_type.nbytes + qt_desc.block_type.nbytes
-                                + 2 * vec_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start + q0, h * D], qb, q_smem.index(s))
-                tma.async_copy_global_to_shared(qt_desc, [h * D, pq + q0], qb, qt_smem.index(s))
-                tma.async_copy_global_to_shared(vec_desc, [h, pq + q0], qb,
-                                                vec_smem.index(s * NV))
-                tma.async_copy_global_to_shared(vec_desc, [HQ + h, pq + q0], qb,
-                                                vec_smem.index(s * NV + 1))
-                db = do_ready.index(s)
-                mbarrier.expect(db, do_desc.block_type.nbytes + dot_desc.block_type.nbytes
-                                + 2 * vec_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
-                tma.async_copy_global_to_shared(dot_desc, [h * D, pq + q0], db, dot_smem.index(s))
-                tma.async_copy_global_to_shared(vec_desc, [2 * HQ + h, pq + q0], db,
-                                                vec_smem.index(s * NV + 2))
-                tma.async_copy_global_to_shared(vec_desc, [3 * HQ + h, pq + q0], db,
-                                                vec_smem.index(s * NV + 3))
+                # Q^T and dO^T come by TMA unless the transposer warps make them
+                _load_stage(q_desc, qt_desc, vec_desc, q_ready.index(s), q_smem.index(s),
+                            qt_smem.index(s), vec_smem, s * NV, 0, h, HQ, start + q0, pq + q0,
+                            KMAJOR_ONCHIP)
+                _load_stage(do_desc, dot_desc, vec_desc, do_ready.index(s), do_smem.index(s),
+                            dot_smem.index(s), vec_smem, s * NV, 2, h, HQ, start + q0, pq + q0,
+                            KMAJOR_ONCHIP)
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
@@ -712,11 +726,89 @@ if HAVE_GLUON:
         ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
 
     @gluon.jit
+    def _quad_transpose(a, b, c, d):
+        """4 x 4 byte transpose: words a, b, c, d (rows) -> word k = (a_k, b_k, c_k, d_k)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, t2, t3; "
+            "prmt.b32 t0, $4, $5, 0x5140; prmt.b32 t1, $6, $7, 0x5140; "
+            "prmt.b32 t2, $4, $5, 0x7362; prmt.b32 t3, $6, $7, 0x7362; "
+            "prmt.b32 $0, t0, t1, 0x5410; prmt.b32 $1, t0, t1, 0x7632; "
+            "prmt.b32 $2, t2, t3, 0x5410; prmt.b32 $3, t2, t3, 0x7632; }",
+            "=r,=r,=r,=r,r,r,r,r", [a, b, c, d], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
+
+    @gluon.jit
+    def _kmajor_tile_words(src, dst, n_valid):
+        """dst[d, c] = src[mma_order16(c), d], rows of src from n_valid on taken as 0: the K-major
+        copy (wgmma A order, kmajor.ORDER_MMA_A) of a (64, 128) or (128, 64) fp8 tile, made in
+        shared memory from the row-major tile by 2 warps in 4-byte words. Per 16-row group each
+        thread loads the words of one word column in rows 2j, 2j + 1, 2j + 8, 2j + 9 (wgmma A
+        order's columns 4j .. 4j + 3), transposes them by bytes in registers (prmt) and stores 4-
+        or 8-byte runs of the K-major rows: shared-memory accesses are whole rows per warp
+        instruction instead of bytes."""
+        BM: gl.constexpr = src.type.shape[0]
+        D: gl.constexpr = src.type.shape[1]
+        W: gl.constexpr = D // 4
+        src32 = src._reinterpret(gl.int32, [BM, W], gl.NVMMASharedLayout(
+            swizzle_byte_width=src.type.layout.swizzle_byte_width, element_bitwidth=32, rank=2))
+        dst32 = dst._reinterpret(gl.int32, [D, BM // 4], gl.NVMMASharedLayout(
+            swizzle_byte_width=dst.type.layout.swizzle_byte_width, element_bitwidth=32, rank=2))
+        # each thread: rows 2j, 2j + 1, 2j + 8, 2j + 9 of a group (one or two j) of one word column
+        if W == 32:
+            lay: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [2, 1], [0, 1])
+        else:
+            lay: gl.constexpr = gl.BlockedLayout([2, 1], [2, 16], [2, 1], [0, 1])
+        r = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, lay)), 1)
+        for g in gl.static_range(BM // 16):
+            x = src32.slice(16 * g, 16, 0).load(lay)                  # (16 rows, W words)
+            x = gl.where(r + 16 * g < n_valid, x, 0)   # the next document's rows go
+            # row = 8 h + 4 jw + 2 j0 + p  ->  (jw, j0, w, h, p)
+            y = gl.permute(gl.reshape(x, [2, 2, 2, 2, W]), (1, 2, 4, 0, 3))
+            lo, hi = gl.split(y)
+            a, c = gl.split(lo)
+            b, d = gl.split(hi)
+            o0, o1, o2, o3 = _quad_transpose(a, b, c, d)              # (jw, j0, w): d = 4 w + k
+            z = gl.join(gl.join(o0, o1), gl.join(o2, o3))             # (jw, j0, w, k0, k1)
+            z = gl.reshape(gl.permute(z, (2, 4, 3, 0, 1)), [D, 4])   # (4 w + k, 2 jw + j0)
+            dst32.slice(4 * g, 4, 1).store(z)
+
+    @gluon.jit
+    def _fp8_transposer(q_smem, qt_smem, do_smem, dot_smem, q_ready, do_ready, t_ready, ITEMS,
+                        N_ITEMS, GROUP, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                        KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
+        """dO^T and Q^T of every step in shared memory (_kmajor_tile_words) from the do8 / q8 tiles
+        the loader brought, off the compute warps' path, in the order the step uses them:
+        t_ready[2 s] says dO^T (dV's B operand) is made, t_ready[2 s + 1] Q^T (dK's). The stage
+        is reloaded only after the compute warps free it, which is after they waited on both, so
+        no other barrier is needed."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+        if KMAJOR_ONCHIP and doc >= 0:
+            m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+            h = kvh * GROUP
+            q0 = m_lo * BM
+            for i in range(GROUP * n_m):
+                s = i % STAGES
+                ph = (i // STAGES) & 1
+                mbarrier.wait(do_ready.index(s), ph)
+                _kmajor_tile_words(do_smem.index(s), dot_smem.index(s), L - q0)
+                fence_async_shared()
+                gl.thread_barrier()
+                arrive_synced(t_ready.index(2 * s))
+                mbarrier.wait(q_ready.index(s), ph)
+                _kmajor_tile_words(q_smem.index(s), qt_smem.index(s), L - q0)
+                fence_async_shared()
+                gl.thread_barrier()
+                arrive_synced(t_ready.index(2 * s + 1))
+                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
-                     dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
+                     t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
                      SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
-                     ROTATE: gl.constexpr, num_warps: gl.constexpr):
+                     ROTATE: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
@@ -777,6 +869,8 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
+                if KMAJOR_ONCHIP:   # dO^T (dV's B operand), made by the transposer warps
+                    mbarrier.wait(t_ready.index(2 * s), ph)   # under S^T / dP^T
                 st = warpgroup_mma_wait(1, deps=[st])
                 edge_q = q0 + BM > L
                 if CAUSAL:
@@ -822,6 +916,8 @@ if HAVE_GLUON:
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
+                if KMAJOR_ONCHIP:   # Q^T, made by the transposer warps after dO^T
+                    mbarrier.wait(t_ready.index(2 * s + 1), ph)
                 dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 dq = dq * u_off
@@ -856,7 +952,8 @@ if HAVE_GLUON:
                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                   ROTATE: gl.constexpr,
                                   LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                                  DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
+                                  DETERMINISTIC: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr,
+                                  num_warps: gl.constexpr):
         f8: gl.constexpr = gl.float8e4nv
         q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
         qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
@@ -874,22 +971,27 @@ if HAVE_GLUON:
         q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
         q_free = alloc_barriers(STAGES)
         dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        t_ready = alloc_barriers(2 * STAGES)
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                             ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
-                            q_free, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                            q_free, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS,
+                            NB, CTA,
                             SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
-                            num_warps)),
+                            KMAJOR_ONCHIP, num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
                            k_smem, v_smem, kt_smem, vec_smem, kv_ready, kt_ready,
-                           q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL)),
+                           q_ready, do_ready, q_free, ITEMS, N_ITEMS, GROUP, HQ, CAUSAL,
+                           KMAJOR_ONCHIP)),
             (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                               QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
-        ], [1, 1], [LOADER_REGS, DQ_REGS])
+            (_fp8_transposer, (q_smem, qt_smem, do_smem, dot_smem, q_ready, do_ready, t_ready,
+                               ITEMS, N_ITEMS, GROUP, BN, CAUSAL, KMAJOR_ONCHIP, 2)),
+        ], [1, 1, 2], [LOADER_REGS, DQ_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_ready)
         mbarrier.invalidate(kt_ready)
-        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free))
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, t_ready))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,8 +1054,8 @@ class Fp8Prep:
     bpt: torch.Tensor       # (Hq, QR / 64) per 64-row block the max of the row bounds of P^T
     bds: torch.Tensor       # and of dS, of which the kernel takes its CTA scales
     cta: torch.Tensor       # (2, n_items) c_pt, c_ds per work-list column, written by the kernel
-    qt8: torch.Tensor       # (Hq, D, QR) K-major Q (columns in wgmma order within 16)
-    dot8: torch.Tensor      # (Hq, D, QR) K-major dO (the same order)
+    qt8: torch.Tensor | None    # (Hq, D, QR) K-major Q (columns in wgmma order within 16), or
+    dot8: torch.Tensor | None   # None where the kernel makes them (fp8_kmajor_onchip); K-major dO
     kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
     dq_acc: torch.Tensor    # (QR, Hq, D) fp32, not initialized: the kernel's dQ target
     sem: torch.Tensor       # (Hq, QR / BM) int32 zeros: the kernel's dQ writer states
@@ -981,17 +1083,21 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
     bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
     sem = torch.empty((Hq, QR // BM), dtype=torch.int32, device=dev)
-    qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
-    dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
     kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
-    for src, dst, order in ((do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A),
-                            (qkv.k8, kt8, ORDER_PAIRS)):
+    copies = [(qkv.k8, kt8, ORDER_PAIRS)]
+    qt8 = dot8 = None
+    if not cfg.fp8_kmajor_onchip:
+        qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+        dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+        copies += [(do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A)]
+    for src, dst, order in copies:
         check_copy(src, dst, order)
-    u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8, qt8, kt8)]
+    u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8 if dot8 is not None else kt8,
+                                         qt8 if qt8 is not None else kt8, kt8)]
     _bwd_preprocess_fp8[(nb * Hq,)](
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
         bds, sem, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
-        BT=DO_BLOCK, BM=BM, num_warps=cfg.fp8_pre_warps)
+        BT=DO_BLOCK, BM=BM, QT_DOT=qt8 is not None, num_warps=cfg.fp8_pre_warps)
     cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
     return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc, sem)
 
@@ -1001,10 +1107,13 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
                                 config: Sm90BwdConfig | None = None):
     """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized operands qkv
     (layout.QuantizedQKV with the block and diagonal copies), out, lse and row max (Hq, T), as
-    reference.backward / _backward_kvblock define them: fp8_prepare, the kernel, fp8_post."""
+    reference.backward / _backward_kvblock define them: fp8_prepare, the kernel, fp8_post.
+    config: sm90_backward_config(D) by default (Q^T / dO^T from the preprocess's copies)."""
     T, Hq, D = qkv.q8.shape
     Hkv = qkv.k8.shape[1]
     cfg = config or sm90_backward_config(D)
+    if cfg.fp8_kmajor_onchip and D != 128:
+        raise ValueError(f"config.fp8_kmajor_onchip needs head dim 128, not {D}")
     BM, BN = cfg.block_m, SM90_BLOCK_N
     dev = dout.device
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -1016,11 +1125,17 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     kb, QR = prep.kb, prep.kb.q_rows
     k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
                           else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
+    if prep.qt8 is None:    # made by the kernel: the descriptors only give the tiles' layout
+        tile = torch.empty((D, BM), dtype=torch.float8_e4m3fn, device=dev)
+        qt_d = dot_d = descriptor_2d(tile, D, BM, BM, [D, BM])
+    else:
+        qt_d = descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM])
+        dot_d = descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM])
     descs = (
         descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM]),
+        qt_d,
         descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
-        descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM]),
+        dot_d,
         descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
         descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
@@ -1034,7 +1149,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
         T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
         ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
-        DETERMINISTIC=bool(deterministic), num_warps=8)
+        DETERMINISTIC=bool(deterministic), KMAJOR_ONCHIP=prep.qt8 is None, num_warps=8)
     fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
     return dq, dk, dv
 

@@ -132,14 +132,30 @@ class Sm90BwdConfig:
     fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4
+    fp8_kmajor_onchip: bool = False  # fp8, D=128: the kernel makes Q^T / dO^T in shared memory
 
 
-def sm90_backward_config(head_dim: int) -> Sm90BwdConfig:
+# fp8 at D=128: up to this max_seqlen the kernel's transposer warps make Q^T and dO^T from the q8 /
+# do8 tiles, instead of the preprocess writing K-major copies for the kernel to load. The
+# preprocess transposes each token once; the kernel once per key block that visits it, so the
+# in-kernel cost grows with the document while the saved pass does not. Whole fp8 backward on an
+# H100 (benchmarks/NOTES.md, 2026-12-05 eighth session): -12 % at 2048-token documents, -11 % at
+# 512, +8 % at 8192 (+15 % at 32768); a fit of those crosses over near 3.7k tokens.
+SM90_FP8_ONCHIP_MAX_SEQLEN = 3072
+
+
+def sm90_backward_config(head_dim: int, max_seqlen: int | None = None) -> Sm90BwdConfig:
     """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
-    next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps."""
+    next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps;
+    fp8's K-major Q^T / dO^T made in the kernel at D=128 for documents of at most
+    SM90_FP8_ONCHIP_MAX_SEQLEN tokens (max_seqlen; None: loaded from the preprocess's copies). At
+    D=64 the kernel always loads them: its step, at its register limit, spills with the
+    transposer's barriers."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
-    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64)
+    onchip = (head_dim == 128 and max_seqlen is not None
+              and max_seqlen <= SM90_FP8_ONCHIP_MAX_SEQLEN)
+    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64, fp8_kmajor_onchip=onchip)
 
 
 @dataclass(frozen=True)
@@ -149,11 +165,13 @@ class ReferenceBwdConfig:
     (layout.reference_saved). The same function as the kernel's, not its speed."""
 
 
-def backward_config(head_dim: int, recipe, device, dtype=torch.bfloat16):
+def backward_config(head_dim: int, recipe, device, dtype=torch.bfloat16,
+                    max_seqlen: int | None = None):
     """The config of the backward a call runs: Sm90BwdConfig (the one-pass kernel) or
-    ReferenceBwdConfig."""
+    ReferenceBwdConfig. max_seqlen: the call's bound on document length (a performance choice
+    only, sm90_backward_config)."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
-        return sm90_backward_config(head_dim)
+        return sm90_backward_config(head_dim, max_seqlen)
     return ReferenceBwdConfig()
 
 

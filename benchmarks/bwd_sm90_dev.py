@@ -174,7 +174,7 @@ def interleaved_ms(variants: dict, rounds: int, timer=None) -> dict:
 
 
 def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False,
-                   rounds=3):
+                   rounds=3, both_modes=False):
     """Per workload, every variant (the --ab copies and the library, bf16 and with fp8 the fp8
     recipe, deterministic mode with args_det, FA4 when importable) timed in `rounds` interleaved
     rounds, the order reversed every other round (a variant's block of calls is ~0.25 s): the
@@ -229,6 +229,10 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
                 variants[f"fp8 m{cfg.block_m}n128"] = functools.partial(
                     B.attention_backward_sm90_fp8, *fp8_args,
                     config=dataclasses.replace(cfg, fp8_kmajor_onchip=onchip))
+                if both_modes and D == 128:     # the other choice as well
+                    variants[f"fp8 m{cfg.block_m}n128 onchip={not onchip}"] = functools.partial(
+                        B.attention_backward_sm90_fp8, *fp8_args,
+                        config=dataclasses.replace(cfg, fp8_kmajor_onchip=not onchip))
             want = (B.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
                     if AB_BASE else None)
             for name, mod in AB_BASE.items():
@@ -320,6 +324,8 @@ def main():
                     "backward (at each --configs tile)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per "
                     "workload (median and spread reported)")
+    ap.add_argument("--both-modes", action="store_true", help="with --fp8 at D=128: also the "
+                    "other choice of config.fp8_kmajor_onchip than the library's")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
 
@@ -339,7 +345,7 @@ def main():
     if args.time:
         time_workloads([x for x in args.workloads.split(",") if x], configs, args_det=args.det,
                        shapes=[x for x in args.shapes.split(",") if x],
-                       fp8=args.fp8, rounds=args.rounds)
+                       fp8=args.fp8, rounds=args.rounds, both_modes=args.both_modes)
     sys.exit(0 if ok else 1)
 
 

@@ -75,8 +75,10 @@ def main():
         out, lse, rmax = attention_forward(qkv, cu, max(lengths), True, None, torch.bfloat16,
                                            return_row_max=True)
         first = None
+        # the library's config for this max_seqlen (so the preprocess's K-major copies are
+        # written or not as a call would), with the settings' pass launches
         runs = [(f"{pre_w}:{post_bt}:{post_w}", B, replace(
-            sm90_backward_config(D), fp8_pre_warps=pre_w, fp8_post_rows=post_bt,
+            sm90_backward_config(D, max(lengths)), fp8_pre_warps=pre_w, fp8_post_rows=post_bt,
             fp8_post_warps=post_w)) for pre_w, post_bt, post_w in settings]
         runs += [(n, m, None) for n, m in mods.items()]
         times = {label: [] for label, _, _ in runs}

@@ -560,8 +560,8 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     nb = QR // BT
     tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
     tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
-    tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
     if QT_DOT:
+        tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
         copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)    # ORDER_MMA_A
         copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
     if h % GROUP == 0:
@@ -1126,8 +1126,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
                           else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
     if prep.qt8 is None:    # made by the kernel: the descriptors only give the tiles' layout
-        tile = torch.empty((D, BM), dtype=torch.float8_e4m3fn, device=dev)
-        qt_d = dot_d = descriptor_2d(tile, D, BM, BM, [D, BM])
+        qt_d = dot_d = descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BM])
     else:
         qt_d = descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM])
         dot_d = descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM])

@@ -3,7 +3,8 @@ tree under launch configs (config.QuantizeConfig) against copies of flamia/ops/q
 (e.g. `git show HEAD:flamia/ops/quantize.py > base.py`).
 
     python benchmarks/quant_ab.py --ab base=base.py [--workloads doc512_x64,...]
-        [--configs 64:4:8,128:8:8]          # tokens per q program : q warps : K/V warps
+        [--configs 64:4:8,128:8:8:128:4]    # tokens per q program : q warps : K/V warps
+                                            #   [: V columns per program : their warps]
 
 Per workload: every variant's outputs (q8, the K / V block and diagonal copies, scales, vcap,
 vnorm) compared with the working tree's default (bytes that differ: rotation ties only are
@@ -28,7 +29,7 @@ from flamia.ops import quantize as current  # noqa: E402
 from flamia.ops.config import QuantizeConfig  # noqa: E402
 
 FIELDS = ("q8", "k8", "v8", "sq", "sk", "sv", "k8_diag", "v8_diag", "sk_diag", "sv_diag", "vcap",
-          "vnorm")
+          "vnorm", "vt8", "vt8_diag", "scale_cols")
 
 
 def differ(a, b) -> int:
@@ -43,8 +44,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ab", default="", help="name=path,... copies of quantize.py")
     ap.add_argument("--workloads", default="doc512_x64,doc32k,d64_doc8k_x4")
-    ap.add_argument("--configs", default="", help="block_t:q_warps:kv_warps,... of the working "
-                    "tree's kernels, besides the default")
+    ap.add_argument("--configs", default="", help="block_t:q_warps:kv_warps[:cols_block:"
+                    "cols_warps],... of the working tree's kernels (config.QuantizeConfig), "
+                    "besides the default")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     mods = {}

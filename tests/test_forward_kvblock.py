@@ -147,7 +147,8 @@ def test_quantize_tiling_free_and_reference_only_recipes_refused():
     fp8_token: reference only) are refused."""
     q, k, v, cu, x = _case(64, True)
     y = quantize_qkv(q, k, v, cu, "fp8", True,
-                     launch=QuantizeConfig(block_t=32, q_warps=8, kv_warps=4))
+                     launch=QuantizeConfig(block_t=32, q_warps=8, kv_warps=4, cols_block=128,
+                                           cols_warps=8))
     assert y.recipe == "fp8"
     for name in ("q8", "k8", "v8", "k8_diag", "v8_diag", "vt8", "vt8_diag"):
         assert torch.equal(getattr(x, name).view(torch.uint8), getattr(y, name).view(torch.uint8)), name

@@ -80,10 +80,13 @@ class PersistentFwdConfig:
 @dataclass(frozen=True)
 class QuantizeConfig:
     """quantize_qkv's launches: tokens per q program, warps of the q programs and of the K / V block
-    programs (one 128-token block each). Only the schedule: every choice writes the same bytes."""
+    programs (one 128-token block each), columns and warps of the V column programs
+    (_kvblock_cols_kernel). Only the schedule: every choice writes the same bytes."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
+    cols_block: int = 64
+    cols_warps: int = 4
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:

@@ -298,12 +298,12 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
         k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
         ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
     check_copy(v8, vt8, ORDER_MMA_A)
-    block_c = 64
+    block_c = launch.cols_block
     n_cols = triton.cdiv(Tp, block_c)
     _kvblock_cols_kernel[(max(n_cols, n_items), 3 * Hkv)](
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
         vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,
         BLOCK_C=block_c, CAUSAL=bool(causal), KVB=KV_BLOCK,
-        CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=4)
+        CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=launch.cols_warps)
     return out

@@ -240,8 +240,11 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
                 got = mod.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
                 print(f"{w['name']} {name} fp8 deterministic grads bitwise the library's:",
                       [bool(torch.equal(a, b)) for a, b in zip(got, want)], flush=True)
-                variants[f"{name} fp8"] = functools.partial(mod.attention_backward_sm90_fp8,
-                                                            *fp8_args)
+                # the copy under the library's config for this max_seqlen (the same mode of
+                # Q^T / dO^T as the working tree's variant), built by this tree's config module
+                variants[f"{name} fp8"] = functools.partial(
+                    mod.attention_backward_sm90_fp8, *fp8_args,
+                    config=sm90_backward_config(D, maxlen))
             if args_det:
                 variants["fp8 det"] = functools.partial(B.attention_backward_sm90_fp8, *fp8_args,
                                                         deterministic=True)

@@ -476,7 +476,7 @@ if HAVE_GLUON:
 # within 16 (flamia.ops.kmajor: X^T's and Y^T's accumulators are then the A operands), and K^T of
 # the block copy (Hkv, D, QR) for dQ = dS K, columns in pair order within 16 (the kernel stores dS
 # as 2-byte, not 1-byte, values). At D=128 on short documents (config.fp8_kmajor_onchip) the
-# kernel makes dO^T and Q^T itself: two transposer warps build each step's tiles in shared memory
+# kernel makes dO^T and Q^T itself: the two helper warps build each step's tiles in shared memory
 # from the do8 / q8 tiles, and the preprocess writes only K^T.
 #
 # Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row vectors
@@ -701,7 +701,7 @@ if HAVE_GLUON:
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
-                # Q^T and dO^T come by TMA unless the transposer warps make them
+                # Q^T and dO^T come by TMA unless the helper warps make them
                 _load_stage(q_desc, qt_desc, vec_desc, q_ready.index(s), q_smem.index(s),
                             qt_smem.index(s), vec_smem, s * NV, 0, h, HQ, start + q0, pq + q0,
                             KMAJOR_ONCHIP)
@@ -773,41 +773,94 @@ if HAVE_GLUON:
             dst32.slice(4 * g, 4, 1).store(z)
 
     @gluon.jit
-    def _fp8_transposer(q_smem, qt_smem, do_smem, dot_smem, q_ready, do_ready, t_ready, ITEMS,
-                        N_ITEMS, GROUP, BN: gl.constexpr, CAUSAL: gl.constexpr,
-                        KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
-        """dO^T and Q^T of every step in shared memory (_kmajor_tile_words) from the do8 / q8 tiles
-        the loader brought, off the compute warps' path, in the order the step uses them:
-        t_ready[2 s] says dO^T (dV's B operand) is made, t_ready[2 s + 1] Q^T (dK's). The stage
-        is reloaded only after the compute warps free it, which is after they waited on both, so
-        no other barrier is needed."""
+    def _fp8_helper(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready, do_ready,
+                    t_ready, cs_ready, ITEMS, N_ITEMS, GROUP, SK, SV, T, BN: gl.constexpr,
+                    CAUSAL: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
+        """Each step's per-query vectors scaled by the CTA's scalars in place, once
+        per step instead of once per compute thread: A sk (A alone on a diagonal step, whose
+        per-key scales the compute warps apply), B + log2 c_pt, Hv sv R (diagonal: Hv R), E R,
+        R = c_pt / c_ds (c_pt, c_ds from the compute warps: cs_smem, cs_ready); with
+        KMAJOR_ONCHIP dO^T then Q^T in shared memory (_kmajor_tile_words) from the do8 / q8
+        tiles the loader brought. t_ready[2 s] says the vectors (and dO^T, dV's B operand) are
+        ready, t_ready[2 s + 1] Q^T (dK's). The stage is reloaded only after the compute warps
+        free it, which is after they waited on both, so no other barrier is needed."""
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
-        if KMAJOR_ONCHIP and doc >= 0:
-            m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+        if doc >= 0:
+            k0 = blk * BN
+            m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+            kv_row = kvh.to(gl.int64) * T + start + k0
+            skb = gl.load(SK + kv_row)
+            svb = gl.load(SV + kv_row)
+            mbarrier.wait(cs_ready, 0)      # the CTA scalars, which the compute warps reduced
+            cs = cs_smem.load(gl.BlockedLayout([2], [32], [num_warps], [0]))
+            two = gl.arange(0, 2, layout=cs.type.layout)
+            c_pt = gl.sum(gl.where(two == 0, cs, 0.0), axis=0)    # (a NaN stays NaN)
+            c_ds = gl.sum(gl.where(two == 1, cs, 0.0), axis=0)
+            lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
+            ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+            ratio_svb = ratio * svb     # (exact: svb is a power of two)
             h = kvh * GROUP
             q0 = m_lo * BM
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 ph = (i // STAGES) & 1
+                if CAUSAL:
+                    diag = q0 < k0 + BN
+                else:
+                    diag = q0 < 0
+                va = vec_smem.index(s * NV)._reinterpret(gl.float32, [BM], flat)
+                vb = vec_smem.index(s * NV + 1)._reinterpret(gl.float32, [BM], flat)
+                vh = vec_smem.index(s * NV + 2)._reinterpret(gl.float32, [BM], flat)
+                ve = vec_smem.index(s * NV + 3)._reinterpret(gl.float32, [BM], flat)
+                mbarrier.wait(q_ready.index(s), ph)
+                if not diag:
+                    va.store(va.load(lay) * skb)
+                vb.store(vb.load(lay) + lcpt)
                 mbarrier.wait(do_ready.index(s), ph)
-                _kmajor_tile_words(do_smem.index(s), dot_smem.index(s), L - q0)
-                fence_async_shared()
+                if diag:
+                    vh.store(vh.load(lay) * ratio)
+                else:
+                    vh.store(vh.load(lay) * ratio_svb)
+                ve.store(ve.load(lay) * ratio)
+                if KMAJOR_ONCHIP:
+                    _kmajor_tile_words(do_smem.index(s), dot_smem.index(s), L - q0)
+                fence_async_shared()   # before the stage's next TMA (and dO^T's wgmma)
                 gl.thread_barrier()
                 arrive_synced(t_ready.index(2 * s))
-                mbarrier.wait(q_ready.index(s), ph)
-                _kmajor_tile_words(q_smem.index(s), qt_smem.index(s), L - q0)
-                fence_async_shared()
-                gl.thread_barrier()
-                arrive_synced(t_ready.index(2 * s + 1))
+                if KMAJOR_ONCHIP:
+                    mbarrier.wait(q_ready.index(s), ph)
+                    _kmajor_tile_words(q_smem.index(s), qt_smem.index(s), L - q0)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    arrive_synced(t_ready.index(2 * s + 1))
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
+    def _mul_rn(x, v):
+        """x v rounded on its own: mul.rn is never contracted into an FMA with a later add (at
+        128 query rows the FMA would keep two per-query vectors live at once and spill)."""
+        x, v = gl.broadcast(x, v)
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, v],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _times(x, v, NOFUSE: gl.constexpr):
+        """x v, by _mul_rn with NOFUSE."""
+        if NOFUSE:
+            return _mul_rn(x, v)
+        else:
+            return x * v
+
+    @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                     ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
-                     t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
-                     SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
+                     cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                     SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
                      ROTATE: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -837,12 +890,13 @@ if HAVE_GLUON:
                                      (pq + L + DO_BLOCK_C - 1) // DO_BLOCK_C, num_warps)
             gl.store(CTA + item, c_pt)
             gl.store(CTA + N_ITEMS + item, c_ds)
+            # for the helper warps, which scale the per-query vectors by them
+            two = gl.arange(0, 2, layout=gl.BlockedLayout([2], [32], [num_warps], [0]))
+            cs_smem.store(gl.where(two == 0, c_pt, c_ds))
+            gl.thread_barrier()
+            arrive_synced(cs_ready)
             kv_row = kvh.to(gl.int64) * T + start + k0
             skb = gl.load(SK + kv_row)
-            svb = gl.load(SV + kv_row)
-            lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
-            ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
-            ratio_svb = ratio * svb     # (exact: svb is a power of two) one product per column
             u_off = c_ds * skb
             if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
                 keys = gl.arange(0, BN, layout=row_l)
@@ -869,24 +923,26 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
-                if KMAJOR_ONCHIP:   # dO^T (dV's B operand), made by the transposer warps
-                    mbarrier.wait(t_ready.index(2 * s), ph)   # under S^T / dP^T
                 st = warpgroup_mma_wait(1, deps=[st])
+                # the helper's vectors (and with KMAJOR_ONCHIP dO^T, dV's B operand)
+                mbarrier.wait(t_ready.index(2 * s), ph)
                 edge_q = q0 + BM > L
                 if CAUSAL:
                     masked = diag | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                # one per-query vector live at a time (32 registers each at 128 query rows)
+                # one per-query vector live at a time (32 registers each at 128 query rows),
+                # each already scaled by the CTA's scalars (_fp8_helper); at 128 rows the products
+                # are not contracted into FMAs, which would keep two vectors live (_mul_rn)
                 va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
                 if CAUSAL:
                     if diag:
                         xt = (st * skt) * va
                     else:
-                        xt = st * (va * skb)
+                        xt = _times(st, va, BM == 128)
                 else:
-                    xt = st * (va * skb)
-                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0) + lcpt
+                    xt = _times(st, va, BM == 128)
+                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0)
                 xt = gl.exp2(xt - vb)
                 if masked:
                     ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
@@ -895,12 +951,12 @@ if HAVE_GLUON:
                 vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0)
                 if CAUSAL:
                     if diag:
-                        yt = (dpt * svt) * (vh * ratio)
+                        yt = (dpt * svt) * vh
                     else:
-                        yt = dpt * (vh * ratio_svb)
+                        yt = _times(dpt, vh, BM == 128)
                 else:
-                    yt = dpt * (vh * ratio_svb)
-                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0) * ratio
+                    yt = _times(dpt, vh, BM == 128)
+                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0)
                 yt = xt * (yt - ve)
                 if masked:   # dP^T of keys past the document end may be NaN
                     yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
@@ -916,7 +972,7 @@ if HAVE_GLUON:
                 dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
                                    gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
-                if KMAJOR_ONCHIP:   # Q^T, made by the transposer warps after dO^T
+                if KMAJOR_ONCHIP:   # Q^T, made by the helper warps after dO^T
                     mbarrier.wait(t_ready.index(2 * s + 1), ph)
                 dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
@@ -972,11 +1028,14 @@ if HAVE_GLUON:
         q_free = alloc_barriers(STAGES)
         dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
         t_ready = alloc_barriers(2 * STAGES)
+        cs_ready = alloc_barriers(1).index(0)      # the CTA scalars c_pt, c_ds in cs_smem
+        cs_smem = gl.allocate_shared_memory(gl.float32, [2],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                            ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
-                            q_free, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS,
-                            NB, CTA,
+                            cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
+                            q_free, cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP,
+                            BPT, BDS, NB, CTA,
                             SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
                             KMAJOR_ONCHIP, num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
@@ -986,11 +1045,13 @@ if HAVE_GLUON:
                            KMAJOR_ONCHIP)),
             (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                               QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
-            (_fp8_transposer, (q_smem, qt_smem, do_smem, dot_smem, q_ready, do_ready, t_ready,
-                               ITEMS, N_ITEMS, GROUP, BN, CAUSAL, KMAJOR_ONCHIP, 2)),
+            (_fp8_helper, (q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready,
+                           do_ready, t_ready, cs_ready, ITEMS, N_ITEMS, GROUP, SK, SV, T, BN,
+                           CAUSAL, KMAJOR_ONCHIP, 2)),
         ], [1, 1, 2], [LOADER_REGS, DQ_REGS, LOADER_REGS])
         mbarrier.invalidate(kv_ready)
         mbarrier.invalidate(kt_ready)
+        mbarrier.invalidate(cs_ready)
         invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, t_ready))
 
 

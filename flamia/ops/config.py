@@ -138,7 +138,7 @@ class Sm90BwdConfig:
     fp8_kmajor_onchip: bool = False  # fp8, D=128: the kernel makes Q^T / dO^T in shared memory
 
 
-# fp8 at D=128: up to this max_seqlen the kernel's transposer warps make Q^T and dO^T from the q8 /
+# fp8 at D=128: up to this max_seqlen the kernel's helper warps make Q^T and dO^T from the q8 /
 # do8 tiles, instead of the preprocess writing K-major copies for the kernel to load. The
 # preprocess transposes each token once; the kernel once per key block that visits it, so the
 # in-kernel cost grows with the document while the saved pass does not. Whole fp8 backward on an
@@ -153,7 +153,7 @@ def sm90_backward_config(head_dim: int, max_seqlen: int | None = None) -> Sm90Bw
     fp8's K-major Q^T / dO^T made in the kernel at D=128 for documents of at most
     SM90_FP8_ONCHIP_MAX_SEQLEN tokens (max_seqlen; None: loaded from the preprocess's copies). At
     D=64 the kernel always loads them: its step, at its register limit, spills with the
-    transposer's barriers."""
+    transposition's barriers."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     onchip = (head_dim == 128 and max_seqlen is not None

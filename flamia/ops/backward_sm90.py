@@ -799,8 +799,8 @@ if HAVE_GLUON:
             mbarrier.wait(cs_ready, 0)      # the CTA scalars, which the compute warps reduced
             cs = cs_smem.load(gl.BlockedLayout([2], [32], [num_warps], [0]))
             two = gl.arange(0, 2, layout=cs.type.layout)
-            c_pt = gl.sum(gl.where(two == 0, cs, 0.0), axis=0)    # (a NaN stays NaN)
-            c_ds = gl.sum(gl.where(two == 1, cs, 0.0), axis=0)
+            c_pt = gl.max(gl.where(two == 0, cs, 0.0), axis=0)
+            c_ds = gl.max(gl.where(two == 1, cs, 0.0), axis=0)
             lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
             ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
             ratio_svb = ratio * svb     # (exact: svb is a power of two)

@@ -226,11 +226,15 @@ if HAVE_GLUON:
         return ok
 
     @gluon.jit
-    def _column_vector(ring, s, layout: gl.constexpr):
-        """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a vector in `layout`."""
+    def _ring_row(ring, s):
+        """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a (BM,) shared view."""
         BM: gl.constexpr = ring.type.shape[2]
-        return ring.index(s)._reinterpret(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0])
-                                          ).load(layout)
+        return ring.index(s)._reinterpret(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _column_vector(ring, s, layout: gl.constexpr):
+        """Stage s of a (STAGES, 1, BM) fp32 ring as a vector in `layout`."""
+        return _ring_row(ring, s).load(layout)
 
     @gluon.jit
     def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem, k_smem,
@@ -788,7 +792,6 @@ if HAVE_GLUON:
         BM: gl.constexpr = q_smem.type.shape[1]
         NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
         if doc >= 0:
             k0 = blk * BN
@@ -813,10 +816,10 @@ if HAVE_GLUON:
                     diag = q0 < k0 + BN
                 else:
                     diag = q0 < 0
-                va = vec_smem.index(s * NV)._reinterpret(gl.float32, [BM], flat)
-                vb = vec_smem.index(s * NV + 1)._reinterpret(gl.float32, [BM], flat)
-                vh = vec_smem.index(s * NV + 2)._reinterpret(gl.float32, [BM], flat)
-                ve = vec_smem.index(s * NV + 3)._reinterpret(gl.float32, [BM], flat)
+                va = _ring_row(vec_smem, s * NV)
+                vb = _ring_row(vec_smem, s * NV + 1)
+                vh = _ring_row(vec_smem, s * NV + 2)
+                ve = _ring_row(vec_smem, s * NV + 3)
                 mbarrier.wait(q_ready.index(s), ph)
                 if not diag:
                     va.store(va.load(lay) * skb)

@@ -216,6 +216,8 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
                 variants[f"sm90 m{cfg.block_m}n128 det"] = functools.partial(
                     B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale,
                     deterministic=True, config=cfg)
+        for hook in EXTRA_VARIANTS:     # other kernels' variants (e.g. cute_bwd_sm90.py)
+            variants.update(hook(do, o, lse, q, k, v, cu, causal, scale, D))
         if fp8:
             # the bf16 forward's out and lse stand in for fp8's, lse for its row max: the values
             # do not change the kernel's work
@@ -296,6 +298,7 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
 
 
 AB_BASE = {}     # --ab FILE,...: other versions of backward_sm90.py, timed next to this one
+EXTRA_VARIANTS = []     # f(do, o, lse, q, k, v, cu, causal, scale, D) -> {name: call}
 
 
 def load_ab_base(path, name="ab_base"):

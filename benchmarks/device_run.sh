@@ -20,6 +20,8 @@
 # (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
 # (fp8's forward kernels), tests-fwd, cute-probe (benchmarks/cute_dsmem_probe.py: a CuTe DSL
 # 2-CTA cluster's shared-memory exchange, built and checked; needs the FA4 parts for CuTe DSL),
+# cute-bwd (benchmarks/cute_bwd_sm90.py CUTE_ARGS, default --check --time: the CuTe DSL bf16
+# backward against float64 and timed next to the Gluon kernel and FA4; needs the FA4 parts),
 # tests-base (the cuDNN training baseline), tests-compile
 # (torch.compile and CUDA graphs), tests (all), bench (every kernel recipe, every baseline;
 # BENCH_RECIPES), bench-fp8 (fp8 rows + fastest baselines only), graphs
@@ -122,6 +124,7 @@ stage() {  # name seconds: one stage
              tests/gpu/test_forward_kvblock_gpu.py ;;
     tests-fwd) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_forward_gpu.py ;;
     cute-probe) run_stage "$name" "$secs" python benchmarks/cute_dsmem_probe.py ;;
+    cute-bwd) run_stage "$name" "$secs" python benchmarks/cute_bwd_sm90.py ${CUTE_ARGS:---check --time} ;;
     tests) run_stage "$name" "$secs" python -m pytest -q tests/gpu ;;
     tests-base) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_baselines_gpu.py ;;
     tests-compile) run_stage "$name" "$secs" python -m pytest -q tests/gpu/test_compile_gpu.py \

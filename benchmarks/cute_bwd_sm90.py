@@ -78,7 +78,11 @@ class BwdSm90Cute:
         sQ_layout = cute.tile_to_shape(k_atom, (BM, D, STAGES), order=(0, 1, 2))
         sK_layout = cute.tile_to_shape(k_atom, (BN, D), order=(0, 1))
         sdS_layout = cute.tile_to_shape(mn_atom, (BM, BN, STAGES), order=(1, 0, 2))  # A of dQ
-        sdQ_layout = cute.make_layout((BM, D, 2), stride=(D, 1, BM * D))
+        # dQ tiles: 128-byte swizzled (64 x 32 fp32 atoms; four TMA boxes per tile), so that the
+        # accumulator's 8-byte stores (8 rows x 4 column pairs per warp) do not bank-conflict
+        f32_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
+        sdQ_layout = cute.tile_to_shape(f32_atom, (BM, D, 2), order=(0, 1, 2))
         sVec_layout = cute.make_layout((1, BM, STAGES), stride=(BM, 1, BM))
 
         tma_q, tQ = cpasync.make_tiled_tma_atom(
@@ -99,12 +103,7 @@ class BwdSm90Cute:
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.select(sdQ_layout, mode=[0, 1]),
             (BM, D))
 
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, (2, 1, 1), (64, BM))
-        mma_kv = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, (2, 1, 1), (64, D),
-                                                   a_source=warpgroup.OperandSource.RMEM)
-        mma_dq = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, (1, 2, 1),
-                                                   (64, D // 2))
+        mma_s, mma_kv, mma_dq = _tiled_mmas()
 
         @cute.struct
         class Storage:
@@ -132,7 +131,7 @@ class BwdSm90Cute:
                tdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mItems: cute.Tensor,
                n_items: Int32, scale_log2: Float32, scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                sVec_layout: cute.Layout, mma_s: cute.TiledMma, mma_kv: cute.TiledMma,
                mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -160,7 +159,7 @@ class BwdSm90Cute:
         sK = st.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = st.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = st.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = st.sdQ.get_tensor(sdQ_layout)
+        sdQ = st.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = st.sLSE.get_tensor(sVec_layout)
         sDelta = st.sDelta.get_tensor(sVec_layout)
 
@@ -313,83 +312,24 @@ class BwdSm90Cute:
         tKVrdS = cute.make_tensor(rdS.iterator, frgA)
         tSrdS = cute.make_tensor(rdS.iterator, acc_s.layout)
 
+        frags = (mma_s, mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO,
+                 tKVrQt, tKVrdOt, tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk,
+                 acc_dv, rP, rdS, tKVrP, tKVrdS, tSrdS, q_ready, do_ready, q_free, tidx, L, k0,
+                 m_lo, n_m, scale_log2)
         if n_steps > 0:
             cute.arch.mbarrier_wait(kv_ready, 0)
             if k0 + BN > L:
                 _zero_rows(sK, L - k0, tidx, MMA_THREADS)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
+            # steps in pairs, so that the stage (and the dQ buffer) is a compile-time constant in
+            # every shared-memory address and wgmma descriptor
             q0 = m_lo * BM
-            for i in cutlass.range(n_steps, unroll=1):
-                s = i % STAGES
-                ph = (i // STAGES) % 2
-                edge_q = q0 + BM > L
-                cute.arch.mbarrier_wait(q_ready + s, ph)
-                if edge_q:
-                    _zero_rows(sQ[None, None, s], L - q0, tidx, MMA_THREADS)
-                cute.arch.mbarrier_wait(do_ready + s, ph)
-                if edge_q:
-                    _zero_rows(sdO[None, None, s], L - q0, tidx, MMA_THREADS)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
-                warpgroup.fence()
-                _gemm(mma_s, acc_s, tSrK, tSrQ[None, None, None, s], True)
-                warpgroup.commit_group()
-                _gemm(mma_s, acc_dp, tSrV, tSrdO[None, None, None, s], True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                masked = edge_q or k0 + BN > L
-                if const_expr(self.causal):
-                    masked = masked or q0 < k0 + BN - 1
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_s[e] = cute.math.exp2(acc_s[e] * scale_log2 - sLSE[0, cS[e][1], s],
-                                              fastmath=True)
-                if masked:
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        key = k0 + cS[e][0]
-                        qry = q0 + cS[e][1]
-                        ok = key < L and qry < L
-                        if const_expr(self.causal):
-                            ok = ok and key <= qry
-                        if not ok:
-                            acc_s[e] = Float32(0.0)
-                rP.store(acc_s.load().to(BFloat16))
-                warpgroup.wait_group(0)
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    acc_dp[e] = acc_s[e] * (acc_dp[e] - sDelta[0, cS[e][1], s])
-                if masked:     # dP^T of keys past the document end may be NaN (V not zeroed)
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        if k0 + cS[e][0] >= L:
-                            acc_dp[e] = Float32(0.0)
-                rdS.store(acc_dp.load().to(BFloat16))
-                warpgroup.fence()
-                _gemm(mma_kv, acc_dv, tKVrP, tKVrdOt[None, None, None, s], False)
-                warpgroup.commit_group()
-                cute.autovec_copy(tSrdS, tSsdSt[None, None, None, s])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
-                warpgroup.fence()
-                _gemm(mma_dq, acc_dq, tQrdS[None, None, None, s], tQrKt, True)
-                warpgroup.commit_group()
-                _gemm(mma_kv, acc_dk, tKVrdS, tKVrQt[None, None, None, s], False)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)            # dV and dQ done
-                b = i % 2
-                if i >= 2:
-                    cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + b,
-                                      number_of_threads=MMA_THREADS + 32)
-                cute.autovec_copy(acc_dq, tQsdQ[None, None, None, b])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + b,
-                                         number_of_threads=MMA_THREADS + 32)
-                warpgroup.wait_group(0)            # dK done: stage s and dS are free
-                if tidx % 32 == 0:
-                    cute.arch.mbarrier_arrive(q_free + s)
-                wrap = q0 + BM == (m_lo + n_m) * BM
-                if wrap:
-                    q0 = m_lo * BM
-                else:
-                    q0 = q0 + BM
+            for j in cutlass.range(n_steps // 2, unroll=1):
+                q0 = self.step(0, 2 * j, j % 2, q0, *frags)
+                q0 = self.step(1, 2 * j + 1, j % 2, q0, *frags)
+            if n_steps % 2 == 1:
+                q0 = self.step(0, n_steps - 1, (n_steps // 2) % 2, q0, *frags)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             gdK = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdK), (BN, D), (0, 0))
             gdV = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdV), (BN, D), (0, 0))
@@ -400,6 +340,90 @@ class BwdSm90Cute:
                 if k0 + cKV[e][0] < L:
                     tKVgdK[e] = (acc_dk[e] * scale).to(BFloat16)
                     tKVgdV[e] = acc_dv[e].to(BFloat16)
+
+
+    @cute.jit
+    def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, mma_s, mma_kv, mma_dq,
+             sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt,
+             tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS, tKVrP, tKVrdS,
+             tSrdS, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m, scale_log2):
+        """Step i (query block q0.., one query head) on stage s (= i % STAGES, also the dQ
+        buffer); returns the next step's q0."""
+        # the wgmma atoms' accumulate flag is state of the TiledMma object: fresh ones per step,
+        # so that no flag value set inside one loop body is used in another
+        mma_s, mma_kv, mma_dq = _tiled_mmas()
+        edge_q = q0 + BM > L
+        cute.arch.mbarrier_wait(q_ready + s, ph)
+        if edge_q:
+            _zero_rows(sQ[None, None, s], L - q0, tidx, MMA_THREADS)
+        cute.arch.mbarrier_wait(do_ready + s, ph)
+        if edge_q:
+            _zero_rows(sdO[None, None, s], L - q0, tidx, MMA_THREADS)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
+        warpgroup.fence()
+        _gemm(mma_s, acc_s, tSrK, tSrQ[None, None, None, s], True)
+        warpgroup.commit_group()
+        _gemm(mma_s, acc_dp, tSrV, tSrdO[None, None, None, s], True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        masked = edge_q or k0 + BN > L
+        if const_expr(self.causal):
+            masked = masked or q0 < k0 + BN - 1
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[e] = cute.math.exp2(acc_s[e] * scale_log2 - sLSE[0, cS[e][1], s],
+                                      fastmath=True)
+        if masked:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                key = k0 + cS[e][0]
+                qry = q0 + cS[e][1]
+                ok = key < L and qry < L
+                if const_expr(self.causal):
+                    ok = ok and key <= qry
+                if not ok:
+                    acc_s[e] = Float32(0.0)
+        rP.store(acc_s.load().to(BFloat16))
+        warpgroup.wait_group(0)
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_dp[e] = acc_s[e] * (acc_dp[e] - sDelta[0, cS[e][1], s])
+        if masked:     # dP^T of keys past the document end may be NaN (V not zeroed)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                if k0 + cS[e][0] >= L:
+                    acc_dp[e] = Float32(0.0)
+        rdS.store(acc_dp.load().to(BFloat16))
+        warpgroup.fence()
+        _gemm(mma_kv, acc_dv, tKVrP, tKVrdOt[None, None, None, s], False)
+        warpgroup.commit_group()
+        cute.autovec_copy(tSrdS, tSsdSt[None, None, None, s])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
+        warpgroup.fence()
+        _gemm(mma_dq, acc_dq, tQrdS[None, None, None, s], tQrKt, True)
+        warpgroup.commit_group()
+        _gemm(mma_kv, acc_dk, tKVrdS, tKVrQt[None, None, None, s], False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)            # dV and dQ done
+        if i >= 2:                         # the writer has read buffer s's last tile
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + s, number_of_threads=MMA_THREADS + 32)
+        cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + s, number_of_threads=MMA_THREADS + 32)
+        warpgroup.wait_group(0)            # dK done: stage s is free
+        if tidx % 32 == 0:
+            cute.arch.mbarrier_arrive(q_free + s)
+        nq = q0 + BM
+        if q0 + BM == (m_lo + n_m) * BM:
+            nq = m_lo * BM
+        return nq
+
+def _tiled_mmas():
+    """The three wgmma tilings: S^T / dP^T (SS, K-major A and B, keys split between the
+    warpgroups), dK / dV (A from registers, N-major B), dQ (M-major A, N-major B, columns split)."""
+    dt, K_, MN_ = BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    return (sm90_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, (2, 1, 1), (64, BM)),
+            sm90_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, (2, 1, 1), (64, D),
+                                              a_source=warpgroup.OperandSource.RMEM),
+            sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, (1, 2, 1), (64, D // 2)))
 
 
 @cute.jit

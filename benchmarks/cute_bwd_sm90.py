@@ -292,7 +292,10 @@ class BwdSm90Cute:
         tQrKt = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
         # dS^T stored through the transposed view of sdS, partitioned like S^T
         sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
-        tSsdSt = thr_s.partition_C(sdSt)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16), mma_s)
+        thr_r2s = r2s.get_slice(tidx)
+        tSsdSt = thr_r2s.partition_D(sdSt)          # dS^T by stmatrix (8 x 8 bf16 blocks)
         tQsdQ = thr_dq.partition_C(sdQ)
         # coordinates (key, query) of the S^T accumulator elements
         cS = thr_s.partition_C(cute.make_identity_tensor((BN, BM)))
@@ -310,11 +313,11 @@ class BwdSm90Cute:
         rdS = cute.make_rmem_tensor(cute.size(acc_s), BFloat16)
         tKVrP = cute.make_tensor(rP.iterator, frgA)
         tKVrdS = cute.make_tensor(rdS.iterator, frgA)
-        tSrdS = cute.make_tensor(rdS.iterator, acc_s.layout)
+        tSrdS = thr_r2s.retile(cute.make_tensor(rdS.iterator, acc_s.layout))
 
         frags = (mma_s, mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO,
                  tKVrQt, tKVrdOt, tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk,
-                 acc_dv, rP, rdS, tKVrP, tKVrdS, tSrdS, q_ready, do_ready, q_free, tidx, L, k0,
+                 acc_dv, rP, rdS, tKVrP, tKVrdS, tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0,
                  m_lo, n_m, scale_log2)
         if n_steps > 0:
             cute.arch.mbarrier_wait(kv_ready, 0)
@@ -346,7 +349,7 @@ class BwdSm90Cute:
     def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, mma_s, mma_kv, mma_dq,
              sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt,
              tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS, tKVrP, tKVrdS,
-             tSrdS, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m, scale_log2):
+             tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m, scale_log2):
         """Step i (query block q0.., one query head) on stage s (= i % STAGES, also the dQ
         buffer); returns the next step's q0."""
         # the wgmma atoms' accumulate flag is state of the TiledMma object: fresh ones per step,
@@ -394,7 +397,7 @@ class BwdSm90Cute:
         warpgroup.fence()
         _gemm(mma_kv, acc_dv, tKVrP, tKVrdOt[None, None, None, s], False)
         warpgroup.commit_group()
-        cute.autovec_copy(tSrdS, tSsdSt[None, None, None, s])
+        cute.copy(r2s, tSrdS, tSsdSt[None, None, None, s])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_DS, number_of_threads=MMA_THREADS)
         warpgroup.fence()

@@ -68,8 +68,8 @@ class BwdSm90Cute:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mItems: cute.Tensor, n_items: Int32, scale_log2: Float32,
-                 scale: Float32, stream):
+                 mdV: cute.Tensor, mItems: cute.Tensor, mSem: cute.Tensor, n_items: Int32,
+                 qblocks: Int32, scale_log2: Float32, scale: Float32, stream):
         dt = BFloat16
         k_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             cute.nvgpu.warpgroup.SmemLayoutAtomKind.K_SW128, dt)
@@ -99,6 +99,8 @@ class BwdSm90Cute:
         tma_dl, tDelta = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.select(sVec_layout, mode=[0, 1]),
             (1, BM))
+        tma_dqs, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdQ, cute.select(sdQ_layout, mode=[0, 1]), (BM, D))
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, cute.select(sdQ_layout, mode=[0, 1]),
             (BM, D))
@@ -118,7 +120,8 @@ class BwdSm90Cute:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.kernel(tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dl, tDelta,
-                    tma_dq, tdQ, mdK, mdV, mItems, n_items, scale_log2, scale, sQ_layout,
+                    tma_dq, tma_dqs, tdQ, mdK, mdV, mItems, mSem, n_items, qblocks, scale_log2,
+                    scale, sQ_layout,
                     sK_layout, sdS_layout, sdQ_layout, sVec_layout, mma_s, mma_kv, mma_dq,
                     Storage).launch(grid=[n_items, 1, 1], block=[THREADS, 1, 1],
                                     smem=Storage.size_in_bytes(), stream=stream)
@@ -128,8 +131,10 @@ class BwdSm90Cute:
                tdO: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom,
                tV: cute.Tensor, tma_lse: cute.CopyAtom, tLSE: cute.Tensor,
                tma_dl: cute.CopyAtom, tDelta: cute.Tensor, tma_dq: cute.CopyAtom,
+               tma_dqs: cute.CopyAtom,
                tdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mItems: cute.Tensor,
-               n_items: Int32, scale_log2: Float32, scale: Float32,
+               mSem: cute.Tensor, n_items: Int32, qblocks: Int32, scale_log2: Float32,
+               scale: Float32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                sVec_layout: cute.Layout, mma_s: cute.TiledMma, mma_kv: cute.TiledMma,
@@ -185,7 +190,8 @@ class BwdSm90Cute:
                           tDelta, sQ, sdO, sK, sV, sLSE, sDelta, kv_ready, q_ready, do_ready,
                           q_free, start, k0, kvh, pq, m_lo, n_m, n_steps)
             if warp == 1 and doc >= 0:
-                self.write_dq(tma_dq, tdQ, sdQ, start, pq, kvh, m_lo, n_m, n_steps)
+                self.write_dq(tma_dq, tma_dqs, tdQ, sdQ, mSem, qblocks, start, pq, kvh, m_lo,
+                              n_m, n_steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.compute(mma_s, mma_kv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
@@ -245,22 +251,47 @@ class BwdSm90Cute:
                 q0 = q0 + BM
 
     @cute.jit
-    def write_dq(self, tma_dq, tdQ, sdQ, start, pq, kvh, m_lo, n_m, n_steps):
+    def write_dq(self, tma_dq, tma_dqs, tdQ, sdQ, mSem, qblocks, start, pq, kvh, m_lo, n_m,
+                 n_steps):
+        """Each step's dQ tile into the fp32 buffer, which nobody zeroes: the first tile to reach
+        a (query head, query block) is stored, every later one reduce-added once that store has
+        landed (mSem[head, block]: 0 -> 1 by compare-and-swap, the winner stores and sets 2 when
+        its write has landed; the others wait for 2, which waits only on an issued store), as
+        the Gluon kernel's writer does by default."""
         one = cute.make_layout(1)
+        lane = cute.arch.lane_idx()
         h = kvh * self.group
         q0 = m_lo * BM
         for i in cutlass.range(n_steps, unroll=1):
             b = i % 2
             cute.arch.barrier(barrier_id=BAR_DQ_FULL + b, number_of_threads=MMA_THREADS + 32)
             gdQ = cute.local_tile(cute.domain_offset((pq + q0, h * D), tdQ), (BM, D), (0, 0))
-            tSs, tGg = cpasync.tma_partition(tma_dq, 0, one, cute.group_modes(sdQ[None, None, b], 0, 2),
+            tSs, tGg = cpasync.tma_partition(tma_dq, 0, one,
+                                             cute.group_modes(sdQ[None, None, b], 0, 2),
                                              cute.group_modes(gdQ, 0, 2))
-            cute.copy(tma_dq, tSs, tGg)          # (one elected lane issues it)
+            sem = mSem.iterator + (h * qblocks + (pq + q0) // BM)
+            state = Int32(0)
+            if lane == 0:
+                state = cute.arch.atomic_cas(sem, cmp=Int32(0), val=Int32(1), sem="acquire",
+                                             scope="gpu")
+                while state == 1:
+                    state = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            state = cute.arch.shuffle_sync(state, 0)
+            cute.arch.fence_proxy("async.global")
+            if state == 0:
+                cute.copy(tma_dqs, tSs, tGg)     # (one elected lane issues each copy)
+            else:
+                cute.copy(tma_dq, tSs, tGg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             if i + 2 < n_steps:                  # the MMA threads wait before steps 2..
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + b,
                                          number_of_threads=MMA_THREADS + 32)
+            if state == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                if lane == 0:
+                    cute.arch.atomic_exch(sem, Int32(2), sem="release", scope="gpu")
             wrap = q0 + BM == (m_lo + n_m) * BM
             if wrap:
                 h = h + 1
@@ -276,20 +307,26 @@ class BwdSm90Cute:
         thr_s = mma_s.get_slice(tidx)
         thr_kv = mma_kv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
+        # shared-memory operands partitioned by the (warp-uniform) warpgroup, not the thread: the
+        # wgmma descriptors are then uniform values (no per-thread R2UR per wgmma)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_s = mma_s.get_slice(wg * 128)
+        wg_kv = mma_kv.get_slice(wg * 128)
+        wg_dq = mma_dq.get_slice(wg * 128)
         # S^T = K Q^T and dP^T = V dO^T: A = K / V (BN, D), B = Q / dO (BM, D), both K-major
-        tSrK = mma_s.make_fragment_A(thr_s.partition_A(sK))
-        tSrV = mma_s.make_fragment_A(thr_s.partition_A(sV))
-        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sQ))
-        tSrdO = mma_s.make_fragment_B(thr_s.partition_B(sdO))
+        tSrK = mma_s.make_fragment_A(wg_s.partition_A(sK))
+        tSrV = mma_s.make_fragment_A(wg_s.partition_A(sV))
+        tSrQ = mma_s.make_fragment_B(wg_s.partition_B(sQ))
+        tSrdO = mma_s.make_fragment_B(wg_s.partition_B(sdO))
         # dV += P^T dO, dK += dS^T Q: B = dO / Q seen as (D, BM) (N-major)
         sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
         sdOt = cute.make_tensor(sdO.iterator, cute.select(sdO.layout, mode=[1, 0, 2]))
-        tKVrQt = mma_kv.make_fragment_B(thr_kv.partition_B(sQt))
-        tKVrdOt = mma_kv.make_fragment_B(thr_kv.partition_B(sdOt))
+        tKVrQt = mma_kv.make_fragment_B(wg_kv.partition_B(sQt))
+        tKVrdOt = mma_kv.make_fragment_B(wg_kv.partition_B(sdOt))
         # dQ = dS K: A = dS (BM, BN) M-major, B = K seen as (D, BN) (N-major)
         sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0]))
-        tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tQrKt = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
+        tQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(sKt))
         # dS^T stored through the transposed view of sdS, partitioned like S^T
         sdSt = cute.make_tensor(sdS.iterator, cute.select(sdS.layout, mode=[1, 0, 2]))
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(
@@ -389,9 +426,14 @@ class BwdSm90Cute:
         warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             acc_dp[e] = acc_s[e] * (acc_dp[e] - sDelta[0, cS[e][1], s])
-        if masked:     # dP^T of keys past the document end may be NaN (V not zeroed)
+        if masked:     # dP^T of keys past the document end, delta of pad rows may be NaN
             for e in cutlass.range_constexpr(cute.size(acc_s)):
-                if k0 + cS[e][0] >= L:
+                key = k0 + cS[e][0]
+                qry = q0 + cS[e][1]
+                ok = key < L and qry < L
+                if const_expr(self.causal):
+                    ok = ok and key <= qry
+                if not ok:
                     acc_dp[e] = Float32(0.0)
         rdS.store(acc_dp.load().to(BFloat16))
         warpgroup.fence()
@@ -468,21 +510,21 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     QR = kb.q_rows
     lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
-    dq_acc = torch.zeros((QR, Hq, D), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)   # the kernel stores first
     grid_t = (triton.cdiv(T, B.SM90_PASS_ROWS), Hq)
     B._bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                               D=D, BT=B.SM90_PASS_ROWS, num_warps=4)
     args = [_as_cute(x) for x in (q.view(T, Hq * D), k.view(T, Hkv * D), v.view(T, Hkv * D),
                                   dout.view(T, Hq * D), lse2, delta, dq_acc.view(QR, Hq * D),
-                                  dk.view(T, Hkv * D), dv.view(T, Hkv * D), kb.items)]
+                                  dk.view(T, Hkv * D), dv.view(T, Hkv * D), kb.items,
+                                  B._semaphores(kb, Hq, BM))]
     import cuda.bindings.driver as cuda
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     key = (Hq // Hkv, bool(causal))
+    extra = (Int32(kb.n_items), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
     if key not in _COMPILED:
-        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args,
-                                      Int32(kb.n_items), Float32(scale * LOG2E), Float32(scale),
-                                      stream)
-    _COMPILED[key](*args, Int32(kb.n_items), Float32(scale * LOG2E), Float32(scale), stream)
+        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
+    _COMPILED[key](*args, *extra)
     B._bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=B.SM90_PASS_ROWS,
                                num_warps=4)
     return dq, dk, dv
@@ -499,10 +541,10 @@ def compile_only(group=4, causal=True, T=4096, Hq=32, Hkv=8, dump=None):
         torch.zeros(T, Hkv * D, dtype=bf), torch.zeros(T, Hq * D, dtype=bf),
         torch.zeros(Hq, QR), torch.zeros(Hq, QR), torch.zeros(QR, Hq * D),
         torch.zeros(T, Hkv * D, dtype=bf), torch.zeros(T, Hkv * D, dtype=bf),
-        torch.zeros(6, 64, dtype=torch.int32))]
+        torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))]
     opts = "--gpu-arch sm_90a" + (f" --keep-ptx --dump-dir {dump}" if dump else "")
-    return cute.compile(BwdSm90Cute(group, causal), *args, Int32(64), Float32(1.0),
-                        Float32(1.0), cuda.CUstream(0), options=opts)
+    return cute.compile(BwdSm90Cute(group, causal), *args, Int32(64), Int32(QR // BM),
+                        Float32(1.0), Float32(1.0), cuda.CUstream(0), options=opts)
 
 
 def check(seed: int = 0) -> bool:

@@ -376,10 +376,18 @@ class BwdSm90Cute:
             tKVgdK = thr_kv.partition_C(gdK)
             tKVgdV = thr_kv.partition_C(gdV)
             cKV = thr_kv.partition_C(cute.make_identity_tensor((BN, D)))
-            for e in cutlass.range_constexpr(cute.size(acc_dk)):
-                if k0 + cKV[e][0] < L:
-                    tKVgdK[e] = (acc_dk[e] * scale).to(BFloat16)
-                    tKVgdV[e] = acc_dv[e].to(BFloat16)
+            rdK = cute.make_rmem_tensor_like(acc_dk, BFloat16)
+            rdV = cute.make_rmem_tensor_like(acc_dv, BFloat16)
+            rdK.store((acc_dk.load() * scale).to(BFloat16))
+            rdV.store(acc_dv.load().to(BFloat16))
+            if k0 + BN <= L:       # the whole block inside the document: column pairs as words
+                cute.autovec_copy(rdK, tKVgdK)
+                cute.autovec_copy(rdV, tKVgdV)
+            else:
+                for e in cutlass.range_constexpr(cute.size(acc_dk)):
+                    if k0 + cKV[e][0] < L:
+                        tKVgdK[e] = rdK[e]
+                        tKVgdV[e] = rdV[e]
 
 
     @cute.jit
@@ -485,8 +493,22 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
 # host side
 # ---------------------------------------------------------------------------------------------
 
-def _as_cute(x: torch.Tensor):
-    return from_dlpack(x, assumed_align=16).mark_layout_dynamic(leading_dim=x.dim() - 1)
+def _as_cute(x: torch.Tensor, mode: int = 0, divisibility: int = 1):
+    """x (compact, 2D) for the kernel: only the extent of `mode` (tokens, rows) is dynamic, so the
+    strides are compile-time values (vectorized global stores, static TMA strides)."""
+    return from_dlpack(x, assumed_align=16).mark_compact_shape_dynamic(
+        mode, stride_order=x.dim_order(), divisibility=divisibility)
+
+
+def _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, items, sem):
+    """The kernel's tensor arguments: (T, H D) views with dynamic T, (Hq, QR) vectors with dynamic
+    QR (a multiple of BM), the (QR, Hq D) dQ buffer, the (6, N) work list, (Hq, QR / BM)."""
+    T, Hq, Hkv, QR = q.shape[0], q.shape[1], k.shape[1], lse2.shape[1]
+    return [_as_cute(q.view(T, Hq * D)), _as_cute(k.view(T, Hkv * D)),
+            _as_cute(v.view(T, Hkv * D)), _as_cute(dout.view(T, Hq * D)),
+            _as_cute(lse2, 1, BM), _as_cute(delta, 1, BM), _as_cute(dq_acc.view(QR, Hq * D), 0, BM),
+            _as_cute(dk.view(T, Hkv * D)), _as_cute(dv.view(T, Hkv * D)), _as_cute(items, 1),
+            _as_cute(sem, 1)]
 
 
 _COMPILED: dict = {}
@@ -514,13 +536,11 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     grid_t = (triton.cdiv(T, B.SM90_PASS_ROWS), Hq)
     B._bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                               D=D, BT=B.SM90_PASS_ROWS, num_warps=4)
-    args = [_as_cute(x) for x in (q.view(T, Hq * D), k.view(T, Hkv * D), v.view(T, Hkv * D),
-                                  dout.view(T, Hq * D), lse2, delta, dq_acc.view(QR, Hq * D),
-                                  dk.view(T, Hkv * D), dv.view(T, Hkv * D), kb.items,
-                                  B._semaphores(kb, Hq, BM))]
+    args = _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, kb.items,
+                        B._semaphores(kb, Hq, BM))
     import cuda.bindings.driver as cuda
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (Hq // Hkv, bool(causal))
+    key = (Hq, Hkv, bool(causal))
     extra = (Int32(kb.n_items), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
@@ -536,12 +556,12 @@ def compile_only(group=4, causal=True, T=4096, Hq=32, Hkv=8, dump=None):
     import cuda.bindings.driver as cuda
     QR = T + 1024
     bf = torch.bfloat16
-    args = [_as_cute(x) for x in (
-        torch.zeros(T, Hq * D, dtype=bf), torch.zeros(T, Hkv * D, dtype=bf),
-        torch.zeros(T, Hkv * D, dtype=bf), torch.zeros(T, Hq * D, dtype=bf),
-        torch.zeros(Hq, QR), torch.zeros(Hq, QR), torch.zeros(QR, Hq * D),
-        torch.zeros(T, Hkv * D, dtype=bf), torch.zeros(T, Hkv * D, dtype=bf),
-        torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))]
+    args = _kernel_args(
+        torch.zeros(T, Hq, D, dtype=bf), torch.zeros(T, Hkv, D, dtype=bf),
+        torch.zeros(T, Hkv, D, dtype=bf), torch.zeros(T, Hq, D, dtype=bf),
+        torch.zeros(Hq, QR), torch.zeros(Hq, QR), torch.zeros(QR, Hq, D),
+        torch.zeros(T, Hkv, D, dtype=bf), torch.zeros(T, Hkv, D, dtype=bf),
+        torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))
     opts = "--gpu-arch sm_90a" + (f" --keep-ptx --dump-dir {dump}" if dump else "")
     return cute.compile(BwdSm90Cute(group, causal), *args, Int32(64), Int32(QR // BM),
                         Float32(1.0), Float32(1.0), cuda.CUstream(0), options=opts)

@@ -633,6 +633,8 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="doc32k,doc8k_x4,doc2k_x16,longtail,doc512_x64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", default="",
+                    help="more workloads, name:Hq:Hkv:D:L1+L2+... separated by commas")
     a = ap.parse_args()
     if a.compile:
         import time
@@ -649,7 +651,7 @@ def main():
         from flamia.ops.config import sm90_backward_config
         dev.EXTRA_VARIANTS.append(_variants)
         dev.time_workloads(a.workloads.split(","), lambda d: [sm90_backward_config(d)],
-                           rounds=a.rounds)
+                           shapes=[x for x in a.shapes.split(",") if x], rounds=a.rounds)
     sys.exit(0 if ok else 1)
 
 

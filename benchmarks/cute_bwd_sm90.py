@@ -619,11 +619,28 @@ def check(seed: int = 0) -> bool:
 
 
 def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
+    """The CuTe kernel; and, to tell whether keeping a GQA group's query heads in one CTA costs
+    L2 locality (FA4 runs one CTA per key block and query head), both kernels on K / V repeated
+    to one KV head per query head (one head per CTA, the same FLOPs and Q / dO / dQ bytes), dK /
+    dV then summed over the group (the repeats are made outside the timing)."""
     import functools
+    from flamia.ops import backward_sm90 as B
     if D_ != D:
         return {}
-    return {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal,
-                                           scale)}
+    out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale)}
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k1, v1 = (x.repeat_interleave(G, dim=1).contiguous() for x in (k, v))
+
+        def g1(fn):
+            def call():
+                dq, dk, dv = fn(do, o, lse, q, k1, v1, cu, causal, scale)
+                T = q.shape[0]
+                return (dq, dk.view(T, -1, G, D).sum(2), dv.view(T, -1, G, D).sum(2))
+            return call
+        out["gluon g1"] = g1(B.attention_backward_sm90)
+        out["cute g1"] = g1(backward_cute)
+    return out
 
 
 def main():

@@ -41,8 +41,41 @@ def ref_attention(q, k, v, do, cu, causal, scale):
     return o.detach(), lse_exact(q, k, cu, causal, scale), dq, dk, dv
 
 
+def case_inputs(g, D, Hq, Hkv, lengths, causal, scale):
+    """Random bf16 q, k, v, dO of a packed case (generator g) on the GPU, cu_seqlens, the
+    float64 reference's out (bf16) and lse (fp32), and its (dq, dk, dv)."""
+    T = sum(lengths)
+    q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
+                   for h in (Hq, Hkv, Hkv, Hq))
+    cu = cu_seqlens_from_lengths(lengths, device="cuda")
+    o64, lse64, dq64, dk64, dv64 = ref_attention(q, k, v, do, cu, causal, scale)
+    return q, k, v, do, cu, o64.to(torch.bfloat16), lse64.float().contiguous(), (dq64, dk64, dv64)
+
+
 def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def p2_perturbed(fn, new, q, k, v, do, o, lse, cu, lengths):
+    """P2 of a backward fn(do, o, lse, q, k, v, cu) -> (dq, dk, dv) whose outputs on these inputs
+    are `new`: the longest document's q, k, v, dO redrawn (x3); every other document's dk / dv
+    must be bitwise unchanged and dq unchanged up to the order of fp32 adds. Returns (text, ok);
+    "-" with a single non-empty document."""
+    if len([L for L in lengths if L]) <= 1:
+        return "-", True
+    T = q.shape[0]
+    j = max(range(len(lengths)), key=lambda i: lengths[i])
+    a, b = sum(lengths[:j]), sum(lengths[:j + 1])
+    q2, k2, v2, do2 = (x.clone() for x in (q, k, v, do))
+    for x in (q2, k2, v2, do2):
+        x[a:b] = torch.randn_like(x[a:b], dtype=torch.float32).to(x.dtype) * 3
+    new2 = fn(do2, o.clone(), lse.clone(), q2, k2, v2, cu)
+    keep = torch.ones(T, dtype=torch.bool, device=q.device)
+    keep[a:b] = False
+    bit = all(torch.equal(x[keep], y[keep]) for x, y in zip(new[1:], new2[1:]))
+    dq_close = torch.allclose(new[0][keep].float(), new2[0][keep].float(), rtol=1e-2, atol=1e-3)
+    ok = bit and dq_close
+    return ("ok" if ok else f"FAIL(bit={bit},dq={dq_close})"), ok
 
 
 def poison():
@@ -70,14 +103,9 @@ def check(seed: int, configs):
         ]
     rows = []
     for (D, Hq, Hkv, lengths, causal) in cases:
-        T = sum(lengths)
         scale = D ** -0.5
-        q, k, v, do = (torch.randn(T, h, D, generator=g).to(torch.bfloat16).cuda()
-                       for h in (Hq, Hkv, Hkv, Hq))
-        cu = cu_seqlens_from_lengths(lengths, device="cuda")
-        o64, lse64, dq64, dk64, dv64 = ref_attention(q, k, v, do, cu, causal, scale)
-        o = o64.to(torch.bfloat16)
-        lse = lse64.float().contiguous()
+        q, k, v, do, cu, o, lse, (dq64, dk64, dv64) = case_inputs(g, D, Hq, Hkv, lengths,
+                                                                  causal, scale)
         for cfg in configs(D):
             poison()
             new = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale, config=cfg)
@@ -87,22 +115,11 @@ def check(seed: int, configs):
             finite = all(torch.isfinite(x).all().item() for x in new)
             ok = finite and all(e <= 2 * eo + 1e-3 for e, eo in zip(errs, bars))
             # P2: perturb the longest document; every other document bitwise (dk, dv)
-            p2 = "-"
-            if len([L for L in lengths if L]) > 1:
-                j = max(range(len(lengths)), key=lambda i: lengths[i])
-                a, b = sum(lengths[:j]), sum(lengths[:j + 1])
-                q2, k2, v2, do2 = (x.clone() for x in (q, k, v, do))
-                for x in (q2, k2, v2, do2):
-                    x[a:b] = torch.randn_like(x[a:b], dtype=torch.float32).to(x.dtype) * 3
-                o2 = o.clone(); lse2 = lse.clone()
-                new2 = B.attention_backward_sm90(do2, o2, lse2, q2, k2, v2, cu, causal, scale,
-                                                 config=cfg)
-                keep = torch.ones(T, dtype=torch.bool, device="cuda"); keep[a:b] = False
-                bit = all(torch.equal(x[keep], y[keep]) for x, y in zip(new[1:], new2[1:]))
-                dq_close = torch.allclose(new[0][keep].float(), new2[0][keep].float(), rtol=1e-2,
-                                          atol=1e-3)
-                p2 = "ok" if bit and dq_close else f"FAIL(bit={bit},dq={dq_close})"
-                ok = ok and bit and dq_close
+            p2, p2_ok = p2_perturbed(
+                lambda do_, o_, lse_, q_, k_, v_, cu_: B.attention_backward_sm90(
+                    do_, o_, lse_, q_, k_, v_, cu_, causal, scale, config=cfg),
+                new, q, k, v, do, o, lse, cu, lengths)
+            ok = ok and p2_ok
             # deterministic mode: bitwise reproducible, and the same function
             det = [B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale,
                                              deterministic=True, config=cfg) for _ in range(2)]

@@ -543,46 +543,43 @@ def check(name, expect, ptx):
     return not bad
 
 
-def main():
-    ok = True
-    steps = [
-        ("1 torch/fake tensors, dynamic T, scalars", lambda: (item1(), None)),
-        ("2 TMA load (64x128 bf16 SW128, 2 stages) + (1,64) fp32 row", item2),
-        ("3 TMA store + TMA reduce-add fp32, bulk groups, proxy fences", item3),
-    ]
-    for name, fn in steps:
-        try:
-            if name.startswith("1"):
-                res = item1()
-                print(f"{'PASS' if res['.target sm_90a'] == 2 else 'FAIL'} {name}: "
-                      f"compiled from_dlpack(CPU torch) and make_fake_compact_tensor variants")
-            else:
-                exp, ptx = fn()
-                ok &= check(name, exp, ptx)
-        except Exception:
-            traceback.print_exc()
-            print(f"FAIL {name}")
-            ok = False
+def _guarded(name, run) -> bool:
+    """run() -> bool, with an exception counted as a failure of item `name`."""
     try:
-        ptx = item4_7()
-        ok &= check("4 wgmma SS / RS / SS-MN-major, 2 groups in flight", item4(ptx), ptx)
-        ok &= check("5 fp32 acc -> bf16 A-operand fragment", item5(ptx), ptx)
-        ok &= check("6 accumulator coordinates: causal mask + per-column lse/delta", item6(ptx), ptx)
-        ok &= check("7 acc -> smem: stmatrix dS^T bf16, dQ fp32 swizzled", item7(ptx), ptx)
+        return run()
     except Exception:
         traceback.print_exc()
-        print("FAIL 4-7")
-        ok = False
+        print(f"FAIL {name}")
+        return False
+
+
+def _item1_ok(name) -> bool:
+    res = item1()
+    ok = res[".target sm_90a"] == 2
+    print(f"{'PASS' if ok else 'FAIL'} {name}: "
+          f"compiled from_dlpack(CPU torch) and make_fake_compact_tensor variants")
+    return ok
+
+
+def _items4_7_ok() -> bool:
+    ptx = item4_7()
+    ok = check("4 wgmma SS / RS / SS-MN-major, 2 groups in flight", item4(ptx), ptx)
+    ok &= check("5 fp32 acc -> bf16 A-operand fragment", item5(ptx), ptx)
+    ok &= check("6 accumulator coordinates: causal mask + per-column lse/delta", item6(ptx), ptx)
+    ok &= check("7 acc -> smem: stmatrix dS^T bf16, dQ fp32 swizzled", item7(ptx), ptx)
+    return ok
+
+
+def main():
+    ok = _guarded("1", lambda: _item1_ok("1 torch/fake tensors, dynamic T, scalars"))
+    for name, fn in [("2 TMA load (64x128 bf16 SW128, 2 stages) + (1,64) fp32 row", item2),
+                     ("3 TMA store + TMA reduce-add fp32, bulk groups, proxy fences", item3)]:
+        ok &= _guarded(name, lambda: check(name, *fn()))
+    ok &= _guarded("4-7", _items4_7_ok)
     for name, fn in [("8 warp specialization, setmaxnreg, named bars, mbarriers, PipelineTmaAsync", item8),
                      ("9 global int32 semaphores + fence.proxy.async.global", item9),
                      ("10 runtime loop with phased mbarrier waits, runtime if/else", item10)]:
-        try:
-            exp, ptx = fn()
-            ok &= check(name, exp, ptx)
-        except Exception:
-            traceback.print_exc()
-            print(f"FAIL {name}")
-            ok = False
+        ok &= _guarded(name, lambda: check(name, *fn()))
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 

@@ -1,11 +1,11 @@
 """Spike: the one-pass Hopper backward (bf16 recipe) in CuTe DSL, next to the Gluon kernel.
 
-Why: Triton 3.6's Gluon puts a partition-wide bar.sync around every mbarrier operation, so the
-Gluon backward's two MMA warpgroups meet four times per step where FA4's meet once
-(benchmarks/NOTES.md, "where the backward's four bar.syncs per step come from"), and flamia's
-bf16 backward sits at 0.85-0.89x of FA4's on long documents (issue 26's skeleton gate is 0.95x).
-CuTe DSL has per-warp mbarrier arrivals, non-blocking named-barrier arrives and cluster
-multicast, which the next steps (fp8, 2-CTA clusters) need. This is the same algorithm as
+Why: flamia's bf16 backward sits at 0.85-0.89x of FA4's on long documents (issue 26's skeleton
+gate is 0.95x), and Triton 3.6's Gluon cannot express what the next factor needs (2-CTA
+clusters: Q / dO multicast, dQ tiles of two key blocks added on chip). CuTe DSL can; it also has
+per-warp mbarrier arrivals and non-blocking named-barrier arrives, so the warpgroups meet once
+per step instead of Gluon's four. Measured so far (benchmarks/NOTES.md, tenth session): that
+alone does not close the gap to FA4. This is the same algorithm as
 flamia.ops.backward_sm90._attn_bwd_sm90_kernel (its work list, padded dQ rows, preprocess and
 post pass are reused), written as a CuTe DSL kernel:
 

@@ -24,7 +24,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, Int64  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup  # noqa: E402
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402

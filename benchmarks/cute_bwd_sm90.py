@@ -370,14 +370,12 @@ class BwdSm90Cute:
             rdV = cute.make_rmem_tensor_like(acc_dv, BFloat16)
             rdK.store((acc_dk.load() * scale).to(BFloat16))
             rdV.store(acc_dv.load().to(BFloat16))
-            if k0 + BN <= L:       # the whole block inside the document: column pairs as words
-                cute.autovec_copy(rdK, tKVgdK)
-                cute.autovec_copy(rdV, tKVgdV)
-            else:
-                for e in cutlass.range_constexpr(cute.size(acc_dk)):
-                    if k0 + cKV[e][0] < L:
-                        tKVgdK[e] = rdK[e]
-                        tKVgdV[e] = rdV[e]
+            # 2-byte stores (autovec_copy does not pair them: the tile's base alignment is
+            # a runtime value)
+            for e in cutlass.range_constexpr(cute.size(acc_dk)):
+                if k0 + cKV[e][0] < L:
+                    tKVgdK[e] = rdK[e]
+                    tKVgdV[e] = rdV[e]
 
 
     @cute.jit
@@ -546,7 +544,7 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     return dq, dk, dv
 
 
-def compile_only(group=4, causal=True, T=4096, Hq=32, Hkv=8, dump=None):
+def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None):
     """Build for sm_90a on a machine without a GPU (CPU tensors stand in for the arguments);
     with dump, the PTX is kept there."""
     import cuda.bindings.driver as cuda
@@ -559,7 +557,7 @@ def compile_only(group=4, causal=True, T=4096, Hq=32, Hkv=8, dump=None):
         torch.zeros(T, Hkv, D, dtype=bf), torch.zeros(T, Hkv, D, dtype=bf),
         torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))
     opts = "--gpu-arch sm_90a" + (f" --keep-ptx --dump-dir {dump}" if dump else "")
-    return cute.compile(BwdSm90Cute(group, causal), *args, Int32(64), Int32(QR // BM),
+    return cute.compile(BwdSm90Cute(Hq // Hkv, causal), *args, Int32(64), Int32(QR // BM),
                         Float32(1.0), Float32(1.0), cuda.CUstream(0), options=opts)
 
 

@@ -81,11 +81,12 @@ class PersistentFwdConfig:
 class QuantizeConfig:
     """quantize_qkv's launches: tokens per q program, warps of the q programs and of the K / V block
     programs (one 128-token block each), columns and warps of the V column programs
-    (_kvblock_cols_kernel). Only the schedule: every choice writes the same bytes."""
+    (_kvblock_cols_kernel). Only the schedule: every choice writes the same bytes. 128 columns per
+    V column program: whole quantize_qkv -0.2 to -2 % against 64 (H100, benchmarks/NOTES.md)."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
-    cols_block: int = 64
+    cols_block: int = 128
     cols_warps: int = 4
 
 

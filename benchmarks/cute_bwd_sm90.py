@@ -539,7 +539,11 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     if key not in _COMPILED:
         _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
     _COMPILED[key](*args, *extra)
-    B._bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=B.SM90_PASS_ROWS,
+    # this kernel stores dQ rows in natural order; the library's post pass reads row
+    # dq_row_host(prow): hand it the rows whose image is prow
+    p = kb.prow
+    rows = (p & -8) | ((p & 1) << 2) | ((p >> 1) & 3)
+    B._bwd_postprocess[grid_t](dq_acc, rows, dq, T, scale, Hq * D, D=D, BT=B.SM90_PASS_ROWS,
                                num_warps=4)
     return dq, dk, dv
 

@@ -13,7 +13,7 @@ import torch
 
 from _sm90 import compile_report
 from flamia.inputs import cu_seqlens_from_lengths
-from flamia.ops.backward_sm90 import key_blocks
+from flamia.ops.backward_sm90 import dq_row_host, dq_rows_stored_host, key_blocks
 
 
 @pytest.mark.parametrize("causal", (True, False))
@@ -59,6 +59,45 @@ def test_key_blocks(causal, BM):
         for d, n in enumerate(lengths):
             assert prow[t:t + n] == list(range(starts[d], starts[d] + n))
             t += n
+
+
+def _store_wavefronts(row_of) -> int:
+    """Shared-memory wavefronts of the worst warp store of a wgmma fp32 accumulator (64 rows per
+    warpgroup, lane t of warp w holding rows 16 w + t / 4 (+ 8) and columns 2 (t % 4), +1 of every
+    8-column group: one 8-byte store per lane) into the dQ tile: accumulator row a at tile row
+    row_of(a), 32-column boxes of 128-byte rows with TMA's 128-byte swizzle (16-byte unit u of row
+    r at u ^ (r % 8)); 8-byte stores go in two half-warp phases, each as many wavefronts as its
+    most-hit bank has distinct words."""
+    worst = 0
+    for w in range(4):
+        for i in (0, 1):
+            for j in range(16):
+                waves = 0
+                for phase in (0, 1):
+                    banks: dict = {}
+                    for t in range(16 * phase, 16 * phase + 16):
+                        r, c = row_of(16 * w + t // 4 + 8 * i), 8 * j + 2 * (t % 4)
+                        off = r * 128 + (c % 32) * 4
+                        off ^= ((off >> 7) & 7) << 4
+                        off += (c // 32) * 64 * 128
+                        for word in (off // 4, off // 4 + 1):
+                            banks.setdefault(word % 32, set()).add(word)
+                    waves += max(len(v) for v in banks.values())
+                worst = max(worst, waves)
+    return worst
+
+
+def test_dq_row_order():
+    """The dQ tile's row order (dq_row_host): a permutation inside every 8-row group, the one the
+    kernels' register permute (dq_rows_stored_host) stores, and the one that makes the
+    accumulator's store conflict-free (2 wavefronts, the minimum for 256 bytes; natural order: 4)."""
+    r = torch.arange(4096)
+    p = dq_row_host(r)
+    assert torch.equal(p // 8, r // 8) and torch.equal(torch.sort(p).values, r)
+    x = torch.randn(128, 5)
+    assert torch.equal(dq_rows_stored_host(x)[dq_row_host(torch.arange(128))], x)
+    assert _store_wavefronts(lambda a: a) == 4
+    assert _store_wavefronts(dq_row_host) == 2
 
 
 _SCRIPT = r"""

@@ -103,8 +103,9 @@ def test_prepare_matches_reference(D, onchip, causal, monkeypatch):
 @pytest.mark.parametrize("rotated", (True, False))
 @pytest.mark.parametrize("D", (64, 128))
 def test_post_pass(D, rotated):
-    """fp8_post: dq = (dq_acc at the padded rows) * scale / sqf, rotated back (x @ H / sqrt(D))
-    when `rotated`; T spans several programs and ends inside one (the tail rows are masked)."""
+    """fp8_post: dq = (dq_acc at the padded rows, in the kernels' dq_row order) * scale / sqf,
+    rotated back (x @ H / sqrt(D)) when `rotated`; T spans several programs and ends inside one
+    (the tail rows are masked)."""
     cfg = sm90_backward_config(D)
     T, Hq = 3 * cfg.fp8_post_rows + 37, 3
     g = torch.Generator().manual_seed(11)
@@ -116,7 +117,7 @@ def test_post_pass(D, rotated):
     dq = torch.full((T, Hq, D), float("nan")).to(torch.bfloat16)
     B.fp8_post(dq_acc, prow, sq, rotated, scale, dq, cfg)
     sqf = torch.where(sq > 0, sq, torch.ones_like(sq)).T[:, :, None]
-    want_q = dq_acc[prow.long()].double() * scale / sqf.double()
+    want_q = dq_acc[B.dq_row_host(prow.long())].double() * scale / sqf.double()
     if rotated:
         from flamia.ops.numerics import hadamard_signs
         want_q = want_q @ (hadamard_signs(D, torch.float64, "cpu") / D ** 0.5)

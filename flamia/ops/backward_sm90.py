@@ -14,9 +14,10 @@ rows, one query head), with S^T and dP^T in registers (keys are the rows):
     dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
 
 dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
-atomics); dQ of each step goes to shared memory, and a dedicated warp writes it into an fp32 buffer
-by TMA: the first tile to reach a (query head, query block) is stored, the later ones reduce-added
-(_bwd_dq_writer), so the buffer is never zeroed. A small pass converts that buffer to dq. Warp
+atomics); dQ of each step goes to shared memory (rows in dq_row_host's order, for conflict-free
+stores), and a dedicated warp writes it into an fp32 buffer by TMA: the first tile to reach a
+(query head, query block) is stored, the later ones reduce-added (_bwd_dq_writer), so the buffer is
+never zeroed. A small pass converts that buffer to dq. Warp
 roles (gl.warp_specialize): two MMA warpgroups in the default partition (keys 0-63 and 64-127 of
 the block, warps stacked along M of every key-major GEMM; dQ splits its columns between them), one
 TMA loader warp and the dQ writer warp, both at a low register budget.
@@ -130,6 +131,31 @@ def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
     return KeyBlocks(items.to(torch.int32).contiguous(), N, q_rows, prow.to(torch.int32))
 
 
+def dq_row_host(r):
+    """The row of the fp32 dQ buffer that holds padded query row r: bits 0-2 of r = (a2 a1 a0) ->
+    (a1 a0 a2), bits 3 and up unchanged (a permutation inside every 8-row group, so inside every
+    query block). The kernels store each dQ tile with its rows in this order: a warp's accumulator
+    store then covers rows {0, 2, 4, 6} (or {1, 3, 5, 7}) of the 128-byte-swizzled tile in each
+    half-warp phase, whose bank groups differ, where rows l and l + 1 would share theirs (a two-way
+    conflict on every dQ store: ncu at doc32k, benchmarks/NOTES.md). Plain operators: torch
+    tensors / ints here, Triton tensors as `_dq_row`."""
+    return (r & -8) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
+def dq_rows_stored_host(x):
+    """x (rows, D), rows a multiple of 8, with its rows in dq_row order: row dq_row_host(a) of the
+    result is row a of x. A reshape / permute of the row index's 3 low bits, so a register tensor's
+    values stay in their threads and the shared-memory store computes the permuted addresses.
+    Tensor methods only: torch tensors here, Gluon tensors as `_dq_rows_stored`."""
+    return x.reshape([x.shape[0] // 8, 2, 2, 2, x.shape[1]]).permute((0, 2, 3, 1, 4)) \
+            .reshape([x.shape[0], x.shape[1]])
+
+
+_dq_row = triton.jit(dq_row_host)
+if HAVE_GLUON:
+    _dq_rows_stored = gluon.jit(dq_rows_stored_host)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pre- and postprocess (Triton)
 # ---------------------------------------------------------------------------------------------
@@ -155,12 +181,12 @@ def _bwd_preprocess(O, DO, LSE, PROW, LSE2, DELTA, T, QR, stride_t, D: tl.conste
 
 @triton.jit
 def _bwd_postprocess(DQA, PROW, DQ, T, scale, stride_t, D: tl.constexpr, BT: tl.constexpr):
-    """dq[t, h] = scale * dq_acc[padded row of t, h]."""
+    """dq[t, h] = scale * dq_acc[dq_row(padded row of t), h]."""
     h = tl.program_id(1)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = t < T
     d = tl.arange(0, D)
-    pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+    pr = _dq_row(tl.load(PROW + t, mask=ok, other=0)).to(tl.int64)
     acc = tl.load(DQA + pr[:, None] * stride_t + h * D + d[None, :], mask=ok[:, None], other=0.0)
     tl.store(DQ + t[:, None].to(tl.int64) * stride_t + h * D + d[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=ok[:, None])
@@ -413,7 +439,7 @@ if HAVE_GLUON:
                 dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
-                dq_smem.index(b).store(dq)
+                dq_smem.index(b).store(_dq_rows_stored(dq))
                 # one barrier for both releases: dQ written, Q / dO stage read by dK's wgmma
                 # (its wait before the fence: ptxas 12.8 crashes on the other order)
                 dk = warpgroup_mma_wait(0, deps=[dk])
@@ -582,14 +608,14 @@ def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
                          D: tl.constexpr, BT: tl.constexpr):
-    """dq = rotate_back(dq_acc * scale / sqf) (dK leaves the kernel rotated back), one BT-row block
-    per program (several per program are slower: benchmarks/NOTES.md)."""
+    """dq = rotate_back(dq_acc[dq_row(padded row)] * scale / sqf) (dK leaves the kernel rotated
+    back), one BT-row block per program (several per program are slower: benchmarks/NOTES.md)."""
     h = tl.program_id(1)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = t < T
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
-    pr = tl.load(PROW + t, mask=ok, other=0).to(tl.int64)
+    pr = _dq_row(tl.load(PROW + t, mask=ok, other=0)).to(tl.int64)
     acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
                   other=0.0)
     sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
@@ -982,7 +1008,7 @@ if HAVE_GLUON:
                 dq = dq * u_off
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
-                dq_smem.index(b).store(dq)
+                dq_smem.index(b).store(_dq_rows_stored(dq))
                 dk = warpgroup_mma_wait(0, deps=[dk])   # one barrier for both, as above
                 fence_async_shared()
                 gl.thread_barrier()

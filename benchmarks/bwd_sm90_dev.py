@@ -173,21 +173,48 @@ def fp8_timing_inputs(q, k, v, cu, causal):
     return quantize_qkv(q, k, v, cu, "fp8", causal)
 
 
-def interleaved_ms(variants: dict, rounds: int, timer=None) -> dict:
+def interleaved_ms(variants: dict, rounds: int, timer=None, per_round: dict | None = None) -> dict:
     """{name: (median ms, spread %)} of the calls in `variants` timed in `rounds` rounds, each
     round every variant once (a block of calls, `timer`: cuda_ms over ~0.25 s), the order reversed
-    every other round; spread = (max - min) / median over the rounds."""
+    every other round; spread = (max - min) / median over the rounds. per_round, if given,
+    receives {name: [ms of each round]} (for paired_ratios)."""
     timer = timer or (lambda fn: cuda_ms(fn, target_s=0.25))
     times = {n: [] for n in variants}
     order = list(variants)
     for r in range(rounds):
         for n in (order if r % 2 == 0 else order[::-1]):
             times[n].append(timer(variants[n]))
+    if per_round is not None:
+        per_round.update(times)
     out = {}
     for n, ts in times.items():
         med = statistics.median(ts)
         out[n] = (med, 100 * (max(ts) - min(ts)) / med if med else 0.0)
     return out
+
+
+def paired_ratios(times: dict, pairs: dict) -> dict:
+    """{variant: (median, min, max) of variant / base over the rounds} for pairs {variant: base}:
+    each round's ratio compares two blocks timed next to each other, so the machine's drift over
+    the run (clocks under power, the spread above) cancels where it is slow against a round."""
+    out = {}
+    for n, base in pairs.items():
+        if n in times and base in times:
+            rs = [a / b for a, b in zip(times[n], times[base]) if b]
+            if rs:
+                out[n] = (statistics.median(rs), min(rs), max(rs))
+    return out
+
+
+def ab_pairs(names) -> dict:
+    """{variant: base}: each of this tree's bf16 / fp8 variants against the first --ab copy of
+    the same recipe (names as time_workloads gives them)."""
+    bases = list(AB_BASE)
+    if not bases:
+        return {}
+    b16, b8 = bases[0], f"{bases[0]} fp8"
+    return {n: (b8 if n.startswith("fp8 ") else b16) for n in names
+            if n.startswith(("sm90 ", "fp8 ")) and not n.endswith(" det")}
 
 
 def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False,
@@ -285,9 +312,12 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             except Exception as e:  # noqa: BLE001
                 print(f"FA4 failed on {w['name']}: {type(e).__name__}: {e}"[:300])
         row = {"workload": w["name"]}
-        for n, (ms, spread) in interleaved_ms(variants, rounds).items():
+        times: dict = {}
+        for n, (ms, spread) in interleaved_ms(variants, rounds, per_round=times).items():
             row[n] = ms
             row["_spread " + n] = spread
+        for n, (med, lo, hi) in paired_ratios(times, ab_pairs(variants)).items():
+            row["_paired " + n] = [med, lo, hi]
         if "fa4 fwd" in row:
             row["fa4 bwd"] = row.pop("fa4 fwd+bwd") - row["fa4 fwd"]
             row.pop("_spread fa4 fwd+bwd")
@@ -311,6 +341,18 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             else:
                 cells.append("-")
         print("| " + " | ".join(cells) + " |")
+    paired = [k for k in keys if any("_paired " + k in r for r in table)]
+    if paired:
+        print(f"\npaired: each variant / its --ab base, per round; median [min, max] over {rounds}"
+              " rounds")
+        print("| workload | " + " | ".join(paired) + " |")
+        print("|" + " --- |" * (len(paired) + 1))
+        for r in table:
+            cells = [r["workload"]]
+            for k in paired:
+                v = r.get("_paired " + k)
+                cells.append(f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]" if v else "-")
+            print("| " + " | ".join(cells) + " |")
     return table
 
 

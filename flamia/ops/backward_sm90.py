@@ -17,10 +17,10 @@ dK and dV stay in registers for the whole CTA (the GQA group's query heads reduc
 atomics); dQ of each step goes to shared memory (rows in dq_row_host's order, for conflict-free
 stores), and a dedicated warp writes it into an fp32 buffer by TMA: the first tile to reach a
 (query head, query block) is stored, the later ones reduce-added (_bwd_dq_writer), so the buffer is
-never zeroed. A small pass converts that buffer to dq. Warp
-roles (gl.warp_specialize): two MMA warpgroups in the default partition (keys 0-63 and 64-127 of
-the block, warps stacked along M of every key-major GEMM; dQ splits its columns between them), one
-TMA loader warp and the dQ writer warp, both at a low register budget.
+never zeroed. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two MMA
+warpgroups in the default partition (keys 0-63 and 64-127 of the block, warps stacked along M of
+every key-major GEMM; dQ splits its columns between them), one TMA loader warp and the dQ writer
+warp, both at a low register budget.
 
 Layouts. Tokens are packed (cu_seqlens); documents are never crossed: query blocks and key blocks
 are document-local. The fp32 dQ buffer and the per-query vectors lse2 / delta use a padded row

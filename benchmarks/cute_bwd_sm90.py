@@ -540,9 +540,9 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
         _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
     _COMPILED[key](*args, *extra)
     # this kernel stores dQ rows in natural order; the library's post pass reads row
-    # dq_row_host(prow): hand it the rows whose image is prow
-    p = kb.prow
-    rows = (p & -8) | ((p & 1) << 2) | ((p >> 1) & 3)
+    # dq_row_host(prow): hand it the rows whose image is prow (dq_row_host rotates the three low
+    # bits, so applied twice it is its own inverse)
+    rows = B.dq_row_host(B.dq_row_host(kb.prow))
     B._bwd_postprocess[grid_t](dq_acc, rows, dq, T, scale, Hq * D, D=D, BT=B.SM90_PASS_ROWS,
                                num_warps=4)
     return dq, dk, dv

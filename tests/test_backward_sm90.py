@@ -133,6 +133,7 @@ for recipe, D, causal, det, onchip in json.loads(sys.argv[1]):
     loop = main_loop(parse(sass))
     u["loop_local_ops"] = local_memory_ops(loop)
     plain = min(loop_paths(loop, predicated(sass)), key=len)
+    u["plain_step_local_ops"] = local_memory_ops(plain)
     u["plain_step_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
     out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det, "onchip": onchip})
 print("REPORT" + json.dumps(out))
@@ -152,7 +153,10 @@ def test_sm90_backward_compiles_clean():
         # there (20 B, one reload per step, an L1 hit); a spilled tile would be hundreds of
         # bytes and tens of loads per step.
         assert u["spill_stores"] <= 32, f"{tag}: {u['spill_stores']} B spilled"
-        assert u["loop_local_ops"] <= 1, f"{tag}: {u['loop_local_ops']} local ops per step"
+        # a plain step (no mask, off the diagonal: most steps) reloads at most one parked scalar;
+        # the masked and diagonal paths may reload a few more
+        assert u["plain_step_local_ops"] <= 1, f"{tag}: {u['plain_step_local_ops']} local ops"
+        assert u["loop_local_ops"] <= 8, f"{tag}: {u['loop_local_ops']} local ops in the loop"
         assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7514/C7515)"
         assert u["partition_regs"] == [24, 240], f"{tag}: {u['partition_regs']}"
         assert u["wgmma"] > 0 and u["reduce"] > 0, tag

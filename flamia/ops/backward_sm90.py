@@ -362,6 +362,33 @@ if HAVE_GLUON:
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
+    def _p_ds(st, dpt, lse_smem, dl_smem, s, col_l: gl.constexpr, qk_scale_log2, k0, q0, L,
+              masked, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+              CAUSAL: gl.constexpr, MASK: gl.constexpr):
+        """(P^T, dS^T) of a bf16 step from S^T and the in-flight dP^T: P^T while dP^T runs (lse2
+        dies before delta is loaded: registers at BM=128), then the wait, then dS^T, both zero
+        outside the visible (key, query) pairs (dP^T of keys past the document end may be NaN:
+        V is not zeroed) when MASK is 1, or 2 and `masked`. MASK 0 / 1 leave no branch between
+        the exp2s and dS^T's math, so ptxas interleaves them (the MUFU pipe otherwise takes
+        them in one burst of ~20 per warp while the FMA pipe idles)."""
+        lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
+        pt = gl.exp2(st * qk_scale_log2 - lse2)
+        if MASK == 1:
+            pt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), pt, 0.0)
+        elif MASK == 2:
+            if masked:
+                pt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
+        dst = pt * (dpt - delta)
+        if MASK == 1:
+            dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
+        elif MASK == 2:
+            if masked:
+                dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
+        return pt, dst
+
+    @gluon.jit
     def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                      kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
                      GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
@@ -413,17 +440,16 @@ if HAVE_GLUON:
                     masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                # P^T while dP^T runs; lse2 dies before delta is loaded (registers at BM=128)
-                lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
-                pt = gl.exp2(st * qk_scale_log2 - lse2)
-                if masked:
-                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                    pt = gl.where(ok, pt, 0.0)
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
-                delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
-                dst = pt * (dpt - delta)
-                if masked:    # dP^T of keys past the document end may be NaN (V not zeroed)
-                    dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
+                if BM == 64:   # a straight block per case: P^T's exp2 spread over dS^T's math
+                    if masked:
+                        pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0,
+                                        q0, L, masked, BN, BM, s_layout, CAUSAL, 1)
+                    else:
+                        pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0,
+                                        q0, L, masked, BN, BM, s_layout, CAUSAL, 0)
+                else:          # 128 rows (D=64) sit at the register limit: the masks branch
+                    pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0, q0,
+                                    L, masked, BN, BM, s_layout, CAUSAL, 2)
                 pa = gl.convert_layout(pt.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 dsb = dst.to(dtype)
@@ -886,6 +912,46 @@ if HAVE_GLUON:
             return x * v
 
     @gluon.jit
+    def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
+             BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
+             ANY: gl.constexpr):
+        """(X^T, Y^T) of an fp8 step from S^T and the in-flight dP^T, the per-query vectors at
+        vec_smem[v0 ..] (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal
+        step, the per-key scales skt / svt. One vector live at a time (32 registers each at 128
+        query rows); at 128 rows the products are not contracted into FMAs, which would keep two
+        vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain
+        step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math."""
+        NOFUSE: gl.constexpr = BM == 128
+        va = gl.expand_dims(_column_vector(vec_smem, v0, col_l), 0)
+        if CAUSAL and ANY:
+            if diag:
+                xt = (st * skt) * va
+            else:
+                xt = _times(st, va, NOFUSE)
+        else:
+            xt = _times(st, va, NOFUSE)
+        vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
+        xt = gl.exp2(xt - vb)
+        if ANY:
+            if masked:
+                xt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), xt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        vh = gl.expand_dims(_column_vector(vec_smem, v0 + 2, col_l), 0)
+        if CAUSAL and ANY:
+            if diag:
+                yt = (dpt * svt) * vh
+            else:
+                yt = _times(dpt, vh, NOFUSE)
+        else:
+            yt = _times(dpt, vh, NOFUSE)
+        ve = gl.expand_dims(_column_vector(vec_smem, v0 + 3, col_l), 0)
+        yt = xt * (yt - ve)
+        if ANY:
+            if masked:   # dP^T of keys past the document end may be NaN
+                yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+        return xt, yt
+
+    @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
@@ -932,6 +998,9 @@ if HAVE_GLUON:
                 kin = keys < L - k0
                 skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
                 svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+            else:
+                skt = 0.0
+                svt = 0.0
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
@@ -960,35 +1029,16 @@ if HAVE_GLUON:
                     masked = diag | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                # one per-query vector live at a time (32 registers each at 128 query rows),
-                # each already scaled by the CTA's scalars (_fp8_helper); at 128 rows the products
-                # are not contracted into FMAs, which would keep two vectors live (_mul_rn)
-                va = gl.expand_dims(_column_vector(vec_smem, s * NV, col_l), 0)
-                if CAUSAL:
-                    if diag:
-                        xt = (st * skt) * va
+                if BM == 64:   # a straight block for plain steps (as _p_ds)
+                    if masked:
+                        xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
+                                      k0, q0, L, BN, BM, s_layout, CAUSAL, True)
                     else:
-                        xt = _times(st, va, BM == 128)
-                else:
-                    xt = _times(st, va, BM == 128)
-                vb = gl.expand_dims(_column_vector(vec_smem, s * NV + 1, col_l), 0)
-                xt = gl.exp2(xt - vb)
-                if masked:
-                    ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                    xt = gl.where(ok, xt, 0.0)
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
-                vh = gl.expand_dims(_column_vector(vec_smem, s * NV + 2, col_l), 0)
-                if CAUSAL:
-                    if diag:
-                        yt = (dpt * svt) * vh
-                    else:
-                        yt = _times(dpt, vh, BM == 128)
-                else:
-                    yt = _times(dpt, vh, BM == 128)
-                ve = gl.expand_dims(_column_vector(vec_smem, s * NV + 3, col_l), 0)
-                yt = xt * (yt - ve)
-                if masked:   # dP^T of keys past the document end may be NaN
-                    yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+                        xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
+                                      k0, q0, L, BN, BM, s_layout, CAUSAL, False)
+                else:          # 128 rows (D=64) sit at the register limit: the cases branch
+                    xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked, k0,
+                                  q0, L, BN, BM, s_layout, CAUSAL, True)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8 = yt.to(f8)

@@ -362,6 +362,23 @@ if HAVE_GLUON:
                 h, q0 = _next_step(h, q0, m_lo, n_m, BM)
 
     @gluon.jit
+    def _release_step(dq_ready, q_free, j):
+        """Step j's releases, one barrier for both: its dQ tile written (to the dQ writer) and
+        its Q / dO stage read by its last wgmma (dK's, retired by every warp before); the
+        barrier also keeps the next step's dS store behind every warp's dQ wgmma. Called at the
+        next step's head, after its S^T and dP^T are issued, so that the tensor cores start
+        them without waiting for the barrier (j < 0: none): bf16 -0.8 to -6.6 %, fp8 up to
+        -3.8 % (benchmarks/NOTES.md). The fp8 kernel's short-document mode releases at the
+        step's end instead: its helper warps, behind the loader, need the stage back at once.
+        The fence comes after dK's wait: ptxas 12.8 crashes on the other order."""
+        STAGES: gl.constexpr = q_free.type.shape[0]
+        fence_async_shared()
+        gl.thread_barrier()
+        jj = gl.maximum(j, 0)
+        mbarrier.expect(dq_ready.index(jj % 2), 0, pred=j >= 0)
+        mbarrier.expect(q_free.index(jj % STAGES), 0, pred=j >= 0)
+
+    @gluon.jit
     def _p_ds(st, dpt, lse_smem, dl_smem, s, col_l: gl.constexpr, qk_scale_log2, k0, q0, L,
               masked, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
               CAUSAL: gl.constexpr, MASK: gl.constexpr):
@@ -435,6 +452,7 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
+                _release_step(dq_ready, q_free, i - 1)
                 st = warpgroup_mma_wait(1, deps=[st])
                 if CAUSAL:
                     masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
@@ -466,13 +484,8 @@ if HAVE_GLUON:
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(_dq_rows_stored(dq))
-                # one barrier for both releases: dQ written, Q / dO stage read by dK's wgmma
-                # (its wait before the fence: ptxas 12.8 crashes on the other order)
                 dk = warpgroup_mma_wait(0, deps=[dk])
-                fence_async_shared()
-                gl.thread_barrier()
-                arrive_synced(dq_ready.index(b))
-                arrive_synced(q_free.index(s))
+            _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
@@ -1021,6 +1034,8 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
                                     gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
                                     is_async=True)
+                if not KMAJOR_ONCHIP:   # (there the helper warps, behind the loader, need the
+                    _release_step(dq_ready, q_free, i - 1)   # stage back at once)
                 st = warpgroup_mma_wait(1, deps=[st])
                 # the helper's vectors (and with KMAJOR_ONCHIP dO^T, dV's B operand)
                 mbarrier.wait(t_ready.index(2 * s), ph)
@@ -1059,11 +1074,11 @@ if HAVE_GLUON:
                 b = i % 2
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(_dq_rows_stored(dq))
-                dk = warpgroup_mma_wait(0, deps=[dk])   # one barrier for both, as above
-                fence_async_shared()
-                gl.thread_barrier()
-                arrive_synced(dq_ready.index(b))
-                arrive_synced(q_free.index(s))
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                if KMAJOR_ONCHIP:
+                    _release_step(dq_ready, q_free, i)
+            if not KMAJOR_ONCHIP:
+                _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE)
             rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
             cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)

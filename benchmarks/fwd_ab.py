@@ -115,11 +115,15 @@ def main():
             else:
                 row[f"{n} check"] = compare(first, got)
         times = {n: [] for n in fns}
-        for _ in range(args.rounds):
-            for n, f in fns.items():
-                times[n].append(cuda_ms(f))
+        order = list(fns)
+        for r in range(args.rounds):       # the order reversed every other round
+            for n in (order if r % 2 == 0 else order[::-1]):
+                times[n].append(cuda_ms(fns[n]))
         for n in fns:
             row[n] = statistics.median(times[n])
+            # per-round ratio to the first variant (the rounds' drift cancels)
+            row[f"{n} paired"] = statistics.median(a / b for a, b in zip(times[n],
+                                                                        times[order[0]]))
         print(json.dumps(row), flush=True)
         table.append(row)
     for gluon in (True, False):
@@ -128,12 +132,12 @@ def main():
             continue
         ns = list(kinds[gluon]) + (["gluon"] if args.d64_gluon and not gluon else [])
         print(f"\n{'gluon (D=128)' if gluon else 'triton (D=64)'} forward kernel, ms "
-              f"(change vs {ns[0]})")
+              f"(change of the medians vs {ns[0]}; paired: median of the per-round ratios)")
         print("| workload | " + " | ".join(ns) + " | checks |")
         print("|---" * (len(ns) + 2) + "|")
         for r in rows:
-            cells = [f"{r[ns[0]]:.3f}"] + [f"{r[n]:.3f} ({100 * (r[n] / r[ns[0]] - 1):+.1f} %)"
-                                           for n in ns[1:]]
+            cells = [f"{r[ns[0]]:.3f}"] + [f"{r[n]:.3f} ({100 * (r[n] / r[ns[0]] - 1):+.1f} %; "
+                                           f"paired {r[n + ' paired']:.3f})" for n in ns[1:]]
             checks = "; ".join(f"{n}: {r[n + ' check']}" for n in ns[1:])
             print(f"| {r['workload']} | " + " | ".join(cells) + f" | {checks} |")
 

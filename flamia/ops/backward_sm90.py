@@ -385,24 +385,25 @@ if HAVE_GLUON:
         """(P^T, dS^T) of a bf16 step from S^T and the in-flight dP^T: P^T while dP^T runs (lse2
         dies before delta is loaded: registers at BM=128), then the wait, then dS^T, both zero
         outside the visible (key, query) pairs (dP^T of keys past the document end may be NaN:
-        V is not zeroed) when MASK is 1, or 2 and `masked`. MASK 0 / 1 leave no branch between
-        the exp2s and dS^T's math, so ptxas interleaves them (the MUFU pipe otherwise takes
-        them in one burst of ~20 per warp while the FMA pipe idles)."""
+        V is not zeroed) when MASK is 1 (each where it is made), or 2 and `masked` (both at the
+        end, one branch). No branch sits between the exp2s and dS^T's math, so ptxas
+        interleaves them (the MUFU pipe otherwise takes them in one burst of ~20-44 per warp
+        while the FMA pipe idles). MASK 2 is the 128-row (D=64) form: one block for every step
+        fits its registers, where a straight copy per case spills."""
         lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
         pt = gl.exp2(st * qk_scale_log2 - lse2)
         if MASK == 1:
             pt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), pt, 0.0)
-        elif MASK == 2:
-            if masked:
-                pt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
         dst = pt * (dpt - delta)
         if MASK == 1:
             dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
         elif MASK == 2:
-            if masked:
-                dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
+            if masked:   # (P^T of a masked key may be inf and dS^T NaN there: both select 0)
+                ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                pt = gl.where(ok, pt, 0.0)
+                dst = gl.where(ok, dst, 0.0)
         return pt, dst
 
     @gluon.jit
@@ -465,7 +466,7 @@ if HAVE_GLUON:
                     else:
                         pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0,
                                         q0, L, masked, BN, BM, s_layout, CAUSAL, 0)
-                else:          # 128 rows (D=64) sit at the register limit: the masks branch
+                else:          # 128 rows (D=64): the masks at the end (registers)
                     pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0, q0,
                                     L, masked, BN, BM, s_layout, CAUSAL, 2)
                 pa = gl.convert_layout(pt.to(dtype), a_layout)

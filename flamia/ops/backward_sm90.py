@@ -926,6 +926,22 @@ if HAVE_GLUON:
             return x * v
 
     @gluon.jit
+    def _scaled(x, per_key, vec_smem, v, col_l: gl.constexpr, diag, BM: gl.constexpr,
+                CAUSAL: gl.constexpr, ANY: gl.constexpr):
+        """x (S^T or dP^T) times per-query vector v of the stage (vec_smem), after the per-key
+        scales on a diagonal step (ANY: the step may be one). Not contracted into a later FMA
+        at 128 query rows (_times)."""
+        vv = gl.expand_dims(_column_vector(vec_smem, v, col_l), 0)
+        if CAUSAL and ANY:
+            if diag:
+                y = (x * per_key) * vv
+            else:
+                y = _times(x, vv, BM == 128)
+        else:
+            y = _times(x, vv, BM == 128)
+        return y
+
+    @gluon.jit
     def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
              BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
              ANY: gl.constexpr):
@@ -935,29 +951,14 @@ if HAVE_GLUON:
         query rows); at 128 rows the products are not contracted into FMAs, which would keep two
         vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain
         step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math."""
-        NOFUSE: gl.constexpr = BM == 128
-        va = gl.expand_dims(_column_vector(vec_smem, v0, col_l), 0)
-        if CAUSAL and ANY:
-            if diag:
-                xt = (st * skt) * va
-            else:
-                xt = _times(st, va, NOFUSE)
-        else:
-            xt = _times(st, va, NOFUSE)
+        xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL, ANY)
         vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
         xt = gl.exp2(xt - vb)
         if ANY:
             if masked:
                 xt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), xt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
-        vh = gl.expand_dims(_column_vector(vec_smem, v0 + 2, col_l), 0)
-        if CAUSAL and ANY:
-            if diag:
-                yt = (dpt * svt) * vh
-            else:
-                yt = _times(dpt, vh, NOFUSE)
-        else:
-            yt = _times(dpt, vh, NOFUSE)
+        yt = _scaled(dpt, svt, vec_smem, v0 + 2, col_l, diag, BM, CAUSAL, ANY)
         ve = gl.expand_dims(_column_vector(vec_smem, v0 + 3, col_l), 0)
         yt = xt * (yt - ve)
         if ANY:

@@ -135,6 +135,11 @@ for recipe, D, causal, det, onchip in json.loads(sys.argv[1]):
     plain = min(loop_paths(loop, predicated(sass)), key=len)
     u["plain_step_local_ops"] = local_memory_ops(plain)
     u["plain_step_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
+    run = runs = 0
+    for _, op, _ in plain:      # the longest run of consecutive MUFU (exp2) in a plain step
+        run = run + 1 if op.startswith("MUFU") else 0
+        runs = max(runs, run)
+    u["plain_step_mufu_run"] = runs
     out.append(u | {"recipe": recipe, "D": D, "causal": causal, "det": det, "onchip": onchip})
 print("REPORT" + json.dumps(out))
 """
@@ -164,3 +169,8 @@ def test_sm90_backward_compiles_clean():
         # the two warpgroups meet twice per plain step: dS written, then the release of the dQ
         # tile and the Q / dO stage (a plain mbarrier.arrive brings two more: arrive_synced)
         assert u["plain_step_bars"] == 2, f"{tag}: {u['plain_step_bars']} bar.syncs per step"
+        # a plain step's exp2s interleave with dS's math (no branch between them): a burst of
+        # 20-44 back-to-back MUFU.EX2 per warp left the FMA pipe idle (benchmarks/NOTES.md,
+        # 2026-12-06); fp8 at D=64 keeps its branches (registers) and its burst
+        if not (u["recipe"] == "fp8" and u["D"] == 64):
+            assert u["plain_step_mufu_run"] <= 8, f"{tag}: {u['plain_step_mufu_run']} MUFU in a row"

@@ -367,16 +367,16 @@ if HAVE_GLUON:
         its Q / dO stage read by its last wgmma (dK's, retired by every warp before); the
         barrier also keeps the next step's dS store behind every warp's dQ wgmma. Called at the
         next step's head, after its S^T and dP^T are issued, so that the tensor cores start
-        them without waiting for the barrier (j < 0: none): bf16 -0.8 to -6.6 %, fp8 up to
-        -3.8 % (benchmarks/NOTES.md). The fp8 kernel's short-document mode releases at the
-        step's end instead: its helper warps, behind the loader, need the stage back at once.
-        The fence comes after dK's wait: ptxas 12.8 crashes on the other order."""
+        them without waiting for the barrier (j < 0: none; benchmarks/NOTES.md, 2026-12-06).
+        The fp8 kernel's short-document mode releases at the step's end instead: its helper
+        warps, behind the loader, need the stage back at once. The fence comes after dK's wait:
+        ptxas 12.8 crashes on the other order."""
         STAGES: gl.constexpr = q_free.type.shape[0]
         fence_async_shared()
         gl.thread_barrier()
         jj = gl.maximum(j, 0)
-        mbarrier.expect(dq_ready.index(jj % 2), 0, pred=j >= 0)
-        mbarrier.expect(q_free.index(jj % STAGES), 0, pred=j >= 0)
+        arrive_synced(dq_ready.index(jj % 2), j >= 0)
+        arrive_synced(q_free.index(jj % STAGES), j >= 0)
 
     @gluon.jit
     def _p_ds(st, dpt, lse_smem, dl_smem, s, col_l: gl.constexpr, qk_scale_log2, k0, q0, L,

@@ -85,11 +85,12 @@ if HAVE_GLUON:
         return bars
 
     @gluon.jit
-    def arrive_synced(bar):
-        """One arrival on `bar` for the partition, after the caller's gl.thread_barrier(). The
-        0-byte expect-tx form: Triton 3.6 adds a partition-wide bar.sync before a plain arrive
-        and before the next mbarrier wait, both redundant after the caller's barrier."""
-        mbarrier.expect(bar, 0)
+    def arrive_synced(bar, pred=True):
+        """One arrival on `bar` for the partition (none where pred is false), after the caller's
+        gl.thread_barrier(). The 0-byte expect-tx form: Triton 3.6 adds a partition-wide bar.sync
+        before a plain arrive and before the next mbarrier wait, both redundant after the
+        caller's barrier."""
+        mbarrier.expect(bar, 0, pred=pred)
 
     @gluon.jit
     def _invalidate_ring(ring):

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from flamia.inputs import cu_seqlens_from_lengths  # noqa: E402
 from flamia.ops import backward_sm90 as B  # noqa: E402
-from flamia.ops.config import SM90_STAGES, Sm90BwdConfig, sm90_backward_config  # noqa: E402
+from flamia.ops.config import Sm90BwdConfig, sm90_backward_config  # noqa: E402
 from flamia.reference import attention_exact, lse_exact  # noqa: E402
 
 
@@ -90,11 +90,6 @@ def poison():
     del blocks
 
 
-def tile_name(cfg) -> str:
-    """m{rows}n128, and s{stages} where the Q / dO ring is not the library's depth."""
-    return f"m{cfg.block_m}n128" + (f"s{cfg.stages}" if cfg.stages != SM90_STAGES else "")
-
-
 def check(seed: int, configs):
     g = torch.Generator().manual_seed(seed)
     cases = []
@@ -134,9 +129,9 @@ def check(seed: int, configs):
             ok = ok and det_ok
             p2 += f" det={'ok' if det_ok else 'FAIL'}"
             rows.append((f"D{D} {Hq}/{Hkv} {'c' if causal else 'nc'} {lengths}",
-                         tile_name(cfg), errs, bars, finite, p2, ok))
+                         f"m{cfg.block_m}n128", errs, bars, finite, p2, ok))
             print(f"{'PASS' if ok else 'FAIL'} D={D} H={Hq}/{Hkv} causal={causal} L={lengths} "
-                  f"{tile_name(cfg)}: dq/dk/dv {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} "
+                  f"m{cfg.block_m}n128: dq/dk/dv {errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} "
                   f"finite={finite} P2={p2}",
                   flush=True)
     return all(r[-1] for r in rows)
@@ -259,10 +254,10 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             variants[name] = functools.partial(mod.attention_backward_sm90, do, o, lse, q, k, v,
                                                cu, causal, scale)
         for cfg in configs(D):
-            variants[f"sm90 {tile_name(cfg)}"] = functools.partial(
+            variants[f"sm90 m{cfg.block_m}n128"] = functools.partial(
                 B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale, config=cfg)
             if args_det:
-                variants[f"sm90 {tile_name(cfg)} det"] = functools.partial(
+                variants[f"sm90 m{cfg.block_m}n128 det"] = functools.partial(
                     B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale,
                     deterministic=True, config=cfg)
         for hook in EXTRA_VARIANTS:     # other kernels' variants (e.g. cute_bwd_sm90.py)
@@ -277,11 +272,11 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
             # max_seqlen of where Q^T / dO^T are made
             onchip = sm90_backward_config(D, maxlen).fp8_kmajor_onchip
             for cfg in configs(D):
-                variants[f"fp8 {tile_name(cfg)}"] = functools.partial(
+                variants[f"fp8 m{cfg.block_m}n128"] = functools.partial(
                     B.attention_backward_sm90_fp8, *fp8_args,
                     config=dataclasses.replace(cfg, fp8_kmajor_onchip=onchip))
                 if both_modes and D == 128:     # the other choice as well
-                    variants[f"fp8 {tile_name(cfg)} onchip={not onchip}"] = functools.partial(
+                    variants[f"fp8 m{cfg.block_m}n128 onchip={not onchip}"] = functools.partial(
                         B.attention_backward_sm90_fp8, *fp8_args,
                         config=dataclasses.replace(cfg, fp8_kmajor_onchip=not onchip))
             want = (B.attention_backward_sm90_fp8(*fp8_args, deterministic=True)
@@ -385,7 +380,7 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default="", help="D:BM[:STAGES],... (default: the "
+    ap.add_argument("--configs", default="", help="D:BM,... (default: the "
                     "selected config per head dim)")
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
@@ -404,8 +399,7 @@ def main():
     def configs(D):
         if not specs:
             return [sm90_backward_config(D)]
-        return [Sm90BwdConfig(block_m=int(x[1]), stages=int(x[2]) if len(x) > 2 else SM90_STAGES)
-                for x in specs if int(x[0]) == D]
+        return [Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
     for path in filter(None, args.ab.split(",")):
         name = os.path.splitext(os.path.basename(path))[0]
         AB_BASE[name] = load_ab_base(path, name)

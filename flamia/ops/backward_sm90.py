@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS,
+from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
 from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
@@ -1194,7 +1194,7 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
         _semaphores(kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
-        STAGES=cfg.stages, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
+        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
         DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
     _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
                              num_warps=4)
@@ -1303,7 +1303,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk, dv, prep.sem, kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
-        T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=cfg.stages, CAUSAL=bool(causal),
+        T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
         ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
         DETERMINISTIC=bool(deterministic), KMAJOR_ONCHIP=prep.qt8 is None, num_warps=8)
     fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)

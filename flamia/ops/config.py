@@ -133,7 +133,6 @@ SM90_PASS_ROWS = 64
 class Sm90BwdConfig:
     """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    stages: int = SM90_STAGES   # depth of the Q / dO ring (3 fits at 64 rows and D=64)
     fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4

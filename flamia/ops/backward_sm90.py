@@ -381,29 +381,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _p_ds(st, dpt, lse_smem, dl_smem, s, col_l: gl.constexpr, qk_scale_log2, k0, q0, L,
               masked, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
-              CAUSAL: gl.constexpr, MASK: gl.constexpr):
+              CAUSAL: gl.constexpr):
         """(P^T, dS^T) of a bf16 step from S^T and the in-flight dP^T: P^T while dP^T runs (lse2
-        dies before delta is loaded: registers at BM=128), then the wait, then dS^T, both zero
-        outside the visible (key, query) pairs (dP^T of keys past the document end may be NaN:
-        V is not zeroed) when MASK is 1 (each where it is made), or 2 and `masked` (both at the
-        end, one branch). No branch sits between the exp2s and dS^T's math, so ptxas
-        interleaves them (the MUFU pipe otherwise takes them in one burst of ~20-44 per warp
-        while the FMA pipe idles). MASK 2 is the 128-row (D=64) form: one block for every step
-        fits its registers, where a straight copy per case spills."""
+        dies before delta is loaded: registers at BM=128), then the wait, then dS^T, and on a
+        `masked` step both set to zero outside the visible (key, query) pairs at the end (an
+        exp2 of a masked key may be inf and dS^T NaN there, dP^T of keys past the document end
+        too: V is not zeroed; the selects drop them). No branch sits between the exp2s and dS^T's
+        math, so ptxas interleaves them (the MUFU pipe otherwise takes them in one burst of
+        ~20-44 per warp while the FMA pipe idles)."""
         lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
         pt = gl.exp2(st * qk_scale_log2 - lse2)
-        if MASK == 1:
-            pt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
         dst = pt * (dpt - delta)
-        if MASK == 1:
-            dst = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), dst, 0.0)
-        elif MASK == 2:
-            if masked:   # (P^T of a masked key may be inf and dS^T NaN there: both select 0)
-                ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                pt = gl.where(ok, pt, 0.0)
-                dst = gl.where(ok, dst, 0.0)
+        if masked:
+            ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+            pt = gl.where(ok, pt, 0.0)
+            dst = gl.where(ok, dst, 0.0)
         return pt, dst
 
     @gluon.jit
@@ -459,16 +453,9 @@ if HAVE_GLUON:
                     masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                if BM == 64:   # a straight block per case: P^T's exp2 spread over dS^T's math
-                    if masked:
-                        pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0,
-                                        q0, L, masked, BN, BM, s_layout, CAUSAL, 1)
-                    else:
-                        pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0,
-                                        q0, L, masked, BN, BM, s_layout, CAUSAL, 0)
-                else:          # 128 rows (D=64): the masks at the end (registers)
-                    pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0, q0,
-                                    L, masked, BN, BM, s_layout, CAUSAL, 2)
+                # one straight block, the masks at its end: P^T's exp2 spread over dS^T's math
+                pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0, q0, L,
+                                masked, BN, BM, s_layout, CAUSAL)
                 pa = gl.convert_layout(pt.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
                 dsb = dst.to(dtype)

@@ -206,15 +206,28 @@ def paired_ratios(times: dict, pairs: dict) -> dict:
     return out
 
 
+PAIR_COPIES = False   # --pair-copies: each --ab copy against this tree's library instead
+
+
 def ab_pairs(names) -> dict:
     """{variant: base}: each of this tree's bf16 / fp8 variants against the first --ab copy of
-    the same recipe (names as time_workloads gives them)."""
+    the same recipe (names as time_workloads gives them); with PAIR_COPIES each --ab copy (bf16
+    and fp8) against this tree's variant of its recipe (copy / library: the abp stage, where the
+    copies are the patches)."""
     bases = list(AB_BASE)
     if not bases:
         return {}
+    lib = [n for n in names if n.startswith(("sm90 ", "fp8 ")) and not n.endswith(" det")]
+    if PAIR_COPIES:
+        l16 = next((n for n in lib if n.startswith("sm90 ")), None)
+        l8 = next((n for n in lib if n.startswith("fp8 ")), None)
+        out = {}
+        for b in bases:
+            out[b] = l16
+            out[f"{b} fp8"] = l8
+        return {n: base for n, base in out.items() if base}
     b16, b8 = bases[0], f"{bases[0]} fp8"
-    return {n: (b8 if n.startswith("fp8 ") else b16) for n in names
-            if n.startswith(("sm90 ", "fp8 ")) and not n.endswith(" det")}
+    return {n: (b8 if n.startswith("fp8 ") else b16) for n in lib}
 
 
 def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=False,
@@ -343,8 +356,8 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
         print("| " + " | ".join(cells) + " |")
     paired = [k for k in keys if any("_paired " + k in r for r in table)]
     if paired:
-        print(f"\npaired: each variant / its --ab base, per round; median [min, max] over {rounds}"
-              " rounds")
+        print(f"\npaired: each variant / its base (--pair-copies: copy / library), per round; "
+              f"median [min, max] over {rounds} rounds")
         print("| workload | " + " | ".join(paired) + " |")
         print("|" + " --- |" * (len(paired) + 1))
         for r in table:
@@ -389,6 +402,9 @@ def main():
                     "backward (at each --configs tile)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per "
                     "workload (median and spread reported)")
+    ap.add_argument("--pair-copies", action="store_true", help="paired ratios of each --ab "
+                    "copy against this tree (copy / library) instead of this tree against the "
+                    "first copy")
     ap.add_argument("--both-modes", action="store_true", help="with --fp8 at D=128: also the "
                     "other choice of config.fp8_kmajor_onchip than the library's")
     args = ap.parse_args()
@@ -400,6 +416,8 @@ def main():
         if not specs:
             return [sm90_backward_config(D)]
         return [Sm90BwdConfig(block_m=int(bm)) for (d, bm) in specs if int(d) == D]
+    global PAIR_COPIES
+    PAIR_COPIES = args.pair_copies
     for path in filter(None, args.ab.split(",")):
         name = os.path.splitext(os.path.basename(path))[0]
         AB_BASE[name] = load_ab_base(path, name)

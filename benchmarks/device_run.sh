@@ -206,7 +206,7 @@ stage() {  # name seconds: one stage
         fi
       done
       run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py --time --fp8 \
-        --ab "${files#,}" ${ABP_ARGS:-} ;;
+        --pair-copies --ab "${files#,}" ${ABP_ARGS:-} ;;
     ptest-*|pab-*|pprof-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
       local pname=${name#p*-} d
       if ! d=$(patched_tree "$pname"); then

@@ -252,6 +252,35 @@ if HAVE_GLUON:
         return ok
 
     @gluon.jit
+    def _store_grad(x, desc, stage, X, start, k0, L, kvh, stride_kt):
+        """dK or dV, (BN, D) fp32 in registers, of keys k0.. of a document (first token start,
+        length L) into X (T, Hkv, D). A key block inside its document leaves by a TMA store
+        through `stage`, a shared tile that is dead by now and holds a 16-bit (BN, D) box (the
+        caller waits for the copy, tma.store_wait, before the CTA ends); one reaching past the
+        document's end (a TMA box would overwrite the next document's first rows), and 32-bit
+        gradients, by row-masked stores from registers. Those cost the CTA's end ~2.6 us at D=64
+        (benchmarks/NOTES.md)."""
+        BN: gl.constexpr = x.type.shape[0]
+        D: gl.constexpr = x.type.shape[1]
+        out_t: gl.constexpr = X.dtype.element_ty
+        inside = k0 + BN <= L
+        if out_t.primitive_bitwidth != 16:
+            inside = False
+        if inside:
+            gl.thread_barrier()    # both warpgroups' last reads of `stage` are done
+            st = stage._reinterpret(out_t, [BN, D], desc.layout)
+            st.store(x.to(out_t))
+            fence_async_shared()   # generic-proxy writes -> visible to the TMA
+            gl.thread_barrier()    # every warp's rows written before the copy starts
+            tma.async_copy_shared_to_global(desc, [start + k0, kvh * D], st)
+        else:
+            x_layout: gl.constexpr = x.type.layout
+            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, x_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, x_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            gl.store(X + offs, x.to(out_t), mask=rows < L)
+
+    @gluon.jit
     def _ring_row(ring, s):
         """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a (BM,) shared view."""
         BM: gl.constexpr = ring.type.shape[2]
@@ -403,7 +432,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                      kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS, N_ITEMS,
-                     GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
+                     GROUP, DK, DV, dk_desc, dv_desc, stride_kt, qk_scale_log2, sm_scale,
+                     CAUSAL: gl.constexpr,
                      num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -475,16 +505,14 @@ if HAVE_GLUON:
                 dk = warpgroup_mma_wait(0, deps=[dk])
             _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
-            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
-            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
-            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
-            keep = rows < L
-            gl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-            gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=keep)
+            _store_grad(dv, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
+            _store_grad(dk * sm_scale, dk_desc, k_smem, DK, start, k0, L, kvh, stride_kt)
+            tma.store_wait(0)       # the tiles stay allocated until the copies have read them
 
     # values that follow cu_seqlens are not specialized on: one build for every split
     @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS"])
-    def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, DK, DV,
+    def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc,
+                              dk_desc, dv_desc, DK, DV,
                               SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
                               sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -508,7 +536,8 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
                             kv_ready, q_ready, do_ready, q_free, dq_ready, dq_free, ITEMS,
-                            N_ITEMS, GROUP, DK, DV, stride_kt, qk_scale_log2, sm_scale,
+                            N_ITEMS, GROUP, DK, DV, dk_desc, dv_desc, stride_kt,
+                            qk_scale_log2, sm_scale,
                             CAUSAL, num_warps)),
             (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
                            k_smem, v_smem, lse_smem, dl_smem, kv_ready, q_ready, do_ready, q_free,
@@ -957,7 +986,8 @@ if HAVE_GLUON:
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
                      cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
                      cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
-                     SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     SK, SV, SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt, sm_scale,
+                     CAUSAL: gl.constexpr,
                      ROTATE: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -1068,23 +1098,22 @@ if HAVE_GLUON:
                     _release_step(dq_ready, q_free, i)
             if not KMAJOR_ONCHIP:
                 _release_step(dq_ready, q_free, GROUP * n_m - 1)
-            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE)
-            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout)), 1)
-            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), 0)
-            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
-            keep = rows < L
-            gl.store(DV + offs, (dv * c_pt).to(DV.dtype.element_ty), mask=keep)
+            # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE);
+            # V's and K's tiles (both copies) are dead and carry them out
+            _store_grad(dv * c_pt, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
             dk = dk * (sm_scale * c_ds)
             if ROTATE:
                 # K^T, K and the diagonal copies are dead: their bytes hold H for the rotation
                 gl.thread_barrier()
                 dk = _rotate_back_rows(dk, k_smem, num_warps)
-            gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=keep)
+            _store_grad(dk, dk_desc, k_smem, DK, start, k0, L, kvh, stride_kt)
+            tma.store_wait(0)       # the tiles stay allocated until the copies have read them
 
     # values that follow cu_seqlens are not specialized on: one build for every split
     @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "NB", "T"])
     def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
-                                  vd_desc, kt_desc, vec_desc, dq_desc, DK, DV, SEM,
+                                  vd_desc, kt_desc, vec_desc, dq_desc, dk_desc, dv_desc, DK,
+                                  DV, SEM,
                                   ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, BPT, BDS, NB, CTA, SK, SV,
                                   SKD, SVD, T, stride_kt, sm_scale,
                                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
@@ -1119,7 +1148,8 @@ if HAVE_GLUON:
                             cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
                             q_free, cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP,
                             BPT, BDS, NB, CTA,
-                            SK, SV, SKD, SVD, DK, DV, T, stride_kt, sm_scale, CAUSAL, ROTATE,
+                            SK, SV, SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt,
+                            sm_scale, CAUSAL, ROTATE,
                             KMAJOR_ONCHIP, num_warps)),
             (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
                            kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
@@ -1178,7 +1208,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
     _attn_bwd_sm90_kernel[(kb.n_items,)](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, dk, dv,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, *_grad_descriptors(dk, dv),
+        dk, dv,
         _semaphores(kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
@@ -1286,6 +1317,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
         descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+        *_grad_descriptors(dk, dv),
     )
     _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
         *descs, dk, dv, prep.sem, kb.items, kb.n_items, Hq // Hkv,
@@ -1310,6 +1342,13 @@ def _grads(T, Hq, Hkv, D, dtype, dev):
     """Empty (dq, dk, dv)."""
     return (torch.empty((T, Hq, D), dtype=dtype, device=dev),
             *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
+
+
+def _grad_descriptors(dk, dv):
+    """TMA descriptors of dK and dV (T, Hkv, D) as (T, Hkv * D) matrices, one (BN, D) box: the
+    kernels' epilogue stores (_store_kv_grads)."""
+    T, Hkv, D = dk.shape
+    return tuple(descriptor_2d(x, T, Hkv * D, Hkv * D, [SM90_BLOCK_N, D]) for x in (dk, dv))
 
 
 def _semaphores(kb: KeyBlocks, Hq: int, BM: int) -> torch.Tensor:

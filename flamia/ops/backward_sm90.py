@@ -1346,7 +1346,7 @@ def _grads(T, Hq, Hkv, D, dtype, dev):
 
 def _grad_descriptors(dk, dv):
     """TMA descriptors of dK and dV (T, Hkv, D) as (T, Hkv * D) matrices, one (BN, D) box: the
-    kernels' epilogue stores (_store_kv_grads)."""
+    kernels' epilogue stores (_store_grad)."""
     T, Hkv, D = dk.shape
     return tuple(descriptor_2d(x, T, Hkv * D, Hkv * D, [SM90_BLOCK_N, D]) for x in (dk, dv))
 

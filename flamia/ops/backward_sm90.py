@@ -258,8 +258,8 @@ if HAVE_GLUON:
         through `stage`, a shared tile that is dead by now and holds a 16-bit (BN, D) box (the
         caller waits for the copy, tma.store_wait, before the CTA ends); one reaching past the
         document's end (a TMA box would overwrite the next document's first rows), and 32-bit
-        gradients, by row-masked stores from registers. Those cost the CTA's end ~2.6 us at D=64
-        (benchmarks/NOTES.md)."""
+        gradients, by row-masked stores from registers (for both gradients ~2.6 us of every
+        CTA's end at D=64 when all blocks stored that way: benchmarks/NOTES.md)."""
         BN: gl.constexpr = x.type.shape[0]
         D: gl.constexpr = x.type.shape[1]
         out_t: gl.constexpr = X.dtype.element_ty
@@ -1063,7 +1063,7 @@ if HAVE_GLUON:
                     masked = diag | edge_q | (k0 + BN > L)
                 else:
                     masked = edge_q | (k0 + BN > L)
-                if BM == 64:   # a straight block for plain steps (as _p_ds)
+                if BM == 64:   # plain steps run a copy of the block without branches
                     if masked:
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
                                       k0, q0, L, BN, BM, s_layout, CAUSAL, True)

@@ -1,0 +1,1788 @@
+"""Hopper (sm_90a) attention backward in Gluon: one pass, five GEMMs per tile, dQ written by TMA.
+
+One CTA owns one key block (BN keys of one document) of one KV head and walks every query block that
+sees it, for every query head of the KV head's GQA group, in one loop; recipes bf16 (bf16 or fp16
+inputs as given) and fp8 (every GEMM in FP8: "The fp8 recipe" below). Per step (query block of BM
+rows, one query head), with S^T and dP^T in registers (keys are the rows):
+
+    S^T  = K Q^T            (wgmma, A = K from shared memory)
+    dP^T = V dO^T           (wgmma, A = V from shared memory)
+    P^T  = exp2(S^T * scale * log2 e - lse2)          lse2 = lse * log2 e, per query (column)
+    dS^T = P^T * (dP^T - delta)                       delta = rowsum(dO * O), per query
+    dV  += P^T dO           (wgmma, A = P^T from registers)
+    dK  += dS^T Q           (wgmma, A = dS^T from registers)
+    dQ   = dS K             (wgmma, A = dS^T stored to shared memory, read transposed)
+
+dK and dV stay in registers for the whole CTA (the GQA group's query heads reduce there, no
+atomics); dQ of each step goes to shared memory (rows in dq_row_host's order, for conflict-free
+stores), and a dedicated warp writes it into an fp32 buffer by TMA: the first tile to reach a
+(query head, query block) is stored, the later ones reduce-added (_bwd_dq_writer), so the buffer is
+never zeroed. A small pass converts that buffer to dq. Warp roles (gl.warp_specialize): two MMA
+warpgroups in the default partition (keys 0-63 and 64-127 of the block, warps stacked along M of
+every key-major GEMM; dQ splits its columns between them), one TMA loader warp and the dQ writer
+warp, both at a low register budget.
+
+Layouts. Tokens are packed (cu_seqlens); documents are never crossed: query blocks and key blocks
+are document-local. The fp32 dQ buffer and the per-query vectors lse2 / delta use a padded row
+layout in which every document starts at a multiple of BM (row = token - doc start + padded doc
+start), so a query block's reduce-add box never touches another document. K, Q, dO rows past the
+document end (loaded by TMA from the next document) are zeroed in shared memory before a GEMM
+reduces over them (0 * Inf would be NaN); V's and masked scores are discarded by selects. So every
+document's gradients depend on that document alone (P2), NaN/Inf included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROWS, SM90_STAGES,
+                     Sm90BwdConfig, sm90_backward_config)
+from .gluon_common import HAVE_GLUON
+from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
+from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits
+from .schedule import per_cu_seqlens, persistent_grid
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    from .gluon_common import (alloc_barriers, arrive_synced, descriptor_2d, invalidate_barriers,
+                               tma_reduce_add, wgmma_layout)
+    from .kmajor import mma_key_order_gluon
+    _pow2_scale_bits = gluon.jit(pow2_scale_bits.fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work list: key blocks by document, heaviest first, and the padded query-row layout
+# ---------------------------------------------------------------------------------------------
+
+# Tracing (benchmarks/bwd_trace.py): the bf16 kernel's deal ("main": one CTA per column,
+# "dynamic": persistent, the counter's deal, "snake": persistent, snake rounds) and, when set, an
+# int32 (n_items, 8) buffer of per-column records.
+TRACE_MODE = "main"
+TRACE_BUF = None
+
+
+@dataclass
+class KeyBlocks:
+    items: torch.Tensor     # (6, n_items) int32 rows, one column per CTA in launch order:
+                            # document (-1: no work), key block, first token, length, padded
+                            # first query row of the document, KV head
+    n_items: int            # host bound on the number of real items (key blocks x KV heads)
+    q_rows: int             # rows of the padded query layout (host bound, a multiple of BM)
+    prow: torch.Tensor      # (T,) int32: padded row of every token
+
+
+def key_blocks(cu_seqlens: torch.Tensor, T: int, BM: int, BN: int, causal: bool,
+               n_kv_heads: int = 1, pad: int | None = None) -> KeyBlocks:
+    """The CTAs' work, one (key block, KV head) each, in launch order:
+
+    - heaviest first by cost class (floor(log2(query blocks seen)); all items under 8 query blocks
+      form one class): every KV head's long items start early, none ends the launch alone;
+    - within a class by KV head, document (heaviest first), key block (heaviest first, ties in
+      packed order): CTAs resident at one time share one KV head and a few documents, whose Q, dO
+      and dQ rows stay in L2; a short document's key blocks stay together (benchmarks/NOTES.md);
+    - padding items (doc -1) last.
+    Within one (document, KV head), a lower key block never comes later (deterministic mode's dQ
+    adds wait on them). In the padded row layout every document starts at a multiple of `pad`
+    (default BM; a multiple of BM). Built on the device with no host sync; item count and padded
+    rows bounded on the host (sum_d ceil(L_d / BN) <= T // BN + n_docs;
+    sum_d ceil(L_d / pad) pad <= T + n_docs (pad - 1))."""
+    pad = pad or BM
+    dev = cu_seqlens.device
+    n_docs = cu_seqlens.numel() - 1
+    n = max(T // BN + n_docs, 1)
+    N = n * n_kv_heads
+    q_rows = max(-(-(T + n_docs * (pad - 1)) // pad) * pad, pad)
+    if n_docs <= 0 or T == 0:
+        return KeyBlocks(torch.full((6, N), -1, dtype=torch.int32, device=dev), N, q_rows,
+                         torch.zeros((T,), dtype=torch.int32, device=dev))
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    nq = (lengths + BM - 1) // BM
+    npad = (lengths + pad - 1) // pad * pad
+    pq = torch.cumsum(npad, 0) - npad                # padded first row of each document
+    nk = (lengths + BN - 1) // BN
+    ends = torch.cumsum(nk, 0)
+    idx = torch.arange(n, device=dev, dtype=torch.int64)
+    doc = torch.searchsorted(ends, idx, right=True)
+    valid = doc < n_docs
+    d = doc.clamp(max=n_docs - 1)
+    blk = idx - (ends[d] - nk[d])
+    cost = nq[d] - (blk * BN) // BM if causal else nq[d]
+    cost = torch.where(valid, cost, torch.full_like(cost, 0))
+    cls = torch.where(valid, torch.floor(torch.log2(cost.clamp(min=8).double())).long(),
+                      torch.full_like(cost, -1))
+    doc_order = torch.argsort(nq, descending=True, stable=True)
+    rank = torch.empty_like(doc_order)
+    rank[doc_order] = torch.arange(n_docs, device=dev, dtype=torch.int64)
+    drank = rank[d]
+    # one column per (item, KV head); stable sorts, least significant key first
+    pair = torch.arange(N, device=dev, dtype=torch.int64)
+    it, kvh = pair % n, pair // n
+    order = torch.argsort(it, stable=True)
+    for key, desc in ((cost[it], True), (drank[it], False), (kvh, False), (cls[it], True)):
+        order = order[torch.argsort(key[order], descending=desc, stable=True)]
+    it, kvh = it[order], kvh[order]
+    items = torch.stack([torch.where(valid, d, torch.full_like(d, -1))[it], blk[it],
+                         cu[:-1][d][it], lengths[d][it], pq[d][it], kvh])
+    tok = torch.arange(T, device=dev, dtype=torch.int64)
+    tdoc = torch.searchsorted(cu[1:], tok, right=True).clamp(max=n_docs - 1)
+    prow = tok - cu[:-1][tdoc] + pq[tdoc]
+    return KeyBlocks(items.to(torch.int32).contiguous(), N, q_rows, prow.to(torch.int32))
+
+
+def dq_row_host(r):
+    """The row of the fp32 dQ buffer that holds padded query row r: bits 0-2 of r = (a2 a1 a0) ->
+    (a1 a0 a2), bits 3 and up unchanged (a permutation inside every 8-row group, so inside every
+    query block). The kernels store each dQ tile with its rows in this order: a warp's accumulator
+    store then covers rows {0, 2, 4, 6} (or {1, 3, 5, 7}) of the 128-byte-swizzled tile in each
+    half-warp phase, whose bank groups differ, where rows l and l + 1 would share theirs (a two-way
+    conflict on every dQ store: ncu at doc32k, benchmarks/NOTES.md). Plain operators: torch
+    tensors / ints here, Triton tensors as `_dq_row`."""
+    return (r & -8) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
+def dq_rows_stored_host(x):
+    """x (rows, D), rows a multiple of 8, with its rows in dq_row order: row dq_row_host(a) of the
+    result is row a of x. A reshape / permute of the row index's 3 low bits, so a register tensor's
+    values stay in their threads and the shared-memory store computes the permuted addresses.
+    Tensor methods only: torch tensors here, Gluon tensors as `_dq_rows_stored`."""
+    return x.reshape([x.shape[0] // 8, 2, 2, 2, x.shape[1]]).permute((0, 2, 3, 1, 4)) \
+            .reshape([x.shape[0], x.shape[1]])
+
+
+_dq_row = triton.jit(dq_row_host)
+if HAVE_GLUON:
+    _dq_rows_stored = gluon.jit(dq_rows_stored_host)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre- and postprocess (Triton)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, PROW, LSE2, DELTA, T, QR, stride_t, D: tl.constexpr,
+                    BT: tl.constexpr):
+    """delta = rowsum(dO * O) and lse2 = lse * log2 e of tokens [pid * BT, +BT) of one head,
+    written at their padded rows."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    offs = t[:, None].to(tl.int64) * stride_t + h * D + d[None, :]
+    o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lse = tl.load(LSE + h.to(tl.int64) * T + t, mask=ok, other=0.0)
+    pr = tl.load(PROW + t, mask=ok, other=0)
+    tl.store(LSE2 + h.to(tl.int64) * QR + pr, lse * 1.4426950408889634, mask=ok)
+    tl.store(DELTA + h.to(tl.int64) * QR + pr, delta, mask=ok)
+
+
+@triton.jit
+def _bwd_postprocess(DQA, PROW, DQ, T, scale, stride_t, D: tl.constexpr, BT: tl.constexpr):
+    """dq[t, h] = scale * dq_acc[dq_row(padded row of t), h]."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    pr = _dq_row(tl.load(PROW + t, mask=ok, other=0)).to(tl.int64)
+    acc = tl.load(DQA + pr[:, None] * stride_t + h * D + d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DQ + t[:, None].to(tl.int64) * stride_t + h * D + d[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon kernel
+# ---------------------------------------------------------------------------------------------
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _item(ITEMS, N_ITEMS):
+        """(doc, key block, first token, length, padded first query row, KV head) of this CTA
+        (column program_id of the work list); doc < 0: no work."""
+        item = gl.program_id(0)
+        doc = gl.load(ITEMS + item)
+        blk = gl.load(ITEMS + N_ITEMS + item)
+        start = gl.load(ITEMS + 2 * N_ITEMS + item)
+        L = gl.load(ITEMS + 3 * N_ITEMS + item)
+        pq = gl.load(ITEMS + 4 * N_ITEMS + item)
+        kvh = gl.load(ITEMS + 5 * N_ITEMS + item)
+        return doc, blk, start, L, pq, kvh
+
+    @gluon.jit
+    def _item_at(ITEMS, N_ITEMS, col):
+        """_item of work-list column col (doc < 0: no work)."""
+        doc = gl.load(ITEMS + col)
+        blk = gl.load(ITEMS + N_ITEMS + col)
+        start = gl.load(ITEMS + 2 * N_ITEMS + col)
+        L = gl.load(ITEMS + 3 * N_ITEMS + col)
+        pq = gl.load(ITEMS + 4 * N_ITEMS + col)
+        kvh = gl.load(ITEMS + 5 * N_ITEMS + col)
+        return doc, blk, start, L, pq, kvh
+
+    # A persistent CTA takes work-list columns as it goes, as the hardware would deal CTAs: its
+    # own program id first, then the next column of a global counter (NEXT, zeroed by the
+    # caller) each time its loader has issued an item's last loads. Every CTA takes its columns
+    # in increasing order and the counter deals them in increasing order, so the lowest
+    # unfinished column never waits on an unfinished one (deterministic mode's dQ order). The
+    # loader passes each column to the other partitions through a 2-slot shared ring (col_smem,
+    # col_ready: one arrival, col_free: one per reading partition); -1 ends the CTA.
+
+    @gluon.jit
+    def _col_row(col_smem, slot):
+        """Slot `slot` of the (2, 1, 32) int32 column ring as a (32,) shared view."""
+        return col_smem.index(slot)._reinterpret(gl.int32, [32],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _deal_column(col_smem, col_ready, col_free, j, col):
+        """Loader: publish column col (-1: the end) as the CTA's j-th; returns j + 1."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        slot = j % 2
+        mbarrier.wait(col_free.index(slot), ((j // 2) + 1) & 1, pred=j >= 2)
+        _col_row(col_smem, slot).store(gl.full([32], 0, gl.int32, lay) + col)
+        mbarrier.arrive(col_ready.index(slot), count=1)
+        return j + 1
+
+    @gluon.jit
+    def _next_column(NEXT, N_ITEMS):
+        """The counter's next column, or -1 past the list."""
+        col = gl.num_programs(0) + gl.atomic_add(NEXT, 1, sem="relaxed", scope="gpu")
+        return gl.where(col < N_ITEMS, col, -1)
+
+    @gluon.jit
+    def _take_column(col_smem, col_ready, col_free, j, num_warps: gl.constexpr):
+        """A reading partition: the CTA's j-th column (-1: the end), its slot freed."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        slot = j % 2
+        mbarrier.wait(col_ready.index(slot), (j // 2) & 1)
+        col = gl.max(_col_row(col_smem, slot).load(lay), axis=0)
+        gl.thread_barrier()
+        arrive_synced(col_free.index(slot))
+        return col
+
+    # Timeline tracing (benchmarks/bwd_trace.py): int32 words per work-list column.
+    TR_WORDS = 8
+
+    @gluon.jit
+    def _tr_now(num_warps: gl.constexpr):
+        """%globaltimer_lo (ns, 32 bits) as a (32,) vector, and its layout's offsets."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        z = gl.arange(0, 32, layout=lay)
+        t = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [z],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        return t, z
+
+    @gluon.jit
+    def _tr_put(TRACE, col, word, num_warps: gl.constexpr):
+        """Word `word` of column col's record: the time now."""
+        t, z = _tr_now(num_warps)
+        gl.store(TRACE + col * 8 + word + z, t, mask=z == 0)
+
+    @gluon.jit
+    def _tr_sm(TRACE, col, j, num_warps: gl.constexpr):
+        """Words 4..6: the SM, the CTA, the column's index in the CTA."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        z = gl.arange(0, 32, layout=lay)
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [z], dtype=gl.int32,
+                                       is_pure=False, pack=1)
+        gl.store(TRACE + col * 8 + 4 + z, sm, mask=z == 0)
+        gl.store(TRACE + col * 8 + 5 + z, z * 0 + gl.program_id(0), mask=z == 0)
+        gl.store(TRACE + col * 8 + 6 + z, z * 0 + j, mask=z == 0)
+
+    # A persistent CTA's rings restart at slot 0 with every item (slot i % N at the item's step
+    # i: a constant shared-memory offset per step, which keeps the wgmma descriptors uniform);
+    # one int carries, per slot, the parity of its uses so far and whether it was ever used:
+    # bits PAR + slot and USED + slot, for the Q / dO stages (Q_PAR, Q_USED) and the dQ buffers
+    # (DQ_PAR, DQ_USED); bit KV_PAR the parity of the items' K / V loads.
+    Q_PAR = gl.constexpr(0)
+    Q_USED = gl.constexpr(8)
+    DQ_PAR = gl.constexpr(16)
+    DQ_USED = gl.constexpr(24)
+    KV_PAR = gl.constexpr(30)
+
+    @gluon.jit
+    def _ring_phase(ring, i, N: gl.constexpr, PAR: gl.constexpr):
+        """Parity of the use of slot i % N at the item's step i (the slot's earlier uses)."""
+        return ((ring >> (PAR + i % N)) & 1) ^ ((i // N) & 1)
+
+    @gluon.jit
+    def _ring_reused(ring, i, N: gl.constexpr, USED: gl.constexpr):
+        """Whether slot i % N was used before the item's step i."""
+        return (((ring >> (USED + i % N)) & 1) == 1) | (i >= N)
+
+    @gluon.jit
+    def _ring_after(ring, n, N: gl.constexpr, PAR: gl.constexpr, USED: gl.constexpr):
+        """The ring after an item of n steps."""
+        for slot in gl.static_range(N):
+            u = gl.maximum(n - slot + N - 1, 0) // N       # the slot's uses in the item
+            ring = ring ^ ((u & 1) << (PAR + slot))
+            ring = ring | ((u > 0).to(gl.int32) << (USED + slot))
+        return ring
+
+    @gluon.jit
+    def _ring_next_item(ring, n, STAGES: gl.constexpr):
+        """The ring after an item of n steps: both rings and the K / V parity."""
+        ring = _ring_after(ring, n, STAGES, Q_PAR, Q_USED)
+        ring = _ring_after(ring, n, 2, DQ_PAR, DQ_USED)
+        return ring ^ (1 << KV_PAR)
+
+    @gluon.jit
+    def _query_blocks(k0, L, BM: gl.constexpr, CAUSAL: gl.constexpr):
+        """(first query block, number of query blocks) that see keys [k0, k0 + BN)."""
+        m_lo = k0 // BM if CAUSAL else k0 * 0
+        return m_lo, (L + BM - 1) // BM - m_lo
+
+    @gluon.jit
+    def _next_step(h, q0, m_lo, n_m, BM: gl.constexpr):
+        """(query head, first query row) of the step after (h, q0): the next query block, or the
+        first block of the next head of the GQA group (counters, not a division per step)."""
+        wrap = (q0 + BM == (m_lo + n_m) * BM).to(gl.int32)
+        return h + wrap, q0 + BM - wrap * (n_m * BM)
+
+    @gluon.jit
+    def _zero_rows_from(tile, first, num_warps: gl.constexpr):
+        """Zero rows >= first of a shared (R, C) tile in place: rows past the document end,
+        which TMA brought from the next document, before a GEMM reduces over them."""
+        R: gl.constexpr = tile.type.shape[0]
+        C: gl.constexpr = tile.type.shape[1]
+        TPR: gl.constexpr = C // 8
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [num_warps, 1], [1, 0])
+        x = tile.load(blk)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+        x = gl.where(gl.expand_dims(r < first, 1), x, gl.zeros_like(x))
+        tile.store(x)
+        fence_async_shared()      # generic-proxy stores -> visible to wgmma (async proxy)
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _visible(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+        """(BN, BM) mask of an S^T tile (keys k0.., queries q0.., document-local): both inside
+        the document and, causal, key <= query."""
+        keys = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout)), 1)
+        qs = gl.expand_dims(q0 + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout)), 0)
+        ok = (keys < L) & (qs < L)
+        if CAUSAL:
+            ok = ok & (keys <= qs)
+        return ok
+
+    @gluon.jit
+    def _store_grad(x, desc, stage, X, start, k0, L, kvh, stride_kt):
+        """dK or dV, (BN, D) fp32 in registers, of keys k0.. of a document (first token start,
+        length L) into X (T, Hkv, D). A key block inside its document leaves by a TMA store
+        through `stage`, a shared tile that is dead by now and holds a 16-bit (BN, D) box (the
+        caller waits for the copy, tma.store_wait, before the CTA ends); one reaching past the
+        document's end (a TMA box would overwrite the next document's first rows), and 32-bit
+        gradients, by row-masked stores from registers (for both gradients ~2.6 us of every
+        CTA's end at D=64 when all blocks stored that way: benchmarks/NOTES.md)."""
+        BN: gl.constexpr = x.type.shape[0]
+        D: gl.constexpr = x.type.shape[1]
+        out_t: gl.constexpr = X.dtype.element_ty
+        inside = k0 + BN <= L
+        if out_t.primitive_bitwidth != 16:
+            inside = False
+        if inside:
+            gl.thread_barrier()    # both warpgroups' last reads of `stage` are done
+            st = stage._reinterpret(out_t, [BN, D], desc.layout)
+            st.store(x.to(out_t))
+            fence_async_shared()   # generic-proxy writes -> visible to the TMA
+            gl.thread_barrier()    # every warp's rows written before the copy starts
+            tma.async_copy_shared_to_global(desc, [start + k0, kvh * D], st)
+        else:
+            x_layout: gl.constexpr = x.type.layout
+            rows = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, x_layout)), 1)
+            cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, x_layout)), 0)
+            offs = (start + rows).to(gl.int64) * stride_kt + kvh * D + cols
+            gl.store(X + offs, x.to(out_t), mask=rows < L)
+
+    @gluon.jit
+    def _ring_row(ring, s):
+        """Stage s of a (STAGES, 1, BM) fp32 ring (unswizzled) as a (BM,) shared view."""
+        BM: gl.constexpr = ring.type.shape[2]
+        return ring.index(s)._reinterpret(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    @gluon.jit
+    def _column_vector(ring, s, layout: gl.constexpr):
+        """Stage s of a (STAGES, 1, BM) fp32 ring as a vector in `layout`."""
+        return _ring_row(ring, s).load(layout)
+
+    @gluon.jit
+    def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem, k_smem,
+                    v_smem, lse_smem, dl_smem, kv_ready, kv_free, q_ready, do_ready, q_free,
+                    col_smem, col_ready, col_free, NEXT, ITEMS, N_ITEMS, GROUP,
+                    CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, TRACE, TRACE_ON: gl.constexpr,
+                    SNAKE: gl.constexpr):
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = gl.program_id(0)
+            while col >= 0:
+                if TRACE_ON:
+                    _tr_put(TRACE, col, 3, 1)
+                j = _deal_column(col_smem, col_ready, col_free, j, col)
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    n = _bwd_load_item(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem,
+                                       do_smem, k_smem, v_smem, lse_smem, dl_smem, kv_ready,
+                                       kv_free, q_ready, do_ready, q_free, GROUP, blk, start, L,
+                                       pq, kvh, ring, CAUSAL, True)
+                    ring = _ring_next_item(ring, n, STAGES)
+                if SNAKE:
+                    G = gl.num_programs(0)
+                    c = gl.program_id(0)
+                    col = j * G + c + (j % 2) * (G - 1 - 2 * c)
+                    col = gl.where(col < N_ITEMS, col, -1)
+                else:
+                    col = _next_column(NEXT, N_ITEMS)
+            _deal_column(col_smem, col_ready, col_free, j, -1)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if TRACE_ON:
+                _tr_put(TRACE, gl.program_id(0), 3, 1)
+            if doc >= 0:
+                _bwd_load_item(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
+                               k_smem, v_smem, lse_smem, dl_smem, kv_ready, kv_free, q_ready,
+                               do_ready, q_free, GROUP, blk, start, L, pq, kvh, 0, CAUSAL, False)
+
+    @gluon.jit
+    def _bwd_load_item(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
+                       k_smem, v_smem, lse_smem, dl_smem, kv_ready, kv_free, q_ready, do_ready,
+                       q_free, GROUP, blk, start, L, pq, kvh, ring, CAUSAL: gl.constexpr,
+                       KV_AFTER: gl.constexpr):
+        """One item's loads (the rings' state `ring` before it); returns its step count.
+        KV_AFTER (a persistent CTA): the first STAGES stages go out while the previous item
+        ends, K and V once its epilogue has freed their tiles."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        k0 = blk * BN
+        m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+        n = GROUP * n_m
+        h = kvh * GROUP
+        q0 = m_lo * BM
+        if not KV_AFTER:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, start + k0, kvh, ring)
+        for i in range(n):
+            if KV_AFTER:
+                if i == STAGES:
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, start + k0, kvh,
+                             ring)
+            s = i % STAGES
+            mbarrier.wait(q_free.index(s), _ring_phase(ring, i, STAGES, Q_PAR) ^ 1,
+                          pred=_ring_reused(ring, i, STAGES, Q_USED))
+            qb = q_ready.index(s)
+            mbarrier.expect(qb, q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start + q0, h * D], qb, q_smem.index(s))
+            tma.async_copy_global_to_shared(lse_desc, [h, pq + q0], qb, lse_smem.index(s))
+            db = do_ready.index(s)
+            mbarrier.expect(db, do_desc.block_type.nbytes + dl_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
+            tma.async_copy_global_to_shared(dl_desc, [h, pq + q0], db, dl_smem.index(s))
+            h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+        if KV_AFTER:
+            if n <= STAGES:
+                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, start + k0, kvh, ring)
+        return n
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_free, row, kvh, ring):
+        """K and V of the CTA's item (keys from token row), once the compute has freed the tiles
+        of its previous item (the epilogue's stores have read them)."""
+        D: gl.constexpr = k_smem.type.shape[1]
+        mbarrier.wait(kv_free, ((ring >> KV_PAR) & 1) ^ 1, pred=(ring >> Q_USED) != 0)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [row, kvh * D], kv_ready, v_smem)
+
+    @gluon.jit
+    def _bulk_writes_done():
+        """Wait until this thread's bulk async operations have completed their writes (not only
+        their shared-memory reads, as tma.store_wait does), ordered before the generic-proxy
+        release that follows."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; "
+                                  "mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _acquired_before_bulk():
+        """Orders the generic-proxy acquire before this thread's next bulk async operation."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, one)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _bwd_dq_writer(dq_desc, dq_smem, dq_ready, dq_free, col_smem, col_ready, col_free, SEM,
+                       ITEMS, N_ITEMS, GROUP,
+                       QBLOCKS, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Writes each step's dQ tile into the fp32 buffer, which nobody zeroes: the first tile to
+        reach a (query head, query block) is stored, every later one reduce-added once that store
+        has landed. SEM[head, block] (zeroed by the caller) says which: by default the writers
+        claim it (0 -> 1 by compare-and-swap; the winner stores, then sets 2 once the store has
+        landed; the others wait for 2, which only waits on a store already issued, so it cannot
+        deadlock). DETERMINISTIC: the adds happen in key-block order 0, 1, ...: the CTA of key
+        block b waits until SEM == b and increments it once its write has landed; key block 0,
+        which sees every query block of its document, stores. Every key block before b sees that
+        query block too, and sits earlier in the work list (heavier, or the same cost and earlier
+        in the document), so it was launched before: the wait cannot deadlock. PERSISTENT: the
+        columns the loader deals (the dealing comment above: the same deadlock freedom)."""
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = _take_column(col_smem, col_ready, col_free, j, 1)
+            while col >= 0:
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    ring = _dq_writes(dq_desc, dq_smem, dq_ready, dq_free, SEM, GROUP, QBLOCKS,
+                                      blk, L, pq, kvh, ring, BN, CAUSAL, DETERMINISTIC)
+                j += 1
+                col = _take_column(col_smem, col_ready, col_free, j, 1)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if doc >= 0:
+                _dq_writes(dq_desc, dq_smem, dq_ready, dq_free, SEM, GROUP, QBLOCKS, blk, L, pq,
+                           kvh, 0, BN, CAUSAL, DETERMINISTIC)
+
+    @gluon.jit
+    def _dq_writes(dq_desc, dq_smem, dq_ready, dq_free, SEM, GROUP, QBLOCKS, blk, L, pq, kvh,
+                   ring, BN: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        """The dQ tiles of one item (_bwd_dq_writer); ring: the CTA's rings before it (0 for
+        the first). Returns the rings after it."""
+        BM: gl.constexpr = dq_smem.type.shape[1]
+        D: gl.constexpr = dq_smem.type.shape[2]
+        m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+        h = kvh * GROUP
+        q0 = m_lo * BM
+        for i in range(GROUP * n_m):
+            b = i % 2
+            mbarrier.wait(dq_ready.index(b), _ring_phase(ring, i, 2, DQ_PAR))
+            sem = SEM + h * QBLOCKS + (pq + q0) // BM
+            if DETERMINISTIC:
+                turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                while turn != blk:
+                    turn = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+                first = blk == 0
+            else:
+                state = gl.atomic_cas(sem, 0, 1, sem="acquire", scope="gpu")
+                first = state == 0
+                while state == 1:
+                    state = gl.atomic_add(sem, 0, sem="acquire", scope="gpu")
+            _acquired_before_bulk()
+            if first:
+                tma.async_copy_shared_to_global(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+            else:
+                tma_reduce_add(dq_desc, [pq + q0, h * D], dq_smem.index(b))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_free.index(b), count=1)
+            if DETERMINISTIC:
+                _bulk_writes_done()
+                gl.atomic_add(sem, 1, sem="release", scope="gpu")
+            elif first:
+                _bulk_writes_done()
+                gl.atomic_xchg(sem, 2, sem="release", scope="gpu")
+            h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+        return _ring_after(ring, GROUP * n_m, 2, DQ_PAR, DQ_USED)    # (the dQ fields only)
+
+    @gluon.jit
+    def _release_step(dq_ready, q_free, j):
+        """Step j's releases, one barrier for both: its dQ tile written (to the dQ writer) and
+        its Q / dO stage read by its last wgmma (dK's, retired by every warp before); the
+        barrier also keeps the next step's dS store behind every warp's dQ wgmma. Called at the
+        next step's head, after its S^T and dP^T are issued, so that the tensor cores start
+        them without waiting for the barrier (j < 0: none; benchmarks/NOTES.md, 2026-12-06).
+        The fp8 kernel's short-document mode releases at the step's end instead: its helper
+        warps, behind the loader, need the stage back at once. The fence comes after dK's wait:
+        ptxas 12.8 crashes on the other order."""
+        STAGES: gl.constexpr = q_free.type.shape[0]
+        fence_async_shared()
+        gl.thread_barrier()
+        jj = gl.maximum(j, 0)
+        arrive_synced(dq_ready.index(jj % 2), j >= 0)
+        arrive_synced(q_free.index(jj % STAGES), j >= 0)
+
+    @gluon.jit
+    def _p_ds(st, dpt, lse_smem, dl_smem, s, col_l: gl.constexpr, qk_scale_log2, k0, q0, L,
+              masked, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+              CAUSAL: gl.constexpr):
+        """(P^T, dS^T) of a bf16 step from S^T and the in-flight dP^T: P^T while dP^T runs (lse2
+        dies before delta is loaded: registers at BM=128), then the wait, then dS^T, and on a
+        `masked` step both set to zero outside the visible (key, query) pairs at the end (an
+        exp2 of a masked key may be inf and dS^T NaN there, dP^T of keys past the document end
+        too: V is not zeroed; the selects drop them). No branch sits between the exp2s and dS^T's
+        math, so ptxas interleaves them (the MUFU pipe otherwise takes them in one burst of
+        ~20-44 per warp while the FMA pipe idles)."""
+        lse2 = gl.expand_dims(_column_vector(lse_smem, s, col_l), 0)
+        pt = gl.exp2(st * qk_scale_log2 - lse2)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
+        dst = pt * (dpt - delta)
+        if masked:
+            ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+            pt = gl.where(ok, pt, 0.0)
+            dst = gl.where(ok, dst, 0.0)
+        return pt, dst
+
+    @gluon.jit
+    def _bwd_compute(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                     kv_ready, kv_free, q_ready, do_ready, q_free, dq_ready, dq_free, col_smem,
+                     col_ready, col_free, ITEMS, N_ITEMS, GROUP, DK, DV, dk_desc, dv_desc,
+                     stride_kt, qk_scale_log2, sm_scale, CAUSAL: gl.constexpr,
+                     PERSISTENT: gl.constexpr, num_warps: gl.constexpr, TRACE,
+                     TRACE_ON: gl.constexpr):
+        """The MMA warpgroups: one item (_bwd_item), or with PERSISTENT the columns the loader
+        deals (_take_column), the rings' state carried from one item to the next."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+            while col >= 0:
+                if TRACE_ON:
+                    _tr_put(TRACE, col, 0, num_warps)
+                    _tr_sm(TRACE, col, j, num_warps)
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    n = _bwd_item(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem,
+                                  dq_smem, kv_ready, kv_free, q_ready, do_ready, q_free, dq_ready,
+                                  dq_free, GROUP, blk, start, L, kvh, DK, DV, dk_desc, dv_desc,
+                                  stride_kt, qk_scale_log2, sm_scale, ring, CAUSAL, True,
+                                  num_warps)
+                    ring = _ring_next_item(ring, n, STAGES)
+                if TRACE_ON:
+                    _tr_put(TRACE, col, 1, num_warps)
+                j += 1
+                col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if TRACE_ON:
+                _tr_put(TRACE, gl.program_id(0), 0, num_warps)
+                _tr_sm(TRACE, gl.program_id(0), 0, num_warps)
+            if doc >= 0:
+                _bwd_item(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                          kv_ready, kv_free, q_ready, do_ready, q_free, dq_ready, dq_free, GROUP,
+                          blk, start, L, kvh, DK, DV, dk_desc, dv_desc, stride_kt,
+                          qk_scale_log2, sm_scale, 0, CAUSAL, False, num_warps)
+                if TRACE_ON:
+                    _tr_put(TRACE, gl.program_id(0), 1, num_warps)
+
+    @gluon.jit
+    def _bwd_item(q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                  kv_ready, kv_free, q_ready, do_ready, q_free, dq_ready, dq_free, GROUP, blk,
+                  start, L, kvh, DK, DV, dk_desc, dv_desc, stride_kt, qk_scale_log2, sm_scale,
+                  ring, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """One item's steps and epilogue (the rings' state `ring` before it: 0 for the first);
+        returns its step count. PERSISTENT: frees K's and V's tiles for the next item."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 16)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)       # dK, dV (BN, D)
+        if BM == 16 * num_warps:
+            dq_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 16)   # dQ (BM, D)
+        else:
+            dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 16)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 2)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        k0 = blk * BN
+        m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+        mbarrier.wait(kv_ready, (ring >> KV_PAR) & 1)
+        if k0 + BN > L:
+            _zero_rows_from(k_smem, L - k0, num_warps)
+        dk = gl.zeros([BN, D], gl.float32, kv_layout)
+        dv = gl.zeros([BN, D], gl.float32, kv_layout)
+        for i in range(GROUP * n_m):
+            q0 = (m_lo + i % n_m) * BM
+            s = i % STAGES
+            ph = _ring_phase(ring, i, STAGES, Q_PAR)
+            q_tile = q_smem.index(s)
+            do_tile = do_smem.index(s)
+            edge_q = q0 + BM > L
+            mbarrier.wait(q_ready.index(s), ph)
+            if edge_q:
+                _zero_rows_from(q_tile, L - q0, num_warps)
+            st = warpgroup_mma(k_smem, q_tile.permute((1, 0)),
+                               gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                               is_async=True)
+            mbarrier.wait(do_ready.index(s), ph)
+            if edge_q:
+                _zero_rows_from(do_tile, L - q0, num_warps)
+            dpt = warpgroup_mma(v_smem, do_tile.permute((1, 0)),
+                                gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                is_async=True)
+            _release_step(dq_ready, q_free, i - 1)
+            st = warpgroup_mma_wait(1, deps=[st])
+            if CAUSAL:
+                masked = (q0 < k0 + BN - 1) | edge_q | (k0 + BN > L)
+            else:
+                masked = edge_q | (k0 + BN > L)
+            # one straight block, the masks at its end: P^T's exp2 spread over dS^T's math
+            pt, dst = _p_ds(st, dpt, lse_smem, dl_smem, s, col_l, qk_scale_log2, k0, q0, L,
+                            masked, BN, BM, s_layout, CAUSAL)
+            pa = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = warpgroup_mma(pa, do_tile, dv, is_async=True)
+            dsb = dst.to(dtype)
+            ds_smem.store(dsb)
+            fence_async_shared()
+            gl.thread_barrier()
+            dsa = gl.convert_layout(dsb, a_layout)
+            # dQ first: it goes to shared memory while dK runs
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                               gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                               is_async=True)
+            dk = warpgroup_mma(dsa, q_tile, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+            b = i % 2
+            mbarrier.wait(dq_free.index(b), _ring_phase(ring, i, 2, DQ_PAR) ^ 1,
+                          pred=_ring_reused(ring, i, 2, DQ_USED))
+            dq_smem.index(b).store(_dq_rows_stored(dq))
+            dk = warpgroup_mma_wait(0, deps=[dk])
+        _release_step(dq_ready, q_free, GROUP * n_m - 1)
+        # epilogue: dK (times the softmax scale) and dV of the keys inside the document
+        _store_grad(dv, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
+        _store_grad(dk * sm_scale, dk_desc, k_smem, DK, start, k0, L, kvh, stride_kt)
+        tma.store_wait(0)       # the copies have read the tiles
+        if PERSISTENT:
+            fence_async_shared()    # this item's generic-proxy writes to K / V's tiles before
+            gl.thread_barrier()     # the next item's TMA loads into them
+            arrive_synced(kv_free)
+        return GROUP * n_m
+
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS"])
+    def _attn_bwd_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc,
+                              dk_desc, dv_desc, DK, DV,
+                              SEM, NEXT, ITEMS, N_ITEMS, GROUP, QBLOCKS, stride_kt, qk_scale_log2,
+                              sm_scale, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                              DETERMINISTIC: gl.constexpr, PERSISTENT: gl.constexpr,
+                              TRACE, TRACE_ON: gl.constexpr, SNAKE: gl.constexpr,
+                              num_warps: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
+        dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], dl_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                       element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready, kv_free = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        col_smem = gl.allocate_shared_memory(gl.int32, [2, 1, 32],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        col_ready, col_free = alloc_barriers(2), alloc_barriers(2, count=2)
+        gl.warp_specialize([
+            (_bwd_compute, (q_smem, do_smem, k_smem, v_smem, lse_smem, dl_smem, ds_smem, dq_smem,
+                            kv_ready, kv_free, q_ready, do_ready, q_free, dq_ready, dq_free,
+                            col_smem, col_ready, col_free, ITEMS, N_ITEMS, GROUP, DK, DV,
+                            dk_desc, dv_desc, stride_kt,
+                            qk_scale_log2, sm_scale, CAUSAL, PERSISTENT, num_warps, TRACE,
+                            TRACE_ON)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, q_smem, do_smem,
+                           k_smem, v_smem, lse_smem, dl_smem, kv_ready, kv_free, q_ready,
+                           do_ready, q_free, col_smem, col_ready, col_free, NEXT, ITEMS, N_ITEMS,
+                           GROUP, CAUSAL, PERSISTENT, TRACE, TRACE_ON, SNAKE)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, col_smem, col_ready,
+                              col_free, SEM, ITEMS, N_ITEMS,
+                              GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC, PERSISTENT)),
+        ], [1, 1], [LOADER_REGS, DQ_REGS])
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(kv_free)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, col_ready, col_free))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 recipe (scaling "kvblock128", reference.py "Token-block scaling"): every GEMM in FP8
+# ---------------------------------------------------------------------------------------------
+#
+# Operands (e4m3). Row-major, as the forward quantized them: q8 (T, Hq, D) per-token scales sq;
+# k8 / v8 the K / V block copies (one scale per document-local 128-token block: a CTA scalar) and,
+# causal, k8_diag / v8_diag the per-token copies of the diagonal pairs. Hopper's FP8 wgmma reads
+# both operands K-major, so the preprocess adds dO quantized per 64-row block (do8, token layout)
+# and K-major copies in the 128-aligned padded layout (columns = padded rows, zeros between
+# documents): dO^T and Q^T (Hq, D, QR) for dV += P^T dO and dK += dS^T Q, columns in wgmma order
+# within 16 (flamia.ops.kmajor: X^T's and Y^T's accumulators are then the A operands), and K^T of
+# the block copy (Hkv, D, QR) for dQ = dS K, columns in pair order within 16 (the kernel stores dS
+# as 2-byte, not 1-byte, values). At D=128 on short documents (config.fp8_kmajor_onchip) the
+# kernel makes dO^T and Q^T itself: the two helper warps build each step's tiles in shared memory
+# from the do8 / q8 tiles, and the preprocess writes only K^T.
+#
+# Per step (query block i0.., head h; keys k0.. of the CTA) with the preprocess's per-row vectors
+# A = qk_scale log2e sq, B = lse log2e - log2 sdo (+inf for an all-zero dO row), Hv = sqf (0 for a
+# zero dO row), E = delta sqf / sdo (0 there), and the CTA scalars c_pt, c_ds (the per-CTA bounds),
+# R = c_pt / c_ds, skb / svb (block scales):
+#     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
+#     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
+#     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
+# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the key
+# block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
+# steps (the query block inside the key block) recompute S^T and dP^T from the token copies, as the
+# forward did: skt_j, svt_j multiply them per key row. dQ reads the block copy on every step
+# (reference.py). Epilogue: dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by
+# fp32 butterflies in registers); the post pass divides dQ by sqf, multiplies by the softmax scale
+# and rotates it back.
+
+FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
+DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)
+N_VEC = 4               # per-row vectors A, B, Hv, E
+N_VEC_C = tl.constexpr(N_VEC)
+DO_BLOCK_C = tl.constexpr(DO_BLOCK)
+
+
+@triton.jit
+def _pow2_bound(amax):
+    """numerics.pow2_scale_bits of a finite bound (a NaN one gives a NaN scale)."""
+    return pow2_scale_bits(amax, amax != amax)
+
+
+@triton.jit
+def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, SEM, DO8B, Q8B,
+                        K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
+                        D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                        QT_DOT: tl.constexpr):
+    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
+    (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
+    block's maxima of the per-row bounds (reference.backward_scales):
+        row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
+    a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it
+    (program 0 also zeroes the column counter after them);
+    the block's columns of the K-major copies dO^T, Q^T (wgmma order; QT_DOT, i.e. unless the
+    kernel makes them from q8 / do8 itself) and, for the first head of a GQA group, K^T (pair
+    order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the block's do8 rows are stored.
+    Program blk * HQ + head: the CTAs resident together hold one
+    block's heads and move whole (token, head, D) rows."""
+    pid = tl.program_id(0)
+    h = pid % HQ
+    blk = pid // HQ
+    r = blk * BT + tl.arange(0, BT)
+    tok = tl.load(PTOK + r)
+    ok = tok >= 0
+    t = tl.where(ok, tok, 0).to(tl.int64)
+    d = tl.arange(0, D)
+    tl.store(SEM + h * (QR // BM) + (blk * BT) // BM, 0)
+    if pid == 0:    # the persistent kernel's column counter, right after the states
+        tl.store(SEM + HQ * (QR // BM), 0)
+    offs = t[:, None] * stride_t + h * D + d[None, :]
+    o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    sdo, inv = _pow2_bound(tl.max(tl.max(tl.abs(do), 1), 0))
+    do8 = (do * inv).to(tl.float8e4nv)
+    tl.store(DO8 + offs, do8, mask=ok[:, None])
+    dq = do8.to(tl.float32) * sdo
+    live = tl.max(tl.abs(dq), 1) > 0.0
+    delta = tl.sum(dq * o, 1)
+    nrm = tl.sqrt(tl.sum(dq * dq, 1))
+    hrow = h.to(tl.int64) * T + t
+    lse = tl.load(LSE + hrow, mask=ok, other=0.0)
+    m = tl.load(RMAX + hrow, mask=ok, other=0.0)
+    sq = tl.load(SQ + hrow, mask=ok, other=0.0)
+    vn = tl.load(VNORM + (h // GROUP).to(tl.int64) * T + t, mask=ok, other=0.0)
+    pmax = tl.exp(m - lse)
+    sqf = tl.where(sq > 0.0, sq, 1.0)
+    live = live & ok
+    row_pt = tl.where(live, pmax * sdo, 0.0)
+    row_ds = tl.where(ok, pmax * (nrm * vn + tl.abs(delta)) * sqf, 0.0)
+    vrow = h.to(tl.int64) * QR + r
+    tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
+    tl.store(VEC + HQ * QR + vrow,
+             tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo), float("inf")))
+    tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
+    tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
+    nb = QR // BT
+    tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
+    tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
+    if QT_DOT:
+        tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
+        copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)    # ORDER_MMA_A
+        copy_columns(Q8B, QT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)
+    if h % GROUP == 0:
+        copy_columns(K8B, KT8, PTOK, QR, stride_kt, h // GROUP, blk * BT, D, BT, 2)  # PAIRS
+
+
+@triton.jit
+def _rotate_back(x, M: tl.constexpr, D: tl.constexpr):
+    """x (M, D) fp32 @ H / sqrt(D), H the +-1 Sylvester matrix: fp32 butterflies in registers
+    (numerics.fwht), no matrix loaded per block."""
+    return fwht(x, M, D) * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def _bwd_postprocess_fp8(DQA, PROW, SQ, DQ, T, HQ, scale, ROTATE: tl.constexpr,
+                         D: tl.constexpr, BT: tl.constexpr):
+    """dq = rotate_back(dq_acc[dq_row(padded row)] * scale / sqf) (dK leaves the kernel rotated
+    back), one BT-row block per program (several per program are slower: benchmarks/NOTES.md)."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    d = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    pr = _dq_row(tl.load(PROW + t, mask=ok, other=0)).to(tl.int64)
+    acc = tl.load(DQA + pr[:, None] * (HQ * D) + h * D + d[None, :], mask=ok[:, None],
+                  other=0.0)
+    sq = tl.load(SQ + h.to(tl.int64) * T + t64, mask=ok, other=1.0)
+    acc = acc * (scale / tl.where(sq > 0.0, sq, 1.0))[:, None]
+    if ROTATE:
+        acc = _rotate_back(acc, BT, D)
+    tl.store(DQ + t64[:, None] * (HQ * D) + h * D + d[None, :],
+             acc.to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _cta_scales(BPT, BDS, NB, kvh, GROUP, b0, b1, num_warps: gl.constexpr):
+        """(c_pt, c_ds) of a CTA (reference.cta_scales): the power-of-two scales of the max of the
+        preprocess's 64-row block bounds BPT / BDS (Hq, NB) over blocks [b0, b1) of every query
+        head of KV head kvh's group, by the quantize kernels' numerics.pow2_scale_bits taken
+        elementwise: pow2 is monotone and max ignores NaN, so the max of the blocks' scales is
+        the scale of their max (0 for no block)."""
+        CH: gl.constexpr = 4 * 32 * num_warps
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+        m_pt = gl.zeros([CH], gl.float32, lay)
+        m_ds = gl.zeros([CH], gl.float32, lay)
+        for g in range(GROUP):
+            base = (kvh * GROUP + g).to(gl.int64) * NB
+            for c in range(b0, b1, CH):
+                idx = c + gl.arange(0, CH, layout=lay)
+                mk = idx < b1
+                m_pt = gl.maximum(m_pt, gl.load(BPT + base + idx, mask=mk, other=0.0))
+                m_ds = gl.maximum(m_ds, gl.load(BDS + base + idx, mask=mk, other=0.0))
+        c_pt, _ = _pow2_scale_bits(m_pt, m_pt != m_pt)
+        c_ds, _ = _pow2_scale_bits(m_ds, m_ds != m_ds)
+        return gl.max(c_pt, axis=0), gl.max(c_ds, axis=0)
+
+    @gluon.jit
+    def _butterfly_regs(x, LO: gl.constexpr):
+        """numerics.fwht's stage for columns c and c + LO held by one thread: (a + b, a - b)."""
+        R: gl.constexpr = x.type.shape[0]
+        D: gl.constexpr = x.type.shape[1]
+        y = gl.permute(gl.reshape(x, [R, D // (2 * LO), 2, LO]), (0, 1, 3, 2))
+        a, b = gl.split(y)
+        y = gl.permute(gl.join(a + b, a - b), (0, 1, 3, 2))
+        return gl.convert_layout(gl.reshape(y, [R, D]), x.type.layout)
+
+    @gluon.jit
+    def _butterfly_quad(x, cols, LO: gl.constexpr, XOR: gl.constexpr):
+        """The same stage for columns c and c + LO held by lanes l and l ^ XOR of a quad: one
+        shuffle and fma(x, +-1, partner), which rounds as partner +- x does."""
+        partner = gl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {XOR}, 0x1f, -1;",
+                                            "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+        return gl.fma(x, gl.where((cols & LO) != 0, -1.0, 1.0), partner)
+
+    @gluon.jit
+    def _rotate_back_rows(x):
+        """x (R, D) fp32 in the wgmma accumulator layout @ H / sqrt(D), H the +-1 Sylvester
+        matrix: numerics.fwht's stages in its order on fp32 in registers (no shared memory, no
+        second copy of x: a persistent CTA's epilogue has no registers for the two-wgmma form).
+        A thread holds columns 8 j + 2 (lane % 4) + e: strides 1 and 8 .. D / 2 are between its
+        own registers, strides 2 and 4 between the lanes of a quad."""
+        D: gl.constexpr = x.type.shape[1]
+        cols = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, x.type.layout)), 0)
+        x = _butterfly_regs(x, 1)
+        x = _butterfly_quad(x, cols, 2, 1)
+        x = _butterfly_quad(x, cols, 4, 2)
+        x = _butterfly_regs(x, 8)
+        x = _butterfly_regs(x, 16)
+        x = _butterfly_regs(x, 32)
+        if D >= 128:
+            x = _butterfly_regs(x, 64)
+        return x * (1.0 / gl.sqrt(D * 1.0))
+
+    @gluon.jit
+    def _load_stage(desc, t_desc, vec_desc, bar, smem, t_smem, vec_smem, sv, VI: gl.constexpr, h,
+                    HQ, row, prow, ONCHIP: gl.constexpr):
+        """One ring stage of Q (VI = 0) or dO (VI = 2), all counted on `bar`: its rows, its
+        K-major copy unless ONCHIP, and its two per-row vectors (A, B or Hv, E) into vec_smem's
+        slots sv + VI and sv + VI + 1."""
+        D: gl.constexpr = smem.type.shape[1]
+        if ONCHIP:
+            mbarrier.expect(bar, desc.block_type.nbytes + 2 * vec_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes + t_desc.block_type.nbytes
+                            + 2 * vec_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(t_desc, [h * D, prow], bar, t_smem)
+        tma.async_copy_global_to_shared(desc, [row, h * D], bar, smem)
+        tma.async_copy_global_to_shared(vec_desc, [VI * HQ + h, prow], bar,
+                                        vec_smem.index(sv + VI))
+        tma.async_copy_global_to_shared(vec_desc, [(VI + 1) * HQ + h, prow], bar,
+                                        vec_smem.index(sv + VI + 1))
+
+    @gluon.jit
+    def _fp8_loader(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                    kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem,
+                    v_smem, kt_smem, vec_smem, kv_ready, kv_free, kt_ready, q_ready, do_ready,
+                    q_free, col_smem, col_ready, col_free, NEXT, ITEMS, N_ITEMS, GROUP, HQ,
+                    CAUSAL: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr,
+                    PERSISTENT: gl.constexpr):
+        """Every TMA load: one item (_fp8_load_item), or with PERSISTENT the columns it deals
+        itself (_deal_column)."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = gl.program_id(0)
+            while col >= 0:
+                j = _deal_column(col_smem, col_ready, col_free, j, col)
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    n = _fp8_load_item(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc,
+                                       v_desc, vd_desc, kt_desc, vec_desc, q_smem, qt_smem,
+                                       do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                                       kv_ready, kv_free, kt_ready, q_ready, do_ready, q_free,
+                                       GROUP, HQ, blk, start, L, pq, kvh, ring, CAUSAL,
+                                       KMAJOR_ONCHIP, True)
+                    ring = _ring_next_item(ring, n, STAGES)
+                col = _next_column(NEXT, N_ITEMS)
+            _deal_column(col_smem, col_ready, col_free, j, -1)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if doc >= 0:
+                _fp8_load_item(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
+                               vd_desc, kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                               k_smem, v_smem, kt_smem, vec_smem, kv_ready, kv_free, kt_ready,
+                               q_ready, do_ready, q_free, GROUP, HQ, blk, start, L, pq, kvh, 0,
+                               CAUSAL, KMAJOR_ONCHIP, False)
+
+    @gluon.jit
+    def _fp8_load_kv(k_desc, kd_desc, v_desc, vd_desc, kt_desc, k_smem, v_smem, kt_smem,
+                     kv_ready, kv_free, kt_ready, row, kvh, pcol, ring, CAUSAL: gl.constexpr):
+        """K and V (the block copies and, causal, the diagonal ones) and K^T of an item (keys
+        from token row, padded column pcol), once the compute has freed the previous item's."""
+        D: gl.constexpr = k_smem.type.shape[2]
+        mbarrier.wait(kv_free, ((ring >> KV_PAR) & 1) ^ 1, pred=(ring >> Q_USED) != 0)
+        KV_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+        if CAUSAL:
+            mbarrier.expect(kv_ready, 2 * KV_BYTES)
+            tma.async_copy_global_to_shared(kd_desc, [row, kvh * D], kv_ready, k_smem.index(1))
+            tma.async_copy_global_to_shared(vd_desc, [row, kvh * D], kv_ready, v_smem.index(1))
+        else:
+            mbarrier.expect(kv_ready, KV_BYTES)
+        tma.async_copy_global_to_shared(k_desc, [row, kvh * D], kv_ready, k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [row, kvh * D], kv_ready, v_smem.index(0))
+        mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kt_desc, [kvh * D, pcol], kt_ready, kt_smem)
+
+    @gluon.jit
+    def _fp8_load_item(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                       kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem,
+                       kt_smem, vec_smem, kv_ready, kv_free, kt_ready, q_ready, do_ready, q_free,
+                       GROUP, HQ, blk, start, L, pq, kvh, ring, CAUSAL: gl.constexpr,
+                       KMAJOR_ONCHIP: gl.constexpr, KV_AFTER: gl.constexpr):
+        """One item's loads (the rings' state `ring` before it); returns its step count.
+        KV_AFTER (a persistent CTA): the first STAGES stages go out while the previous item
+        ends, K, V and K^T once its epilogue has freed their tiles."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        k0 = blk * BN
+        m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+        n = GROUP * n_m
+        if not KV_AFTER:
+            _fp8_load_kv(k_desc, kd_desc, v_desc, vd_desc, kt_desc, k_smem, v_smem, kt_smem,
+                         kv_ready, kv_free, kt_ready, start + k0, kvh, pq + k0, ring, CAUSAL)
+        h = kvh * GROUP
+        q0 = m_lo * BM
+        for i in range(n):
+            if KV_AFTER:
+                if i == STAGES:
+                    _fp8_load_kv(k_desc, kd_desc, v_desc, vd_desc, kt_desc, k_smem, v_smem,
+                                 kt_smem, kv_ready, kv_free, kt_ready, start + k0, kvh, pq + k0,
+                                 ring, CAUSAL)
+            s = i % STAGES
+            mbarrier.wait(q_free.index(s), _ring_phase(ring, i, STAGES, Q_PAR) ^ 1,
+                          pred=_ring_reused(ring, i, STAGES, Q_USED))
+            # Q^T and dO^T come by TMA unless the helper warps make them
+            _load_stage(q_desc, qt_desc, vec_desc, q_ready.index(s), q_smem.index(s),
+                        qt_smem.index(s), vec_smem, s * NV, 0, h, HQ, start + q0, pq + q0,
+                        KMAJOR_ONCHIP)
+            _load_stage(do_desc, dot_desc, vec_desc, do_ready.index(s), do_smem.index(s),
+                        dot_smem.index(s), vec_smem, s * NV, 2, h, HQ, start + q0, pq + q0,
+                        KMAJOR_ONCHIP)
+            h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+        if KV_AFTER:
+            if n <= STAGES:
+                _fp8_load_kv(k_desc, kd_desc, v_desc, vd_desc, kt_desc, k_smem, v_smem, kt_smem,
+                             kv_ready, kv_free, kt_ready, start + k0, kvh, pq + k0, ring, CAUSAL)
+        return n
+
+    @gluon.jit
+    def _store_pairs_transposed(yt, ds_smem):
+        """ds_smem[q, c] = e4m3(yt[key(c), q]), key(c) in pair order (kmajor's module docstring): a
+        thread's two keys of a pair form one 16-bit element, stored transposed (stmatrix .trans)."""
+        BN: gl.constexpr = yt.type.shape[0]
+        BM: gl.constexpr = yt.type.shape[1]
+        y4 = gl.permute(gl.reshape(yt, [BN // 16, 2, 8, BM]), (0, 2, 3, 1))   # [a, l, q, h]
+        lo, hi = gl.split(y4)
+        y16 = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r",
+                                        [lo, hi], dtype=gl.int16, is_pure=True, pack=1)
+        y16 = gl.reshape(y16, [BN // 2, BM])
+        l16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                 rank=2)
+        ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
+
+    @gluon.jit
+    def _quad_transpose(a, b, c, d):
+        """4 x 4 byte transpose: words a, b, c, d (rows) -> word k = (a_k, b_k, c_k, d_k)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, t2, t3; "
+            "prmt.b32 t0, $4, $5, 0x5140; prmt.b32 t1, $6, $7, 0x5140; "
+            "prmt.b32 t2, $4, $5, 0x7362; prmt.b32 t3, $6, $7, 0x7362; "
+            "prmt.b32 $0, t0, t1, 0x5410; prmt.b32 $1, t0, t1, 0x7632; "
+            "prmt.b32 $2, t2, t3, 0x5410; prmt.b32 $3, t2, t3, 0x7632; }",
+            "=r,=r,=r,=r,r,r,r,r", [a, b, c, d], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
+
+    @gluon.jit
+    def _kmajor_tile_words(src, dst, n_valid):
+        """dst[d, c] = src[mma_order16(c), d], rows of src from n_valid on taken as 0: the K-major
+        copy (wgmma A order, kmajor.ORDER_MMA_A) of a (64, 128) or (128, 64) fp8 tile, made in
+        shared memory from the row-major tile by 2 warps in 4-byte words. Per 16-row group each
+        thread loads the words of one word column in rows 2j, 2j + 1, 2j + 8, 2j + 9 (wgmma A
+        order's columns 4j .. 4j + 3), transposes them by bytes in registers (prmt) and stores 4-
+        or 8-byte runs of the K-major rows: shared-memory accesses are whole rows per warp
+        instruction instead of bytes."""
+        BM: gl.constexpr = src.type.shape[0]
+        D: gl.constexpr = src.type.shape[1]
+        W: gl.constexpr = D // 4
+        src32 = src._reinterpret(gl.int32, [BM, W], gl.NVMMASharedLayout(
+            swizzle_byte_width=src.type.layout.swizzle_byte_width, element_bitwidth=32, rank=2))
+        dst32 = dst._reinterpret(gl.int32, [D, BM // 4], gl.NVMMASharedLayout(
+            swizzle_byte_width=dst.type.layout.swizzle_byte_width, element_bitwidth=32, rank=2))
+        # each thread: rows 2j, 2j + 1, 2j + 8, 2j + 9 of a group (one or two j) of one word column
+        if W == 32:
+            lay: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [2, 1], [0, 1])
+        else:
+            lay: gl.constexpr = gl.BlockedLayout([2, 1], [2, 16], [2, 1], [0, 1])
+        r = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, lay)), 1)
+        for g in gl.static_range(BM // 16):
+            x = src32.slice(16 * g, 16, 0).load(lay)                  # (16 rows, W words)
+            x = gl.where(r + 16 * g < n_valid, x, 0)   # the next document's rows go
+            # row = 8 h + 4 jw + 2 j0 + p  ->  (jw, j0, w, h, p)
+            y = gl.permute(gl.reshape(x, [2, 2, 2, 2, W]), (1, 2, 4, 0, 3))
+            lo, hi = gl.split(y)
+            a, c = gl.split(lo)
+            b, d = gl.split(hi)
+            o0, o1, o2, o3 = _quad_transpose(a, b, c, d)              # (jw, j0, w): d = 4 w + k
+            z = gl.join(gl.join(o0, o1), gl.join(o2, o3))             # (jw, j0, w, k0, k1)
+            z = gl.reshape(gl.permute(z, (2, 4, 3, 0, 1)), [D, 4])   # (4 w + k, 2 jw + j0)
+            dst32.slice(4 * g, 4, 1).store(z)
+
+    @gluon.jit
+    def _fp8_helper(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready, do_ready,
+                    t_ready, cs_ready, col_smem, col_ready, col_free, ITEMS, N_ITEMS, GROUP, SK,
+                    SV, T, BN: gl.constexpr, CAUSAL: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr,
+                    PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+        """The helper warps (_fp8_help_item) for one item, or with PERSISTENT for the columns
+        the loader deals."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+            while col >= 0:
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    _fp8_help_item(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem,
+                                   q_ready, do_ready, t_ready, cs_ready, GROUP, blk, start, L,
+                                   kvh, ring, SK, SV, T, BN, CAUSAL, KMAJOR_ONCHIP, num_warps)
+                    m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
+                    ring = _ring_next_item(ring, GROUP * n_m, STAGES)
+                j += 1
+                col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if doc >= 0:
+                _fp8_help_item(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready,
+                               do_ready, t_ready, cs_ready, GROUP, blk, start, L, kvh, 0, SK, SV,
+                               T, BN, CAUSAL, KMAJOR_ONCHIP, num_warps)
+
+    @gluon.jit
+    def _fp8_help_item(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready, do_ready,
+                       t_ready, cs_ready, GROUP, blk, start, L, kvh, ring, SK, SV, T,
+                       BN: gl.constexpr, CAUSAL: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr,
+                       num_warps: gl.constexpr):
+        """Each step's per-query vectors scaled by the CTA's scalars in place, once
+        per step instead of once per compute thread: A sk (A alone on a diagonal step, whose
+        per-key scales the compute warps apply), B + log2 c_pt, Hv sv R (diagonal: Hv R), E R,
+        R = c_pt / c_ds (c_pt, c_ds from the compute warps: cs_smem, cs_ready); with
+        KMAJOR_ONCHIP dO^T then Q^T in shared memory (_kmajor_tile_words) from the do8 / q8
+        tiles the loader brought. t_ready[2 s] says the vectors (and dO^T, dV's B operand) are
+        ready, t_ready[2 s + 1] Q^T (dK's). The stage is reloaded only after the compute warps
+        free it, which is after they waited on both, so no other barrier is needed."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        k0 = blk * BN
+        m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+        kv_row = kvh.to(gl.int64) * T + start + k0
+        skb = gl.load(SK + kv_row)
+        svb = gl.load(SV + kv_row)
+        mbarrier.wait(cs_ready, (ring >> KV_PAR) & 1)   # the CTA scalars (the compute warps')
+        cs = cs_smem.load(gl.BlockedLayout([2], [32], [num_warps], [0]))
+        two = gl.arange(0, 2, layout=cs.type.layout)
+        c_pt = gl.max(gl.where(two == 0, cs, 0.0), axis=0)
+        c_ds = gl.max(gl.where(two == 1, cs, 0.0), axis=0)
+        lcpt = gl.where(c_pt > 0.0, gl.log2(c_pt), 0.0)
+        ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
+        ratio_svb = ratio * svb     # (exact: svb is a power of two)
+        h = kvh * GROUP
+        q0 = m_lo * BM
+        for i in range(GROUP * n_m):
+            s = i % STAGES
+            ph = _ring_phase(ring, i, STAGES, Q_PAR)
+            if CAUSAL:
+                diag = q0 < k0 + BN
+            else:
+                diag = q0 < 0
+            va = _ring_row(vec_smem, s * NV)
+            vb = _ring_row(vec_smem, s * NV + 1)
+            vh = _ring_row(vec_smem, s * NV + 2)
+            ve = _ring_row(vec_smem, s * NV + 3)
+            mbarrier.wait(q_ready.index(s), ph)
+            if not diag:
+                va.store(va.load(lay) * skb)
+            vb.store(vb.load(lay) + lcpt)
+            mbarrier.wait(do_ready.index(s), ph)
+            if diag:
+                vh.store(vh.load(lay) * ratio)
+            else:
+                vh.store(vh.load(lay) * ratio_svb)
+            ve.store(ve.load(lay) * ratio)
+            if KMAJOR_ONCHIP:
+                _kmajor_tile_words(do_smem.index(s), dot_smem.index(s), L - q0)
+            fence_async_shared()   # before the stage's next TMA (and dO^T's wgmma)
+            gl.thread_barrier()
+            arrive_synced(t_ready.index(2 * s))
+            if KMAJOR_ONCHIP:
+                mbarrier.wait(q_ready.index(s), ph)
+                _kmajor_tile_words(q_smem.index(s), qt_smem.index(s), L - q0)
+                fence_async_shared()
+                gl.thread_barrier()
+                arrive_synced(t_ready.index(2 * s + 1))
+            h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+
+    @gluon.jit
+    def _mul_rn(x, v):
+        """x v rounded on its own: mul.rn is never contracted into an FMA with a later add (at
+        128 query rows the FMA would keep two per-query vectors live at once and spill)."""
+        x, v = gl.broadcast(x, v)
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, v],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _times(x, v, NOFUSE: gl.constexpr):
+        """x v, by _mul_rn with NOFUSE."""
+        if NOFUSE:
+            return _mul_rn(x, v)
+        else:
+            return x * v
+
+    @gluon.jit
+    def _scaled(x, per_key, vec_smem, v, col_l: gl.constexpr, diag, BM: gl.constexpr,
+                CAUSAL: gl.constexpr, ANY: gl.constexpr):
+        """x (S^T or dP^T) times per-query vector v of the stage (vec_smem), after the per-key
+        scales on a diagonal step (ANY: the step may be one). Not contracted into a later FMA
+        at 128 query rows (_times)."""
+        vv = gl.expand_dims(_column_vector(vec_smem, v, col_l), 0)
+        if CAUSAL and ANY:
+            if diag:
+                y = (x * per_key) * vv
+            else:
+                y = _times(x, vv, BM == 128)
+        else:
+            y = _times(x, vv, BM == 128)
+        return y
+
+    @gluon.jit
+    def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
+             BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
+             ANY: gl.constexpr):
+        """(X^T, Y^T) of an fp8 step from S^T and the in-flight dP^T, the per-query vectors at
+        vec_smem[v0 ..] (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal
+        step, the per-key scales skt / svt. One vector live at a time (32 registers each at 128
+        query rows); at 128 rows the products are not contracted into FMAs, which would keep two
+        vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain
+        step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math."""
+        xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL, ANY)
+        vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
+        xt = gl.exp2(xt - vb)
+        if ANY:
+            if masked:
+                xt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), xt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        yt = _scaled(dpt, svt, vec_smem, v0 + 2, col_l, diag, BM, CAUSAL, ANY)
+        ve = gl.expand_dims(_column_vector(vec_smem, v0 + 3, col_l), 0)
+        yt = xt * (yt - ve)
+        if ANY:
+            if masked:   # dP^T of keys past the document end may be NaN
+                yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+        return xt, yt
+
+    @gluon.jit
+    def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                     cs_smem, ds_smem, dq_smem, kv_ready, kv_free, kt_ready, q_ready, do_ready,
+                     q_free, cs_ready, t_ready, dq_ready, dq_free, col_smem, col_ready, col_free,
+                     ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV, SKD, SVD, DK, DV, dk_desc,
+                     dv_desc, T, stride_kt, sm_scale, CAUSAL: gl.constexpr,
+                     ROTATE: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, PERSISTENT: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """The fp8 MMA warpgroups: one item (_fp8_item), or with PERSISTENT the columns the
+        loader deals."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        if PERSISTENT:
+            ring = 0
+            j = 0
+            col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+            while col >= 0:
+                doc, blk, start, L, pq, kvh = _item_at(ITEMS, N_ITEMS, col)
+                if doc >= 0:
+                    n = _fp8_item(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem,
+                                  vec_smem, cs_smem, ds_smem, dq_smem, kv_ready, kv_free,
+                                  kt_ready, q_ready, do_ready, q_free, cs_ready, t_ready,
+                                  dq_ready, dq_free, N_ITEMS, GROUP, BPT, BDS, NB, CTA, col,
+                                  blk, start, L, pq, kvh, ring, SK, SV, SKD, SVD, DK, DV,
+                                  dk_desc, dv_desc, T, stride_kt, sm_scale, CAUSAL, ROTATE,
+                                  KMAJOR_ONCHIP, True, num_warps)
+                    ring = _ring_next_item(ring, n, STAGES)
+                j += 1
+                col = _take_column(col_smem, col_ready, col_free, j, num_warps)
+        else:
+            doc, blk, start, L, pq, kvh = _item(ITEMS, N_ITEMS)
+            if doc >= 0:
+                _fp8_item(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                          cs_smem, ds_smem, dq_smem, kv_ready, kv_free, kt_ready, q_ready,
+                          do_ready, q_free, cs_ready, t_ready, dq_ready, dq_free, N_ITEMS, GROUP,
+                          BPT, BDS, NB, CTA, gl.program_id(0), blk, start, L, pq, kvh, 0, SK, SV,
+                          SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt, sm_scale, CAUSAL,
+                          ROTATE, KMAJOR_ONCHIP, False, num_warps)
+
+    @gluon.jit
+    def _fp8_item(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                  cs_smem, ds_smem, dq_smem, kv_ready, kv_free, kt_ready, q_ready, do_ready,
+                  q_free, cs_ready, t_ready, dq_ready, dq_free, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                  item, blk, start, L, pq, kvh, ring, SK, SV, SKD, SVD, DK, DV, dk_desc, dv_desc,
+                  T, stride_kt, sm_scale, CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                  KMAJOR_ONCHIP: gl.constexpr, PERSISTENT: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """One item (work-list column `item`) of the fp8 compute warpgroups, the rings' state
+        `ring` before it; returns its step count. PERSISTENT: frees K's, V's and K^T's tiles
+        for the next item."""
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        BN: gl.constexpr = k_smem.type.shape[1]
+        NV: gl.constexpr = vec_smem.type.shape[0] // STAGES
+        f8: gl.constexpr = gl.float8e4nv
+        s_layout: gl.constexpr = wgmma_layout(num_warps, 1, BM, 32)       # S^T, dP^T (BN, BM)
+        kv_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)       # dK, dV (BN, D)
+        if BM == 16 * num_warps:
+            dq_layout: gl.constexpr = wgmma_layout(num_warps, 1, D, 32)   # dQ (BM, D)
+        else:
+            dq_layout: gl.constexpr = wgmma_layout(4, num_warps // 4, D // (num_warps // 4), 32)
+        a_layout: gl.constexpr = gl.DotOperandLayout(0, kv_layout, 4)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        k0 = blk * BN
+        m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
+        # CTA scalars over the rows the CTA sees (from its first key on when causal), also
+        # written to CTA (2, N_ITEMS) for the tests
+        first = pq + k0 if CAUSAL else pq
+        c_pt, c_ds = _cta_scales(BPT, BDS, NB, kvh, GROUP, first // DO_BLOCK_C,
+                                 (pq + L + DO_BLOCK_C - 1) // DO_BLOCK_C, num_warps)
+        gl.store(CTA + item, c_pt)
+        gl.store(CTA + N_ITEMS + item, c_ds)
+        # for the helper warps, which scale the per-query vectors by them
+        two = gl.arange(0, 2, layout=gl.BlockedLayout([2], [32], [num_warps], [0]))
+        cs_smem.store(gl.where(two == 0, c_pt, c_ds))
+        gl.thread_barrier()
+        arrive_synced(cs_ready)
+        kv_row = kvh.to(gl.int64) * T + start + k0
+        skb = gl.load(SK + kv_row)
+        u_off = c_ds * skb
+        if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
+            keys = gl.arange(0, BN, layout=row_l)
+            kin = keys < L - k0
+            skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
+            svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+        else:
+            skt = 0.0
+            svt = 0.0
+        mbarrier.wait(kv_ready, (ring >> KV_PAR) & 1)
+        dk = gl.zeros([BN, D], gl.float32, kv_layout)
+        dv = gl.zeros([BN, D], gl.float32, kv_layout)
+        for i in range(GROUP * n_m):
+            q0 = (m_lo + i % n_m) * BM
+            if CAUSAL:    # the query block inside the key block: the token copies
+                diag = q0 < k0 + BN
+            else:
+                diag = q0 < 0
+            s = i % STAGES
+            ph = _ring_phase(ring, i, STAGES, Q_PAR)
+            c = diag.to(gl.int32)
+            mbarrier.wait(q_ready.index(s), ph)
+            st = warpgroup_mma(k_smem.index(c), q_smem.index(s).permute((1, 0)),
+                               gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                               is_async=True)
+            mbarrier.wait(do_ready.index(s), ph)
+            dpt = warpgroup_mma(v_smem.index(c), do_smem.index(s).permute((1, 0)),
+                                gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False,
+                                is_async=True)
+            if not KMAJOR_ONCHIP:   # (there the helper warps, behind the loader, need the
+                _release_step(dq_ready, q_free, i - 1)   # stage back at once)
+            st = warpgroup_mma_wait(1, deps=[st])
+            # the helper's vectors (and with KMAJOR_ONCHIP dO^T, dV's B operand)
+            mbarrier.wait(t_ready.index(2 * s), ph)
+            edge_q = q0 + BM > L
+            if CAUSAL:
+                masked = diag | edge_q | (k0 + BN > L)
+            else:
+                masked = edge_q | (k0 + BN > L)
+            if BM == 64:   # plain steps run a copy of the block without branches
+                if masked:
+                    xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
+                                  k0, q0, L, BN, BM, s_layout, CAUSAL, True)
+                else:
+                    xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
+                                  k0, q0, L, BN, BM, s_layout, CAUSAL, False)
+            else:          # 128 rows (D=64) sit at the register limit: the cases branch
+                xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked, k0,
+                              q0, L, BN, BM, s_layout, CAUSAL, True)
+            xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
+            dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+            y8 = yt.to(f8)
+            # dS for dQ: keys contiguous, in pair order (K^T's columns too)
+            _store_pairs_transposed(yt, ds_smem)
+            fence_async_shared()
+            gl.thread_barrier()
+            ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
+            mbarrier.wait(kt_ready, (ring >> KV_PAR) & 1)
+            dq = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)),
+                               gl.zeros([BM, D], gl.float32, dq_layout), use_acc=False,
+                               is_async=True)
+            if KMAJOR_ONCHIP:   # Q^T, made by the helper warps after dO^T
+                mbarrier.wait(t_ready.index(2 * s + 1), ph)
+            dk = warpgroup_mma(ya, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=[dv, dq])
+            dq = dq * u_off
+            b = i % 2
+            mbarrier.wait(dq_free.index(b), _ring_phase(ring, i, 2, DQ_PAR) ^ 1,
+                          pred=_ring_reused(ring, i, 2, DQ_USED))
+            dq_smem.index(b).store(_dq_rows_stored(dq))
+            dk = warpgroup_mma_wait(0, deps=[dk])
+            if KMAJOR_ONCHIP:
+                _release_step(dq_ready, q_free, i)
+        if not KMAJOR_ONCHIP:
+            _release_step(dq_ready, q_free, GROUP * n_m - 1)
+        # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE);
+        # V's and K's tiles (both copies) are dead and carry them out
+        _store_grad(dv * c_pt, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
+        dk = dk * (sm_scale * c_ds)
+        if ROTATE:
+            dk = _rotate_back_rows(dk)
+        _store_grad(dk, dk_desc, k_smem, DK, start, k0, L, kvh, stride_kt)
+        tma.store_wait(0)       # the tiles stay allocated until the copies have read them
+        if PERSISTENT:
+            fence_async_shared()    # this item's generic-proxy writes to K / V's tiles before
+            gl.thread_barrier()     # the next item's TMA loads into them
+            arrive_synced(kv_free)
+        return GROUP * n_m
+
+    # values that follow cu_seqlens are not specialized on: one build for every split
+    @gluon.jit(do_not_specialize=["N_ITEMS", "QBLOCKS", "NB", "T"])
+    def _attn_bwd_sm90_fp8_kernel(q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc,
+                                  vd_desc, kt_desc, vec_desc, dq_desc, dk_desc, dv_desc, DK,
+                                  DV, SEM, NEXT,
+                                  ITEMS, N_ITEMS, GROUP, HQ, QBLOCKS, BPT, BDS, NB, CTA, SK, SV,
+                                  SKD, SVD, T, stride_kt, sm_scale,
+                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  ROTATE: gl.constexpr,
+                                  LOADER_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                                  DETERMINISTIC: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr,
+                                  PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+        f8: gl.constexpr = gl.float8e4nv
+        q_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], qt_desc.layout)
+        do_smem = gl.allocate_shared_memory(f8, [STAGES, BM, D], do_desc.layout)
+        dot_smem = gl.allocate_shared_memory(f8, [STAGES, D, BM], dot_desc.layout)
+        k_smem = gl.allocate_shared_memory(f8, [2, BN, D], k_desc.layout)      # block, diagonal
+        v_smem = gl.allocate_shared_memory(f8, [2, BN, D], v_desc.layout)
+        kt_smem = gl.allocate_shared_memory(f8, [D, BN], kt_desc.layout)
+        vec_smem = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC_C, 1, BM], vec_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                       rank=2)
+        ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D], dq_desc.layout)
+        kv_ready, kt_ready = alloc_barriers(1).index(0), alloc_barriers(1).index(0)
+        q_ready, do_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
+        q_free = alloc_barriers(STAGES)
+        dq_ready, dq_free = alloc_barriers(2), alloc_barriers(2)
+        t_ready = alloc_barriers(2 * STAGES)
+        cs_ready = alloc_barriers(1).index(0)      # the CTA scalars c_pt, c_ds in cs_smem
+        cs_smem = gl.allocate_shared_memory(gl.float32, [2],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        kv_free = alloc_barriers(1).index(0)
+        col_smem = gl.allocate_shared_memory(gl.int32, [2, 1, 32],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        col_ready, col_free = alloc_barriers(2), alloc_barriers(2, count=3)
+        gl.warp_specialize([
+            (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
+                            cs_smem, ds_smem, dq_smem, kv_ready, kv_free, kt_ready, q_ready,
+                            do_ready, q_free, cs_ready, t_ready, dq_ready, dq_free, col_smem,
+                            col_ready, col_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA, SK, SV,
+                            SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt, sm_scale, CAUSAL,
+                            ROTATE, KMAJOR_ONCHIP, PERSISTENT, num_warps)),
+            (_fp8_loader, (q_desc, qt_desc, do_desc, dot_desc, k_desc, kd_desc, v_desc, vd_desc,
+                           kt_desc, vec_desc, q_smem, qt_smem, do_smem, dot_smem,
+                           k_smem, v_smem, kt_smem, vec_smem, kv_ready, kv_free, kt_ready,
+                           q_ready, do_ready, q_free, col_smem, col_ready, col_free, NEXT, ITEMS,
+                           N_ITEMS, GROUP, HQ, CAUSAL, KMAJOR_ONCHIP, PERSISTENT)),
+            (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, col_smem, col_ready, col_free,
+                              SEM, ITEMS, N_ITEMS, GROUP, QBLOCKS, BN, CAUSAL, DETERMINISTIC,
+                              PERSISTENT)),
+            (_fp8_helper, (q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready,
+                           do_ready, t_ready, cs_ready, col_smem, col_ready, col_free, ITEMS,
+                           N_ITEMS, GROUP, SK, SV, T, BN, CAUSAL, KMAJOR_ONCHIP, PERSISTENT, 2)),
+        ], [1, 1, 2], [LOADER_REGS, DQ_REGS, LOADER_REGS])
+        mbarrier.invalidate(kv_ready)
+        mbarrier.invalidate(kv_free)
+        mbarrier.invalidate(kt_ready)
+        mbarrier.invalidate(cs_ready)
+        invalidate_barriers((q_ready, do_ready, q_free, dq_ready, dq_free, t_ready, col_ready,
+                             col_free))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host
+# ---------------------------------------------------------------------------------------------
+
+def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
+                            grad_dtype=None, deterministic=False,
+                            config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of causal (or full) attention over packed documents. q, dout, out (T, Hq, D);
+    k, v (T, Hkv, D), bf16 or fp16, unit stride in D; lse (Hq, T) fp32, natural log of the
+    softmax-scaled scores (the forward's); cu_seqlens int32 (n_docs + 1,) with cu_seqlens[-1] == T.
+    By default the dQ adds of different key blocks land in any order (fp32 sums not bitwise
+    reproducible between runs; dK and dV are); deterministic=True orders them (bitwise reproducible,
+    at the cost of waits)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    cfg = config or sm90_backward_config(D)
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = q.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
+    if T == 0:
+        return dq, dk, dv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv))
+    QR = kb.q_rows
+    lse2 = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)   # the kernel stores first
+    grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
+    _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
+                            D=D, BT=SM90_PASS_ROWS, num_warps=4)
+    q_desc = descriptor_2d(q, T, Hq * D, Hq * D, [BM, D])
+    do_desc = descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D])
+    k_desc = descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D])
+    v_desc = descriptor_2d(v, T, Hkv * D, Hkv * D, [BN, D])
+    lse_desc = descriptor_2d(lse2, Hq, QR, QR, [1, BM])
+    dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
+    dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
+    persistent = TRACE_MODE != "main"
+    grid = persistent_grid(kb.n_items, 1, dev) if persistent else (kb.n_items,)
+    trace = TRACE_BUF if TRACE_BUF is not None else dq_acc
+    _attn_bwd_sm90_kernel[grid](
+        q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, *_grad_descriptors(dk, dv),
+        dk, dv,
+        *_semaphores(kb, Hq, BM), kb.items,
+        kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
+        STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
+        DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), PERSISTENT=persistent,
+        TRACE=trace, TRACE_ON=TRACE_BUF is not None, SNAKE=TRACE_MODE == "snake", num_warps=8)
+    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
+                             num_warps=4)
+    return dq, dk, dv
+
+
+@dataclass
+class Fp8Prep:
+    """The fp8 backward's buffers after its preprocess (fp8_prepare), before the kernel."""
+    kb: KeyBlocks
+    ptok: torch.Tensor      # (QR,) token of each padded row, -1 for padding
+    do8: torch.Tensor       # (T, Hq, D) e4m3, one scale per 64-row block (padded layout)
+    vec: torch.Tensor       # (N_VEC, Hq, QR) fp32: A, B, Hv, E per padded row
+    bpt: torch.Tensor       # (Hq, QR / 64) per 64-row block the max of the row bounds of P^T
+    bds: torch.Tensor       # and of dS, of which the kernel takes its CTA scales
+    cta: torch.Tensor       # (2, n_items) c_pt, c_ds per work-list column, written by the kernel
+    qt8: torch.Tensor | None    # (Hq, D, QR) K-major Q (columns in wgmma order within 16), or
+    dot8: torch.Tensor | None   # None where the kernel makes them (fp8_kmajor_onchip); K-major dO
+    kt8: torch.Tensor       # (Hkv, D, QR) K-major K, block copy (pair order, kmajor.py)
+    dq_acc: torch.Tensor    # (QR, Hq, D) fp32, not initialized: the kernel's dQ target
+    sem: torch.Tensor       # (Hq, QR / BM) int32 zeros: the kernel's dQ writer states
+    next_col: torch.Tensor  # (1,) int32 zero, after sem: a persistent kernel's column counter
+
+
+def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
+                cfg: Sm90BwdConfig) -> Fp8Prep:
+    """The preprocess: dO quantized, delta, per-row vectors, the 64-row blocks' bounds (the kernel
+    takes its CTA scales from them), the K-major copies."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = dout.device
+    group = Hq // Hkv
+    kb = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8", T, BM, BN, bool(causal), Hkv),
+                        lambda: key_blocks(cu_seqlens, T, BM, BN, causal, Hkv, pad=FP8_PAD))
+    QR = kb.q_rows
+    ptok = per_cu_seqlens(cu_seqlens, ("bwd_sm90_fp8_ptok", T, QR),
+                          lambda: _padded_tokens(kb.prow, QR))
+    f8 = torch.float8_e4m3fn
+    do8 = torch.empty((T, Hq, D), dtype=f8, device=dev)
+    vec = torch.empty((N_VEC, Hq, QR), dtype=torch.float32, device=dev)
+    nb = QR // DO_BLOCK
+    bpt = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    bds = torch.empty((Hq, nb), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)
+    semc = torch.empty((Hq * (QR // BM) + 1,), dtype=torch.int32, device=dev)   # preprocess: 0
+    sem, next_col = semc[:-1].view(Hq, QR // BM), semc[-1:]
+    kt8 = torch.empty((Hkv, D, QR), dtype=f8, device=dev)
+    copies = [(qkv.k8, kt8, ORDER_PAIRS)]
+    qt8 = dot8 = None
+    if not cfg.fp8_kmajor_onchip:
+        qt8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+        dot8 = torch.empty((Hq, D, QR), dtype=f8, device=dev)
+        copies += [(do8, dot8, ORDER_MMA_A), (qkv.q8, qt8, ORDER_MMA_A)]
+    for src, dst, order in copies:
+        check_copy(src, dst, order)
+    u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8 if dot8 is not None else kt8,
+                                         qt8 if qt8 is not None else kt8, kt8)]
+    _bwd_preprocess_fp8[(nb * Hq,)](
+        out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
+        bds, sem, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
+        BT=DO_BLOCK, BM=BM, QT_DOT=qt8 is not None, num_warps=cfg.fp8_pre_warps)
+    cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
+    return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc, sem, next_col)
+
+
+def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal=True,
+                                softmax_scale=None, grad_dtype=None, deterministic=False,
+                                config: Sm90BwdConfig | None = None):
+    """(dq, dk, dv) of the fp8 recipe (scaling kvblock128) from the forward's quantized operands qkv
+    (layout.QuantizedQKV with the block and diagonal copies), out, lse and row max (Hq, T), as
+    reference.backward / _backward_kvblock define them: fp8_prepare, the kernel, fp8_post.
+    config: sm90_backward_config(D) by default (Q^T / dO^T from the preprocess's copies)."""
+    T, Hq, D = qkv.q8.shape
+    Hkv = qkv.k8.shape[1]
+    cfg = config or sm90_backward_config(D)
+    if cfg.fp8_kmajor_onchip and D != 128:
+        raise ValueError(f"config.fp8_kmajor_onchip needs head dim 128, not {D}")
+    BM, BN = cfg.block_m, SM90_BLOCK_N
+    dev = dout.device
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    dout, out = dout.contiguous(), out.contiguous()
+    dq, dk, dv = _grads(T, Hq, Hkv, D, grad_dtype or dout.dtype, dev)
+    if T == 0:
+        return dq, dk, dv
+    prep = fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale, cfg)
+    kb, QR = prep.kb, prep.kb.q_rows
+    k8d, v8d, skd, svd = ((qkv.k8_diag, qkv.v8_diag, qkv.sk_diag, qkv.sv_diag) if causal
+                          else (qkv.k8, qkv.v8, qkv.sk, qkv.sv))
+    if prep.qt8 is None:    # made by the kernel: the descriptors only give the tiles' layout
+        qt_d = dot_d = descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BM])
+    else:
+        qt_d = descriptor_2d(prep.qt8, Hq * D, QR, QR, [D, BM])
+        dot_d = descriptor_2d(prep.dot8, Hq * D, QR, QR, [D, BM])
+    descs = (
+        descriptor_2d(qkv.q8, T, Hq * D, Hq * D, [BM, D]),
+        qt_d,
+        descriptor_2d(prep.do8, T, Hq * D, Hq * D, [BM, D]),
+        dot_d,
+        descriptor_2d(qkv.k8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(k8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(qkv.v8, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(v8d, T, Hkv * D, Hkv * D, [BN, D]),
+        descriptor_2d(prep.kt8, Hkv * D, QR, QR, [D, BN]),
+        descriptor_2d(prep.vec, N_VEC * Hq, QR, QR, [1, BM]),
+        descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
+        *_grad_descriptors(dk, dv),
+    )
+    grid = persistent_grid(kb.n_items, 1, dev) if cfg.fp8_persistent else (kb.n_items,)
+    _attn_bwd_sm90_fp8_kernel[grid](
+        *descs, dk, dv, prep.sem, prep.next_col, kb.items, kb.n_items, Hq // Hkv,
+        Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
+        T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
+        ROTATE=bool(qkv.rotated), LOADER_REGS=SM90_LOADER_REGS, DQ_REGS=SM90_DQ_REGS,
+        DETERMINISTIC=bool(deterministic), KMAJOR_ONCHIP=prep.qt8 is None,
+        PERSISTENT=cfg.fp8_persistent, num_warps=8)
+    fp8_post(prep.dq_acc, kb.prow, qkv.sq, bool(qkv.rotated), scale, dq, cfg)
+    return dq, dk, dv
+
+
+def fp8_post(dq_acc, prow, sq, rotated: bool, scale: float, dq, cfg: Sm90BwdConfig):
+    """The post pass: dq (T, Hq, D) from the fp32 buffer dq_acc (padded rows prow, units of
+    sq), rotated back when `rotated`."""
+    T, Hq, D = dq.shape
+    grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq)
+    _bwd_postprocess_fp8[grid](dq_acc, prow, sq, dq, T, Hq, scale, ROTATE=rotated, D=D,
+                               BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
+
+
+def _grads(T, Hq, Hkv, D, dtype, dev):
+    """Empty (dq, dk, dv)."""
+    return (torch.empty((T, Hq, D), dtype=dtype, device=dev),
+            *(torch.empty((T, Hkv, D), dtype=dtype, device=dev) for _ in range(2)))
+
+
+def _grad_descriptors(dk, dv):
+    """TMA descriptors of dK and dV (T, Hkv, D) as (T, Hkv * D) matrices, one (BN, D) box: the
+    kernels' epilogue stores (_store_grad)."""
+    T, Hkv, D = dk.shape
+    return tuple(descriptor_2d(x, T, Hkv * D, Hkv * D, [SM90_BLOCK_N, D]) for x in (dk, dv))
+
+
+def _semaphores(kb: KeyBlocks, Hq: int, BM: int):
+    """(states, counter), zeroed, from one allocation: the dQ writer's per-(query head, query
+    block) states (_bwd_dq_writer) and a persistent launch's column counter (_next_column)."""
+    n = Hq * (kb.q_rows // BM)
+    z = torch.zeros((n + 1,), dtype=torch.int32, device=kb.items.device)
+    return z[:n].view(Hq, kb.q_rows // BM), z[n:]
+
+
+def _padded_tokens(prow: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows,) int32: the token at each row of the padded layout, -1 for a pad row."""
+    ptok = torch.full((rows,), -1, dtype=torch.int32, device=prow.device)
+    ptok[prow.long()] = torch.arange(prow.numel(), dtype=torch.int32, device=prow.device)
+    return ptok

@@ -30,8 +30,7 @@
 # (benchmarks/quant_ab.py QUANT_ARGS: launch configs and copies of quantize.py), profile (PROFILE_ARGS),
 # profile-fwd, train (flamia train-check, TRAIN_ARGS), gaps (GPU idle between kernels and host
 # syncs of back-to-back calls, GAP_WORKLOADS), host (HOST_ARGS; cProfile of the host side,
-# benchmarks/host_profile.py), trace (benchmarks/bwd_trace.py TRACE_ARGS: the bf16 backward's items
-# on a timeline under three deals), ncu, ncu-src (per-instruction warp samples of the forward and
+# benchmarks/host_profile.py), ncu, ncu-src (per-instruction warp samples of the forward and
 # one-pass backward kernels: benchmarks/ncu_source.py; NCU_WORKLOAD, default doc8k_x4), ncu-bwd
 # (the bf16 backward, flamia sm90 and FA4, benchmarks/ncu_bwd_sm90.py; NCU_WORKLOADS;
 # NCU_ARGS=--fp8: flamia's fp8 kernel instead), ptest-NAME / pab-NAME (a prepared patch,
@@ -149,7 +148,6 @@ stage() {  # name seconds: one stage
     profile-fwd) run_stage "$name" "$secs" python benchmarks/profile_call.py --forward-only ;;
     gaps) run_stage "$name" "$secs" python benchmarks/profile_call.py --gaps \
              --only "${GAP_WORKLOADS:-doc32k,doc8k_x4,doc512_x64,d64_doc8k_x4}" ;;
-    trace) run_stage "$name" "$secs" python benchmarks/bwd_trace.py --out "$OUT" ${TRACE_ARGS:-} ;;
     host) run_stage "$name" "$secs" python benchmarks/host_profile.py ${HOST_ARGS:-} ;;
     ncu) # hardware counters of one fp8 fwd+bwd call (NCU_CALL_ARGS, default doc8k_x4)
       run_stage "$name" "$secs" "$NCU" --clock-control none --profile-from-start off \

@@ -18,6 +18,8 @@ post pass are reused), written as a CuTe DSL kernel:
 
 Compile-only on a CPU (no GPU needed):
     /tmp/cute/bin/python benchmarks/cute_bwd_sm90.py --compile
+and its innermost wgmma loop's SASS (every branch; the Gluon kernel's: bwd_sm90_compile.py --sass):
+    python benchmarks/tools/ptx_sass.py /tmp/cute_bwd_dump/*.ptx
 On a GPU: checks dQ / dK / dV against the library's Gluon bf16 kernel and times both:
     python benchmarks/cute_bwd_sm90.py --check --time
 """

@@ -50,3 +50,33 @@ def test_loop_paths_take_both_ways_of_a_predicated_branch_inside_the_loop():
     # an unconditional branch inside the loop is followed, the code it jumps over never runs
     jump = LISTING.replace("@P1 BRA 0x190", "BRA 0x190")
     assert [len(p) for p in loop_paths(main_loop(parse(jump)), predicated(jump))] == [9]
+
+
+TINY_PTX = """
+.version {v}
+.target sm_90a
+.address_size 64
+.visible .entry tiny(.param .u64 out)
+{{
+    .reg .b64 %rd<2>;
+    .reg .b32 %r<2>;
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, 7;
+    st.global.u32 [%rd1], %r1;
+    ret;
+}}
+"""
+
+
+def test_ptx_sass_lowers_a_newer_ptx_version():
+    """tools/ptx_sass.assemble: a PTX header naming an ISA newer than the bundled ptxas reads (as
+    CuTe DSL's kept PTX does) is lowered to the newest one it names, and the kernel assembles."""
+    import pytest
+    from tests._sm90 import gluon_available
+    if not gluon_available():
+        pytest.skip("triton's Gluon or its bundled ptxas is not available")
+    from benchmarks.tools.ptx_sass import assemble
+    sass, _ = assemble(TINY_PTX.format(v="99.9"))
+    assert "EXIT" in sass and "STG" in sass
+    with pytest.raises(RuntimeError):       # a real error still surfaces
+        assemble(TINY_PTX.format(v="8.0").replace("mov.u32", "mov.bogus"))

@@ -1,13 +1,15 @@
 """The bf16 backward of one workload under Nsight Compute: flamia's one-pass sm90 kernel next to
 FlashAttention-4's sm90 backward (when importable), same inputs, one process (--fp8: flamia's
-fp8 recipe's one-pass kernel instead of its bf16 one).
+fp8 recipe's one-pass kernel instead of its bf16 one; --cute: also the CuTe DSL spike's bf16
+backward, benchmarks/cute_bwd_sm90.py, D=128 only).
 
     ncu --clock-control none --profile-from-start off --section SourceCounters ... \
         -o rep python benchmarks/ncu_bwd_sm90.py --only d64_doc8k_x4
 
 Both forwards and warm-up backwards run outside the profiled range; inside it run exactly one
 flamia backward (pre, main, post) and one FA4 backward (autograd through its forward, graph
-retained), so ncu replays the backward kernels alone. The `ncu-bwd` stage of
+retained), and with --cute one backward_cute (its pre and post passes are the library's), so ncu
+replays the backward kernels alone. The `ncu-bwd` stage of
 benchmarks/device_run.sh runs it and summarizes the report with benchmarks/ncu_source.py.
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main():
     ap.add_argument("--no-fa4", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="flamia's fp8 recipe's kernel (inputs of "
                     "bwd_sm90_dev.fp8_timing_inputs) instead of its bf16 one")
+    ap.add_argument("--cute", action="store_true", help="also the CuTe DSL spike's bf16 "
+                    "backward (benchmarks/cute_bwd_sm90.py; D=128)")
     args = ap.parse_args()
     workloads, _ = load_workloads()
     w = next(w for w in workloads if w.name == args.only)
@@ -56,6 +60,14 @@ def main():
         def ours():
             B.attention_backward_sm90(do, o, lse, q, k, v, cu, True)
 
+    cute = None
+    if args.cute:
+        if D != 128:
+            raise SystemExit(f"--cute: the CuTe DSL spike is built for D=128, not {D}")
+        from benchmarks.cute_bwd_sm90 import backward_cute
+
+        def cute():
+            backward_cute(do, o, lse, q, k, v, cu, True)
     fa4 = None
     if not args.no_fa4:
         try:
@@ -71,17 +83,21 @@ def main():
             print(f"FA4 not profiled: {type(e).__name__}: {e}"[:300])
     for _ in range(3):
         ours()
+        if cute:
+            cute()
         if fa4:
             fa4()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     ours()
+    if cute:
+        cute()
     if fa4:
         fa4()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled one backward of {w.name}: flamia sm90 {'fp8' if args.fp8 else 'bf16'}"
-          + (" and FA4 bf16" if fa4 else ""))
+          + (", the CuTe DSL spike bf16" if cute else "") + (" and FA4 bf16" if fa4 else ""))
 
 
 if __name__ == "__main__":

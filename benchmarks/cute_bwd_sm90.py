@@ -16,6 +16,12 @@ post pass are reused), written as a CuTe DSL kernel:
   Per step: S^T = K Q^T, dP^T = V dO^T (SS), P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - delta),
   dV += P^T dO and dK += dS^T Q (A from registers), dQ = dS K (dS^T through shared memory).
 
+pair=True (backward_cute's `pair`, the "cute pair" variant of --time, the second --check):
+2-CTA clusters over adjacent key blocks, the upper block's dQ tile added to the lower one's on
+chip (distributed shared memory) on the query blocks both visit, so those steps reduce-add one
+dQ tile into L2 instead of two: the size of the L2 lever (benchmarks/NOTES.md, fourteenth
+session) against this same kernel without clusters.
+
 Compile-only on a CPU (no GPU needed):
     /tmp/cute/bin/python benchmarks/cute_bwd_sm90.py --compile
 and its innermost wgmma loop's SASS (every branch; the Gluon kernel's: bwd_sm90_compile.py --sass):
@@ -39,6 +45,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import from_dlpack
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import nvvm as _nvvm
 
 BM, BN, D = 64, 128, 128
 STAGES = 2
@@ -49,6 +56,7 @@ PRODUCER_REGS, MMA_REGS = 24, 240
 BAR_DS = 1                 # dS^T stored by both MMA warpgroups
 BAR_DQ_FULL = 2            # + b: dQ buffer b written (MMA threads arrive, the writer waits)
 BAR_DQ_EMPTY = 4           # + b: dQ buffer b read by TMA (the writer arrives, MMA threads wait)
+BAR_PEER = 6               # pair mode: the MMA threads' dQ tile read (rank 0) / written (rank 1)
 
 
 @cute.jit
@@ -63,9 +71,17 @@ def _zero_rows(s: cute.Tensor, first: Int32, tidx: Int32, nthreads: cutlass.Cons
 
 
 class BwdSm90Cute:
-    def __init__(self, group: int, causal: bool = True):
+    """pair=True: 2-CTA clusters over adjacent key blocks (2b, 2b + 1) of one (document, KV head);
+    the work list holds the lower blocks. On the query blocks both visit, the upper CTA (rank 1)
+    leaves its dQ tile in its own shared memory and the lower one (rank 0) adds it to its own
+    (distributed shared-memory loads) before its writer's one reduce-add: half the dQ adds of
+    those steps reach L2. peer_full (rank 0's) / peer_empty (rank 1's) mbarriers hand the two
+    dQ buffers over, arrived on from the other CTA."""
+
+    def __init__(self, group: int, causal: bool = True, pair: bool = False):
         self.group = group
         self.causal = causal
+        self.pair = pair
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -111,7 +127,7 @@ class BwdSm90Cute:
 
         @cute.struct
         class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 1 + 3 * STAGES]
+            bars: cute.struct.MemRange[cutlass.Int64, 1 + 3 * STAGES + 4]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, BM * STAGES], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, BM * STAGES], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -125,7 +141,9 @@ class BwdSm90Cute:
                     tma_dq, tma_dqs, tdQ, mdK, mdV, mItems, mSem, n_items, qblocks, scale_log2,
                     scale, sQ_layout,
                     sK_layout, sdS_layout, sdQ_layout, sVec_layout, mma_s, mma_kv, mma_dq,
-                    Storage).launch(grid=[n_items, 1, 1], block=[THREADS, 1, 1],
+                    Storage).launch(grid=[n_items * (2 if const_expr(self.pair) else 1), 1, 1],
+                                    block=[THREADS, 1, 1],
+                                    cluster=[2 if const_expr(self.pair) else 1, 1, 1],
                                     smem=Storage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -144,6 +162,10 @@ class BwdSm90Cute:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         item = cute.arch.block_idx()[0]
+        rank = Int32(0)
+        if const_expr(self.pair):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            item = item // 2
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         bars = st.bars.data_ptr()
@@ -151,6 +173,8 @@ class BwdSm90Cute:
         q_ready = bars + 1                   # + s: Q, lse2 (and dO, delta) of stage s landed
         q_free = bars + 1 + STAGES           # + s: stage s read by both warpgroups (8 warps)
         do_ready = bars + 1 + 2 * STAGES
+        peer_full = bars + 1 + 3 * STAGES    # + b (rank 0's): rank 1's dQ tile b is written
+        peer_empty = peer_full + 2           # + b (rank 1's): rank 0 has read its dQ tile b
         if warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_ready, 1)
@@ -158,8 +182,14 @@ class BwdSm90Cute:
                     cute.arch.mbarrier_init(q_ready + s, 1)
                     cute.arch.mbarrier_init(do_ready + s, 1)
                     cute.arch.mbarrier_init(q_free + s, 8)
+                for b in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(peer_full + b, 1)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.pair):      # the peer's barriers are initialized before any arrive
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = st.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -171,12 +201,17 @@ class BwdSm90Cute:
         sDelta = st.sDelta.get_tensor(sVec_layout)
 
         doc = mItems[0, item]
-        blk = mItems[1, item]
+        blk = mItems[1, item] + rank
         start = mItems[2, item]
         L = mItems[3, item]
         pq = mItems[4, item]
         kvh = mItems[5, item]
         k0 = blk * BN
+        # pair mode: whether the pair's upper block exists (rank 1 idles without one)
+        has_upper = const_expr(self.pair) and (mItems[1, item] + 1) * BN < L
+        if const_expr(self.pair):
+            if rank == 1 and not has_upper:
+                doc = Int32(-1)
         m_lo = Int32(0)
         if const_expr(self.causal):
             m_lo = k0 // BM
@@ -191,14 +226,18 @@ class BwdSm90Cute:
                 self.load(tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dl,
                           tDelta, sQ, sdO, sK, sV, sLSE, sDelta, kv_ready, q_ready, do_ready,
                           q_free, start, k0, kvh, pq, m_lo, n_m, n_steps)
-            if warp == 1 and doc >= 0:
+            if warp == 1 and doc >= 0 and rank == 0:
                 self.write_dq(tma_dq, tma_dqs, tdQ, sdQ, mSem, qblocks, start, pq, kvh, m_lo,
                               n_m, n_steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.compute(mma_s, mma_kv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
                          mdK, mdV, kv_ready, q_ready, do_ready, q_free, tidx - 128, doc, start,
-                         L, k0, kvh, m_lo, n_m, n_steps, scale_log2, scale)
+                         L, k0, kvh, m_lo, n_m, n_steps, scale_log2, scale, rank, has_upper,
+                         peer_full, peer_empty)
+        if const_expr(self.pair):      # neither CTA leaves while the other may touch its memory
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def load(self, tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dl, tDelta,
@@ -295,7 +334,7 @@ class BwdSm90Cute:
     @cute.jit
     def compute(self, mma_s, mma_kv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV,
                 kv_ready, q_ready, do_ready, q_free, tidx, doc, start, L, k0, kvh, m_lo, n_m,
-                n_steps, scale_log2, scale):
+                n_steps, scale_log2, scale, rank, has_upper, peer_full, peer_empty):
         thr_s = mma_s.get_slice(tidx)
         thr_kv = mma_kv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
@@ -326,6 +365,11 @@ class BwdSm90Cute:
         thr_r2s = r2s.get_slice(tidx)
         tSsdSt = thr_r2s.partition_D(sdSt)          # dS^T by stmatrix (8 x 8 bf16 blocks)
         tQsdQ = thr_dq.partition_C(sdQ)
+        # pair mode, rank 0: rank 1's dQ buffers, partitioned as this CTA's own
+        tQpeer = tQsdQ
+        if const_expr(self.pair):
+            tQpeer = thr_dq.partition_C(cute.make_tensor(cute.arch.map_dsmem_ptr(sdQ.iterator, 1),
+                                                         sdQ.layout))
         # coordinates (key, query) of the S^T accumulator elements
         cS = thr_s.partition_C(cute.make_identity_tensor((BN, BM)))
 
@@ -347,7 +391,7 @@ class BwdSm90Cute:
         frags = (mma_s, mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO,
                  tKVrQt, tKVrdOt, tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk,
                  acc_dv, rP, rdS, tKVrP, tKVrdS, tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0,
-                 m_lo, n_m, scale_log2)
+                 m_lo, n_m, scale_log2, rank, has_upper, peer_full, peer_empty, tQpeer)
         if n_steps > 0:
             cute.arch.mbarrier_wait(kv_ready, 0)
             if k0 + BN > L:
@@ -357,11 +401,12 @@ class BwdSm90Cute:
             # steps in pairs, so that the stage (and the dQ buffer) is a compile-time constant in
             # every shared-memory address and wgmma descriptor
             q0 = m_lo * BM
+            k = Int32(0)        # pair mode, rank 0: the peer's tiles taken so far
             for j in cutlass.range(n_steps // 2, unroll=1):
-                q0 = self.step(0, 2 * j, j % 2, q0, *frags)
-                q0 = self.step(1, 2 * j + 1, j % 2, q0, *frags)
+                q0, k = self.step(0, 2 * j, j % 2, q0, k, *frags)
+                q0, k = self.step(1, 2 * j + 1, j % 2, q0, k, *frags)
             if n_steps % 2 == 1:
-                q0 = self.step(0, n_steps - 1, (n_steps // 2) % 2, q0, *frags)
+                q0, k = self.step(0, n_steps - 1, (n_steps // 2) % 2, q0, k, *frags)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             gdK = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdK), (BN, D), (0, 0))
             gdV = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdV), (BN, D), (0, 0))
@@ -394,12 +439,14 @@ class BwdSm90Cute:
                 acc[e] = Float32(0.0)
 
     @cute.jit
-    def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, mma_s, mma_kv, mma_dq,
-             sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt,
-             tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS, tKVrP, tKVrdS,
-             tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m, scale_log2):
+    def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, k: Int32, mma_s,
+             mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt,
+             tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS,
+             tKVrP, tKVrdS, tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m,
+             scale_log2, rank, has_upper, peer_full, peer_empty, tQpeer):
         """Step i (query block q0.., one query head) on stage s (= i % STAGES, also the dQ
-        buffer); returns the next step's q0."""
+        buffer); returns the next step's q0 and (pair mode, rank 0) the count k of the peer's
+        dQ tiles taken."""
         # the wgmma atoms' accumulate flag is state of the TiledMma object: fresh ones per step,
         # so that no flag value set inside one loop body is used in another
         mma_s, mma_kv, mma_dq = _tiled_mmas()
@@ -445,15 +492,45 @@ class BwdSm90Cute:
         _gemm(mma_kv, acc_dk, tKVrdS, tKVrQt[None, None, None, s], False)
         warpgroup.commit_group()
         warpgroup.wait_group(1)            # dV and dQ done
-        if i >= 2:                         # the writer has read buffer s's last tile
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + s, number_of_threads=MMA_THREADS + 32)
-        cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + s, number_of_threads=MMA_THREADS + 32)
+        if const_expr(self.pair):
+            if rank == 1:      # every step of the upper block is shared: its tile goes to rank 0
+                if i >= 2:     # rank 0 has read buffer s's last tile
+                    cute.arch.mbarrier_wait(peer_empty + s, ((i // 2) + 1) % 2)
+                cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
+                cute.arch.barrier(barrier_id=BAR_PEER, number_of_threads=MMA_THREADS)
+                if tidx == 0:
+                    cute.arch.fence_acq_rel_cluster()
+                    cute.arch.mbarrier_arrive(peer_full + s, peer_cta_rank_in_cluster=0,
+                                              scope=_nvvm.MemScopeKind.CLUSTER)
+            else:              # the upper block sees this query block too: add its tile
+                shared = has_upper
+                if const_expr(self.causal):
+                    shared = has_upper and q0 >= (m_lo + BN // BM) * BM
+                if shared:
+                    slot = k % 2
+                    cute.arch.mbarrier_wait(peer_full + slot, (k // 2) % 2)
+                    cute.arch.fence_acq_rel_cluster()
+                    rpeer = cute.make_rmem_tensor_like(acc_dq)
+                    cute.autovec_copy(tQpeer[None, None, None, slot], rpeer)
+                    acc_dq.store(acc_dq.load() + rpeer.load())
+                    cute.arch.barrier(barrier_id=BAR_PEER, number_of_threads=MMA_THREADS)
+                    if tidx == 0:
+                        cute.arch.fence_acq_rel_cluster()
+                        cute.arch.mbarrier_arrive(peer_empty + slot, peer_cta_rank_in_cluster=1,
+                                                  scope=_nvvm.MemScopeKind.CLUSTER)
+                    k = k + 1
+        if const_expr(not self.pair) or rank == 0:
+            if i >= 2:                     # the writer has read buffer s's last tile
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + s,
+                                  number_of_threads=MMA_THREADS + 32)
+            cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + s,
+                                     number_of_threads=MMA_THREADS + 32)
         warpgroup.wait_group(0)            # dK done: stage s is free
         if tidx % 32 == 0:
             cute.arch.mbarrier_arrive(q_free + s)
-        return _next_step(Int32(0), q0, m_lo, n_m)[1]
+        return _next_step(Int32(0), q0, m_lo, n_m)[1], k
 
 @cute.jit
 def _next_step(h: Int32, q0: Int32, m_lo: Int32, n_m: Int32):
@@ -510,9 +587,20 @@ def _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, items, sem):
 _COMPILED: dict = {}
 
 
-def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None):
+def pair_items(items: torch.Tensor) -> torch.Tensor:
+    """The pair mode's work list: the columns of key_blocks' list (6, N) whose key block is even
+    (each a cluster of its block and the next), in the list's order (heaviest first). A host
+    sync (the count): a spike's convenience, not the library's way."""
+    keep = (items[0] >= 0) & (items[1] % 2 == 0)
+    return items[:, keep].contiguous()
+
+
+def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
+                  pair=False):
     """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90 (bf16, D=128), by the
-    CuTe DSL kernel; its preprocess and post pass are the library's."""
+    CuTe DSL kernel; its preprocess and post pass are the library's. pair: 2-CTA clusters over
+    adjacent key blocks, dQ of the blocks' common query blocks summed on chip
+    (BwdSm90Cute)."""
     from flamia.ops import backward_sm90 as B
     from flamia.ops.numerics import LOG2E
     from flamia.ops.schedule import per_cu_seqlens
@@ -532,14 +620,22 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     grid_t = (triton.cdiv(T, B.SM90_PASS_ROWS), Hq)
     B._bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                               D=D, BT=B.SM90_PASS_ROWS, num_warps=4)
-    args = _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, kb.items,
+    items = kb.items
+    if pair:
+        items = per_cu_seqlens(cu_seqlens, ("bwd_cute_pairs", T, Hkv, bool(causal)),
+                               lambda: pair_items(kb.items))
+    n = items.shape[1]
+    if n == 0:
+        items = torch.full((6, 1), -1, dtype=torch.int32, device=dev)
+    args = _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, items,
                         B._semaphores(kb, Hq, BM))
     import cuda.bindings.driver as cuda
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (Hq, Hkv, bool(causal))
-    extra = (Int32(kb.n_items), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
+    key = (Hq, Hkv, bool(causal), bool(pair))
+    extra = (Int32(max(n, 1)), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
     if key not in _COMPILED:
-        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
+        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal), bool(pair)), *args,
+                                      *extra)
     _COMPILED[key](*args, *extra)
     # this kernel stores dQ rows in natural order; the library's post pass reads row
     # dq_row_host(prow): hand it the rows whose image is prow (dq_row_host rotates the three low
@@ -550,7 +646,7 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     return dq, dk, dv
 
 
-def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None):
+def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None, pair=False):
     """Build for sm_90a on a machine without a GPU (CPU tensors stand in for the arguments);
     with dump, the PTX is kept there."""
     import cuda.bindings.driver as cuda
@@ -563,11 +659,11 @@ def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None):
         torch.zeros(T, Hkv, D, dtype=bf), torch.zeros(T, Hkv, D, dtype=bf),
         torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))
     opts = "--gpu-arch sm_90a" + (f" --keep-ptx --dump-dir {dump}" if dump else "")
-    return cute.compile(BwdSm90Cute(Hq // Hkv, causal), *args, Int32(64), Int32(QR // BM),
+    return cute.compile(BwdSm90Cute(Hq // Hkv, causal, pair), *args, Int32(64), Int32(QR // BM),
                         Float32(1.0), Float32(1.0), cuda.CUstream(0), options=opts)
 
 
-def check(seed: int = 0) -> bool:
+def check(seed: int = 0, pair: bool = False) -> bool:
     """Random packed cases at D=128 (0/1/2-token documents, GQA groups 1/2/4/8, causal and not)
     against float64 (flamia.reference, autograd), outputs poisoned first, within the Gluon bf16
     kernel's bar (bwd_sm90_dev.check); P2: a perturbed document leaves every other document's
@@ -584,18 +680,19 @@ def check(seed: int = 0) -> bool:
         q, k, v, do, cu, o, lse, (dq64, dk64, dv64) = case_inputs(g, D, Hq, Hkv, lengths,
                                                                   causal, scale)
         poison()
-        new = backward_cute(do, o, lse, q, k, v, cu, causal, scale)
+        new = backward_cute(do, o, lse, q, k, v, cu, causal, scale, pair=pair)
         old = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale)
         torch.cuda.synchronize()
         errs = [rel(x, r) for x, r in zip(new, (dq64, dk64, dv64))]
         errs_g = [rel(x, r) for x, r in zip(old, (dq64, dk64, dv64))]
         finite = all(torch.isfinite(x).all().item() for x in new)
         ok = finite and all(e <= 2 * 2.5e-3 + 1e-3 for e in errs)
-        p2, p2_ok = p2_perturbed(lambda *a: backward_cute(*a, causal, scale), new,
+        p2, p2_ok = p2_perturbed(lambda *a: backward_cute(*a, causal, scale, pair=pair), new,
                                  q, k, v, do, o, lse, cu, lengths)
         ok = ok and p2_ok
         ok_all = ok_all and ok
-        print(f"{'PASS' if ok else 'FAIL'} H={Hq}/{Hkv} causal={causal} L={lengths}: dq/dk/dv "
+        print(f"{'PASS' if ok else 'FAIL'}{' pair' if pair else ''} H={Hq}/{Hkv} causal={causal} "
+              f"L={lengths}: dq/dk/dv "
               f"{errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} (gluon {errs_g[0]:.2e}/{errs_g[1]:.2e}/"
               f"{errs_g[2]:.2e}) finite={finite} P2={p2}", flush=True)
     return ok_all
@@ -610,7 +707,9 @@ def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
     from flamia.ops import backward_sm90 as B
     if D_ != D:
         return {}
-    out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale)}
+    out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale),
+           "cute pair": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale,
+                                          pair=True)}
     G = q.shape[1] // k.shape[1]
     if G > 1:
         k1, v1 = (x.repeat_interleave(G, dim=1).contiguous() for x in (k, v))
@@ -642,10 +741,17 @@ def main():
         os.makedirs("/tmp/cute_bwd_dump", exist_ok=True)
         compile_only(dump="/tmp/cute_bwd_dump")
         print(f"compiled for sm_90a in {time.time() - t0:.1f} s (PTX in /tmp/cute_bwd_dump)")
+        t0 = time.time()
+        os.makedirs("/tmp/cute_bwd_dump_pair", exist_ok=True)
+        compile_only(dump="/tmp/cute_bwd_dump_pair", pair=True)
+        print(f"pair mode compiled in {time.time() - t0:.1f} s (PTX in /tmp/cute_bwd_dump_pair)")
     ok = True
     if a.check:
         ok = check()
         print("check:", "PASS" if ok else "FAIL", flush=True)
+        ok_pair = check(pair=True)
+        print("check, pair mode:", "PASS" if ok_pair else "FAIL", flush=True)
+        ok = ok and ok_pair
     if a.time:
         from benchmarks import bwd_sm90_dev as dev
         from flamia.ops.config import sm90_backward_config

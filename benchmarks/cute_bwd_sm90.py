@@ -698,6 +698,9 @@ def check(seed: int = 0, pair: bool = False) -> bool:
     return ok_all
 
 
+WITH_G1 = False     # --g1
+
+
 def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
     """The CuTe kernel; and, to tell whether keeping a GQA group's query heads in one CTA costs
     L2 locality (FA4 runs one CTA per key block and query head), both kernels on K / V repeated
@@ -711,7 +714,7 @@ def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
            "cute pair": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale,
                                           pair=True)}
     G = q.shape[1] // k.shape[1]
-    if G > 1:
+    if G > 1 and WITH_G1:
         k1, v1 = (x.repeat_interleave(G, dim=1).contiguous() for x in (k, v))
 
         def g1(fn):
@@ -732,6 +735,8 @@ def main():
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--workloads", default="doc32k,doc8k_x4,doc2k_x16,longtail,doc512_x64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--g1", action="store_true", help="--time: also both kernels on K / V "
+                    "repeated to one KV head per query head (the tenth session's question)")
     ap.add_argument("--shapes", default="",
                     help="more workloads, name:Hq:Hkv:D:L1+L2+... separated by commas")
     a = ap.parse_args()
@@ -755,6 +760,8 @@ def main():
     if a.time:
         from benchmarks import bwd_sm90_dev as dev
         from flamia.ops.config import sm90_backward_config
+        global WITH_G1
+        WITH_G1 = a.g1
         dev.EXTRA_VARIANTS.append(_variants)
         dev.time_workloads(a.workloads.split(","), lambda d: [sm90_backward_config(d)],
                            shapes=[x for x in a.shapes.split(",") if x], rounds=a.rounds)

@@ -702,10 +702,11 @@ WITH_G1 = False     # --g1
 
 
 def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
-    """The CuTe kernel; and, to tell whether keeping a GQA group's query heads in one CTA costs
-    L2 locality (FA4 runs one CTA per key block and query head), both kernels on K / V repeated
-    to one KV head per query head (one head per CTA, the same FLOPs and Q / dO / dQ bytes), dK /
-    dV then summed over the group (the repeats are made outside the timing)."""
+    """The CuTe kernel without and with pair clusters; with --g1 also, to tell whether keeping a
+    GQA group's query heads in one CTA costs L2 locality (FA4 runs one CTA per key block and
+    query head), both kernels on K / V repeated to one KV head per query head (one head per CTA,
+    the same FLOPs and Q / dO / dQ bytes), dK / dV then summed over the group (the repeats are
+    made outside the timing)."""
     import functools
     from flamia.ops import backward_sm90 as B
     if D_ != D:

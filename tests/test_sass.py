@@ -1,6 +1,8 @@
 """benchmarks/tools/sass.py on a hand-written SASS listing (no compiler needed): the main loop is the
 shortest backward-branch span holding a GMMA, never a span through the kernel's EXIT (ptxas puts
 an mbarrier wait's retry path after EXIT and branches back into the loop from there)."""
+import pytest
+
 from benchmarks.tools.sass import (common_path, local_memory_ops, loop_paths, main_loop, parse,
                                    predicated)
 
@@ -71,7 +73,6 @@ TINY_PTX = """
 def test_ptx_sass_lowers_a_newer_ptx_version():
     """tools/ptx_sass.assemble: a PTX header naming an ISA newer than the bundled ptxas reads (as
     CuTe DSL's kept PTX does) is lowered to the newest one it names, and the kernel assembles."""
-    import pytest
     from tests._sm90 import gluon_available
     if not gluon_available():
         pytest.skip("triton's Gluon or its bundled ptxas is not available")

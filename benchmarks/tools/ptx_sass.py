@@ -22,7 +22,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from benchmarks.tools.compile import triton_tool  # noqa: E402
-from benchmarks.tools.sass import main_loop, parse  # noqa: E402
+from benchmarks.tools.sass import main_loop, parse, sass_of_cubin  # noqa: E402
 
 
 def assemble(ptx: str, arch: str = "sm_90a") -> tuple[str, str]:
@@ -41,9 +41,8 @@ def assemble(ptx: str, arch: str = "sm_90a") -> tuple[str, str]:
             ptx = re.sub(r"^\.version\s+\S+", f".version {m.group(2)}", ptx, count=1, flags=re.M)
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip())
-        sass = subprocess.run([triton_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout
-    return sass, r.stderr
+        with open(cubin, "rb") as f:
+            return sass_of_cubin(f.read()), r.stderr
 
 
 def main():

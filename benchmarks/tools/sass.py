@@ -16,10 +16,15 @@ LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;
 
 def sass_of(kernel) -> str:
     """cuobjdump -sass of a compiled kernel's cubin."""
+    return sass_of_cubin(kernel.asm["cubin"])
+
+
+def sass_of_cubin(cubin: bytes) -> str:
+    """cuobjdump -sass of a cubin's bytes."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
+            f.write(cubin)
         return subprocess.run([triton_tool("cuobjdump"), "-sass", path],
                               capture_output=True, text=True, check=True).stdout
 

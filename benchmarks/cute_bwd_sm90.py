@@ -4,8 +4,9 @@ Why: flamia's bf16 backward sits at 0.85-0.89x of FA4's on long documents (issue
 gate is 0.95x), and Triton 3.6's Gluon cannot express what the next factor needs (2-CTA
 clusters: Q / dO multicast, dQ tiles of two key blocks added on chip). CuTe DSL can; it also has
 per-warp mbarrier arrivals and non-blocking named-barrier arrives, so the warpgroups meet once
-per step instead of Gluon's four. Measured so far (benchmarks/NOTES.md, tenth session): that
-alone does not close the gap to FA4. This is the same algorithm as
+per step instead of Gluon's four. Measured so far (benchmarks/NOTES.md, tenth and fifteenth
+sessions): that alone does not close the gap to FA4, and the 2-CTA cluster that adds two key
+blocks' dQ tiles on chip loses to this kernel without it (5b35eac keeps its pair mode). This is the same algorithm as
 flamia.ops.backward_sm90._attn_bwd_sm90_kernel (its work list, padded dQ rows, preprocess and
 post pass are reused), written as a CuTe DSL kernel:
 
@@ -15,15 +16,6 @@ post pass are reused), written as a CuTe DSL kernel:
   and 64-127 of every key-major GEMM; dQ's columns split between them).
   Per step: S^T = K Q^T, dP^T = V dO^T (SS), P^T = exp2(S^T c - lse2), dS^T = P^T (dP^T - delta),
   dV += P^T dO and dK += dS^T Q (A from registers), dQ = dS K (dS^T through shared memory).
-
-pair=True (backward_cute's `pair`, the "cute pair" variant of --time, the second --check):
-2-CTA clusters over adjacent key blocks, the upper block's dQ tile added to the lower one's on
-chip (distributed shared memory) on the query blocks both visit, so those steps reduce-add one
-dQ tile into L2 instead of two: the size of the L2 lever (benchmarks/NOTES.md, fourteenth
-session) against this same kernel without clusters. The upper CTA's tile travels by one bulk
-copy into the lower CTA's dQ buffer (counted on its mbarrier), where the lower CTA's MMA threads
-add their own before the writer's reduce-add: no cluster-scope fence (each one is a MEMBAR.GPU
-plus an L1 invalidation in SASS) and no distributed-shared-memory load on the MMA threads' path.
 
 Compile-only on a CPU (no GPU needed):
     /tmp/cute/bin/python benchmarks/cute_bwd_sm90.py --compile
@@ -48,7 +40,6 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import from_dlpack
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm, nvvm as _nvvm
 
 BM, BN, D = 64, 128, 128
 STAGES = 2
@@ -59,8 +50,6 @@ PRODUCER_REGS, MMA_REGS = 24, 240
 BAR_DS = 1                 # dS^T stored by both MMA warpgroups
 BAR_DQ_FULL = 2            # + b: dQ buffer b written (MMA threads arrive, the writer waits)
 BAR_DQ_EMPTY = 4           # + b: dQ buffer b read by TMA (the writer arrives, MMA threads wait)
-BAR_PEER = 6               # pair mode, rank 1: its dQ buffer free / written by every MMA thread
-DQ_BYTES = BM * D * 4
 
 
 @cute.jit
@@ -75,26 +64,9 @@ def _zero_rows(s: cute.Tensor, first: Int32, tidx: Int32, nthreads: cutlass.Cons
 
 
 class BwdSm90Cute:
-    """pair=True: 2-CTA clusters over adjacent key blocks (2b, 2b + 1) of one (document, KV head);
-    the work list holds the lower blocks. Every query block the upper CTA (rank 1) visits, the
-    lower one (rank 0) visits too: rank 0 takes those "shared" steps in rank 1's order, so its
-    step P + k and rank 1's step k are the same (query head, query block), with its P private
-    steps (the first BN / BM query blocks of each head, causal) before them for the first head
-    and after them for the others (_pair_step). Rank 1 stores its dQ tile in its own buffer and
-    copies it (one bulk copy, complete_tx on rank 0's peer_full) into rank 0's buffer of the
-    same step, where rank 0's MMA threads add their tile before the writer's one reduce-add:
-    half the dQ adds of the shared steps reach L2. Rank 0's writer arrives on rank 1's
-    peer_empty once a buffer that a shared step will fill is read. Rank 1 has no writer and
-    leaves after its last copy has been read."""
-
-    def __init__(self, group: int, causal: bool = True, pair: bool = False, ablate: str = ""):
+    def __init__(self, group: int, causal: bool = True):
         self.group = group
         self.causal = causal
-        self.pair = pair
-        # timing-only ablation of pair mode (dQ wrong by design): "nocomm", no tile crosses the
-        # cluster (the halved reduce-adds without any exchange cost). Skipping only rank 0's
-        # wait hangs: rank 0 may leave before rank 1's copies land.
-        self.ablate = ablate
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -140,7 +112,7 @@ class BwdSm90Cute:
 
         @cute.struct
         class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 1 + 3 * STAGES + 4]
+            bars: cute.struct.MemRange[cutlass.Int64, 1 + 3 * STAGES]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, BM * STAGES], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, BM * STAGES], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -154,9 +126,7 @@ class BwdSm90Cute:
                     tma_dq, tma_dqs, tdQ, mdK, mdV, mItems, mSem, n_items, qblocks, scale_log2,
                     scale, sQ_layout,
                     sK_layout, sdS_layout, sdQ_layout, sVec_layout, mma_s, mma_kv, mma_dq,
-                    Storage).launch(grid=[n_items * (2 if const_expr(self.pair) else 1), 1, 1],
-                                    block=[THREADS, 1, 1],
-                                    cluster=[2 if const_expr(self.pair) else 1, 1, 1],
+                    Storage).launch(grid=[n_items, 1, 1], block=[THREADS, 1, 1],
                                     smem=Storage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -175,10 +145,6 @@ class BwdSm90Cute:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         item = cute.arch.block_idx()[0]
-        rank = Int32(0)
-        if const_expr(self.pair):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            item = item // 2
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Storage)
         bars = st.bars.data_ptr()
@@ -186,8 +152,6 @@ class BwdSm90Cute:
         q_ready = bars + 1                   # + s: Q, lse2 (and dO, delta) of stage s landed
         q_free = bars + 1 + STAGES           # + s: stage s read by both warpgroups (8 warps)
         do_ready = bars + 1 + 2 * STAGES
-        peer_full = bars + 1 + 3 * STAGES    # + b (rank 0's): rank 1's tile landed in buffer b
-        peer_empty = peer_full + 2           # + b (rank 1's): rank 0's buffer b is free for it
         if warp == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_ready, 1)
@@ -195,14 +159,8 @@ class BwdSm90Cute:
                     cute.arch.mbarrier_init(q_ready + s, 1)
                     cute.arch.mbarrier_init(do_ready + s, 1)
                     cute.arch.mbarrier_init(q_free + s, 8)
-                for b in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(peer_full + b, 1)
         cute.arch.mbarrier_init_fence()
-        if const_expr(self.pair):      # the peer's barriers are initialized before any arrive
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
 
         sQ = st.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = st.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -214,17 +172,12 @@ class BwdSm90Cute:
         sDelta = st.sDelta.get_tensor(sVec_layout)
 
         doc = mItems[0, item]
-        blk = mItems[1, item] + rank
+        blk = mItems[1, item]
         start = mItems[2, item]
         L = mItems[3, item]
         pq = mItems[4, item]
         kvh = mItems[5, item]
         k0 = blk * BN
-        # pair mode: whether the pair's upper block exists (rank 1 idles without one)
-        has_upper = const_expr(self.pair) and (mItems[1, item] + 1) * BN < L
-        if const_expr(self.pair):
-            if rank == 1 and not has_upper:
-                doc = Int32(-1)
         m_lo = Int32(0)
         if const_expr(self.causal):
             m_lo = k0 // BM
@@ -232,37 +185,26 @@ class BwdSm90Cute:
         n_steps = n_m * self.group
         if doc < 0:
             n_steps = Int32(0)
-        # pair mode: rank 0's private steps per head (P) and the shared query blocks per head
-        P = Int32(0)
-        if const_expr(self.pair and self.causal):
-            if rank == 0 and has_upper:
-                P = Int32(BN // BM)
-        n_sh = n_m - P
-        sh_end = Int32(0)    # rank 0's shared steps are P .. sh_end - 1
-        if const_expr(self.pair):
-            if rank == 0 and has_upper:
-                sh_end = P + n_sh * self.group
 
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0 and doc >= 0:
                 self.load(tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dl,
                           tDelta, sQ, sdO, sK, sV, sLSE, sDelta, kv_ready, q_ready, do_ready,
-                          q_free, start, k0, kvh, pq, m_lo, n_m, n_steps, P, n_sh)
-            if warp == 1 and doc >= 0 and rank == 0:
+                          q_free, start, k0, kvh, pq, m_lo, n_m, n_steps)
+            if warp == 1 and doc >= 0:
                 self.write_dq(tma_dq, tma_dqs, tdQ, sdQ, mSem, qblocks, start, pq, kvh, m_lo,
-                              n_m, n_steps, P, n_sh, sh_end, peer_empty)
+                              n_m, n_steps)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.compute(mma_s, mma_kv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
                          mdK, mdV, kv_ready, q_ready, do_ready, q_free, tidx - 128, doc, start,
-                         L, k0, kvh, m_lo, n_m, n_steps, scale_log2, scale, rank, P, n_sh,
-                         sh_end, peer_full, peer_empty, st.sdQ.data_ptr())
+                         L, k0, kvh, m_lo, n_m, n_steps, scale_log2, scale)
 
     @cute.jit
     def load(self, tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dl, tDelta,
              sQ, sdO, sK, sV, sLSE, sDelta, kv_ready, q_ready, do_ready, q_free, start, k0, kvh,
-             pq, m_lo, n_m, n_steps, P, n_sh):
+             pq, m_lo, n_m, n_steps):
         one = cute.make_layout(1)
         # K / V of the CTA's key block: box at (start + k0, kvh * D)
         gK = cute.local_tile(cute.domain_offset((start + k0, kvh * D), tK), (BN, D), (0, 0))
@@ -281,8 +223,6 @@ class BwdSm90Cute:
             s = i % STAGES
             if i >= STAGES:
                 cute.arch.mbarrier_wait(q_free + s, ((i // STAGES) + 1) % 2)
-            if const_expr(self.pair):
-                h, q0 = self._pair_step(i, P, n_sh, kvh, m_lo)
             gQ = cute.local_tile(cute.domain_offset((start + q0, h * D), tQ), (BM, D), (0, 0))
             gdO = cute.local_tile(cute.domain_offset((start + q0, h * D), tdO), (BM, D), (0, 0))
             gL = cute.local_tile(cute.domain_offset((h, pq + q0), tLSE), (1, BM), (0, 0))
@@ -310,7 +250,7 @@ class BwdSm90Cute:
 
     @cute.jit
     def write_dq(self, tma_dq, tma_dqs, tdQ, sdQ, mSem, qblocks, start, pq, kvh, m_lo, n_m,
-                 n_steps, P, n_sh, sh_end, peer_empty):
+                 n_steps):
         """Each step's dQ tile into the fp32 buffer, which nobody zeroes: the first tile to reach
         a (query head, query block) is stored, every later one reduce-added once that store has
         landed (mSem[head, block]: 0 -> 1 by compare-and-swap, the winner stores and sets 2 when
@@ -322,8 +262,6 @@ class BwdSm90Cute:
         q0 = m_lo * BM
         for i in cutlass.range(n_steps, unroll=1):
             b = i % 2
-            if const_expr(self.pair):
-                h, q0 = self._pair_step(i, P, n_sh, kvh, m_lo)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL + b, number_of_threads=MMA_THREADS + 32)
             gdQ = cute.local_tile(cute.domain_offset((pq + q0, h * D), tdQ), (BM, D), (0, 0))
             tSs, tGg = cpasync.tma_partition(tma_dq, 0, one,
@@ -347,9 +285,6 @@ class BwdSm90Cute:
             if i + 2 < n_steps:                  # the MMA threads wait before steps 2..
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + b,
                                          number_of_threads=MMA_THREADS + 32)
-            if const_expr(self.pair and self.ablate != "nocomm"):  # rank 1 fills b at i + 2
-                if i + 2 >= P and i + 2 < sh_end and lane == 0:
-                    cute.arch.mbarrier_arrive(peer_empty + b, peer_cta_rank_in_cluster=1)
             if state == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 cute.arch.fence_proxy("async.global")
@@ -361,8 +296,7 @@ class BwdSm90Cute:
     @cute.jit
     def compute(self, mma_s, mma_kv, mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV,
                 kv_ready, q_ready, do_ready, q_free, tidx, doc, start, L, k0, kvh, m_lo, n_m,
-                n_steps, scale_log2, scale, rank, P, n_sh, sh_end, peer_full, peer_empty,
-                sdq_ptr):
+                n_steps, scale_log2, scale):
         thr_s = mma_s.get_slice(tidx)
         thr_kv = mma_kv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
@@ -414,7 +348,7 @@ class BwdSm90Cute:
         frags = (mma_s, mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO,
                  tKVrQt, tKVrdOt, tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk,
                  acc_dv, rP, rdS, tKVrP, tKVrdS, tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0,
-                 m_lo, n_m, scale_log2, rank, P, n_sh, sh_end, peer_full, peer_empty, sdq_ptr)
+                 m_lo, n_m, scale_log2)
         if n_steps > 0:
             cute.arch.mbarrier_wait(kv_ready, 0)
             if k0 + BN > L:
@@ -429,9 +363,6 @@ class BwdSm90Cute:
                 q0 = self.step(1, 2 * j + 1, j % 2, q0, *frags)
             if n_steps % 2 == 1:
                 q0 = self.step(0, n_steps - 1, (n_steps // 2) % 2, q0, *frags)
-            if const_expr(self.pair):
-                if rank == 1 and tidx == 0:   # its buffers read before the CTA leaves
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             gdK = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdK), (BN, D), (0, 0))
             gdV = cute.local_tile(cute.domain_offset((start + k0, kvh * D), mdV), (BN, D), (0, 0))
@@ -464,18 +395,15 @@ class BwdSm90Cute:
                 acc[e] = Float32(0.0)
 
     @cute.jit
-    def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, mma_s,
-             mma_kv, mma_dq, sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt,
-             tQrdS, tQrKt, tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS,
-             tKVrP, tKVrdS, tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m,
-             scale_log2, rank, P, n_sh, sh_end, peer_full, peer_empty, sdq_ptr):
-        """Step i (query block q0.., one query head; pair mode: _pair_step's) on stage s
-        (= i % STAGES, also the dQ buffer); returns the next step's q0."""
+    def step(self, s: cutlass.Constexpr, i: Int32, ph: Int32, q0: Int32, mma_s, mma_kv, mma_dq,
+             sQ, sdO, sLSE, sDelta, tSrK, tSrV, tSrQ, tSrdO, tKVrQt, tKVrdOt, tQrdS, tQrKt,
+             tSsdSt, tQsdQ, cS, acc_s, acc_dp, acc_dq, acc_dk, acc_dv, rP, rdS, tKVrP, tKVrdS,
+             tSrdS, r2s, q_ready, do_ready, q_free, tidx, L, k0, m_lo, n_m, scale_log2):
+        """Step i (query block q0.., one query head) on stage s (= i % STAGES, also the dQ
+        buffer); returns the next step's q0."""
         # the wgmma atoms' accumulate flag is state of the TiledMma object: fresh ones per step,
         # so that no flag value set inside one loop body is used in another
         mma_s, mma_kv, mma_dq = _tiled_mmas()
-        if const_expr(self.pair):
-            q0 = self._pair_step(i, P, n_sh, Int32(0), m_lo)[1]
         edge_q = q0 + BM > L
         cute.arch.mbarrier_wait(q_ready + s, ph)
         if edge_q:
@@ -518,61 +446,15 @@ class BwdSm90Cute:
         _gemm(mma_kv, acc_dk, tKVrdS, tKVrQt[None, None, None, s], False)
         warpgroup.commit_group()
         warpgroup.wait_group(1)            # dV and dQ done
-        if const_expr(self.pair):
-            if rank == 1 and const_expr(self.ablate != "nocomm"):  # to rank 0's buffer s
-                if tidx == 0:
-                    if i >= 2:                 # own buffer s: the copy of step i - 2 has read it
-                        cute.arch.cp_async_bulk_wait_group(1, read=True)
-                    j0 = i + BN // BM - 2      # rank 0's step whose tile last held its buffer s
-                    if const_expr(not self.causal):
-                        j0 = i - 2
-                    if j0 >= 0:
-                        cute.arch.mbarrier_wait(peer_empty + s, (j0 // 2) % 2)
-                cute.arch.barrier(barrier_id=BAR_PEER, number_of_threads=MMA_THREADS)
-                cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BAR_PEER, number_of_threads=MMA_THREADS)
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(peer_full + s, DQ_BYTES,
-                                                            peer_cta_rank_in_cluster=0)
-                    _bulk_to_peer(sdq_ptr + s * BM * D, peer_full + s, DQ_BYTES, 0)
-                    cute.arch.cp_async_bulk_commit_group()
-        if const_expr(not self.pair) or rank == 0:
-            if i >= 2:                     # the writer has read buffer s's last tile
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + s,
-                                  number_of_threads=MMA_THREADS + 32)
-            if const_expr(self.pair and not self.ablate):   # a shared step: rank 1's tile
-                if i >= P and i < sh_end:
-                    k = i - P
-                    cute.arch.mbarrier_wait(peer_full + s, (k // 2) % 2)
-                    rpeer = cute.make_rmem_tensor_like(acc_dq)
-                    cute.autovec_copy(tQsdQ[None, None, None, s], rpeer)
-                    acc_dq.store(acc_dq.load() + rpeer.load())
-            cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + s,
-                                     number_of_threads=MMA_THREADS + 32)
+        if i >= 2:                         # the writer has read buffer s's last tile
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + s, number_of_threads=MMA_THREADS + 32)
+        cute.autovec_copy(acc_dq, tQsdQ[None, None, None, s])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + s, number_of_threads=MMA_THREADS + 32)
         warpgroup.wait_group(0)            # dK done: stage s is free
         if tidx % 32 == 0:
             cute.arch.mbarrier_arrive(q_free + s)
         return _next_step(Int32(0), q0, m_lo, n_m)[1]
-
-    @cute.jit
-    def _pair_step(self, i: Int32, P: Int32, n_sh: Int32, kvh: Int32, m_lo: Int32):
-        """Pair mode: (query head, first query row) of step i. Rank 1 (P = 0) and a lower block
-        without an upper one: head after head, query block after query block. Rank 0 with an
-        upper block: head 0's P private blocks, then every head's n_sh shared ones (rank 1's
-        steps 0, 1, ... in its order), then the private blocks of heads 1.. ."""
-        hoff, qoff = i // n_sh, i % n_sh + P
-        if i < P:
-            hoff, qoff = Int32(0), i
-        elif i >= P + n_sh * self.group:
-            r = i - P - n_sh * self.group
-            hoff, qoff = 1 + r // P, r % P
-        else:
-            k = i - P
-            hoff, qoff = k // n_sh, k % n_sh + P
-        return kvh * self.group + hoff, (m_lo + qoff) * BM
 
 @cute.jit
 def _next_step(h: Int32, q0: Int32, m_lo: Int32, n_m: Int32):
@@ -582,29 +464,6 @@ def _next_step(h: Int32, q0: Int32, m_lo: Int32, n_m: Int32):
     if q0 + BM == (m_lo + n_m) * BM:
         nh, nq = h + 1, m_lo * BM
     return nh, nq
-
-
-@cutlass.cutlass_dsl.dsl_user_op
-def _bulk_to_peer(src: cute.Pointer, mbar: cute.Pointer, nbytes: int, peer, *, loc=None,
-                  ip=None):
-    """One bulk copy of nbytes from this CTA's shared memory at src to the same offset in CTA
-    `peer` of the cluster, counted (complete_tx) on that CTA's mbarrier at mbar's offset
-    (cp.async.bulk.shared::cluster.shared::cta with mapa'd 32-bit addresses, as CUTLASS's
-    SM90 bulk copy; the issuing thread commits and waits). Inline PTX: the NVVM op types the
-    peer's mbarrier as a local shared pointer, which mapa cannot produce."""
-    i32 = Int32.mlir_type
-    src32 = llvm.ptrtoint(i32, src.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    bar32 = llvm.ptrtoint(i32, mbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    llvm.inline_asm(
-        None,
-        [src32, bar32, Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 d, m;\n\t"
-        "mapa.shared::cluster.u32 d, $0, $3;\n\t"
-        "mapa.shared::cluster.u32 m, $1, $3;\n\t"
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [$0], $2, [m];\n\t}",
-        "r,r,r,r,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
 
 
 def _tiled_mmas():
@@ -652,20 +511,9 @@ def _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, items, sem):
 _COMPILED: dict = {}
 
 
-def pair_items(items: torch.Tensor) -> torch.Tensor:
-    """The pair mode's work list: the columns of key_blocks' list (6, N) whose key block is even
-    (each a cluster of its block and the next), in the list's order (heaviest first). A host
-    sync (the count): a spike's convenience, not the library's way."""
-    keep = (items[0] >= 0) & (items[1] % 2 == 0)
-    return items[:, keep].contiguous()
-
-
-def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None,
-                  pair=False, ablate=""):
+def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scale=None):
     """(dq, dk, dv) as flamia.ops.backward_sm90.attention_backward_sm90 (bf16, D=128), by the
-    CuTe DSL kernel; its preprocess and post pass are the library's. pair: 2-CTA clusters over
-    adjacent key blocks, dQ of the blocks' common query blocks summed on chip
-    (BwdSm90Cute)."""
+    CuTe DSL kernel; its preprocess and post pass are the library's."""
     from flamia.ops import backward_sm90 as B
     from flamia.ops.numerics import LOG2E
     from flamia.ops.schedule import per_cu_seqlens
@@ -685,22 +533,14 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     grid_t = (triton.cdiv(T, B.SM90_PASS_ROWS), Hq)
     B._bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
                               D=D, BT=B.SM90_PASS_ROWS, num_warps=4)
-    items = kb.items
-    if pair:
-        items = per_cu_seqlens(cu_seqlens, ("bwd_cute_pairs", T, Hkv, bool(causal)),
-                               lambda: pair_items(kb.items))
-    n = items.shape[1]
-    if n == 0:
-        items = torch.full((6, 1), -1, dtype=torch.int32, device=dev)
-    args = _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, items,
+    args = _kernel_args(q, k, v, dout, lse2, delta, dq_acc, dk, dv, kb.items,
                         B._semaphores(kb, Hq, BM))
     import cuda.bindings.driver as cuda
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (Hq, Hkv, bool(causal), bool(pair), ablate)
-    extra = (Int32(max(n, 1)), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
+    key = (Hq, Hkv, bool(causal))
+    extra = (Int32(kb.n_items), Int32(QR // BM), Float32(scale * LOG2E), Float32(scale), stream)
     if key not in _COMPILED:
-        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal), bool(pair), ablate),
-                                      *args, *extra)
+        _COMPILED[key] = cute.compile(BwdSm90Cute(Hq // Hkv, bool(causal)), *args, *extra)
     _COMPILED[key](*args, *extra)
     # this kernel stores dQ rows in natural order; the library's post pass reads row
     # dq_row_host(prow): hand it the rows whose image is prow (dq_row_host rotates the three low
@@ -711,7 +551,7 @@ def backward_cute(dout, out, lse, q, k, v, cu_seqlens, causal=True, softmax_scal
     return dq, dk, dv
 
 
-def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None, pair=False, ablate=""):
+def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None):
     """Build for sm_90a on a machine without a GPU (CPU tensors stand in for the arguments);
     with dump, the PTX is kept there."""
     import cuda.bindings.driver as cuda
@@ -724,12 +564,11 @@ def compile_only(causal=True, T=4096, Hq=32, Hkv=8, dump=None, pair=False, ablat
         torch.zeros(T, Hkv, D, dtype=bf), torch.zeros(T, Hkv, D, dtype=bf),
         torch.zeros(6, 64, dtype=torch.int32), torch.zeros(Hq, QR // BM, dtype=torch.int32))
     opts = "--gpu-arch sm_90a" + (f" --keep-ptx --dump-dir {dump}" if dump else "")
-    return cute.compile(BwdSm90Cute(Hq // Hkv, causal, pair, ablate), *args, Int32(64),
-                        Int32(QR // BM),
+    return cute.compile(BwdSm90Cute(Hq // Hkv, causal), *args, Int32(64), Int32(QR // BM),
                         Float32(1.0), Float32(1.0), cuda.CUstream(0), options=opts)
 
 
-def check(seed: int = 0, pair: bool = False) -> bool:
+def check(seed: int = 0) -> bool:
     """Random packed cases at D=128 (0/1/2-token documents, GQA groups 1/2/4/8, causal and not)
     against float64 (flamia.reference, autograd), outputs poisoned first, within the Gluon bf16
     kernel's bar (bwd_sm90_dev.check); P2: a perturbed document leaves every other document's
@@ -746,44 +585,36 @@ def check(seed: int = 0, pair: bool = False) -> bool:
         q, k, v, do, cu, o, lse, (dq64, dk64, dv64) = case_inputs(g, D, Hq, Hkv, lengths,
                                                                   causal, scale)
         poison()
-        new = backward_cute(do, o, lse, q, k, v, cu, causal, scale, pair=pair)
+        new = backward_cute(do, o, lse, q, k, v, cu, causal, scale)
         old = B.attention_backward_sm90(do, o, lse, q, k, v, cu, causal, scale)
         torch.cuda.synchronize()
         errs = [rel(x, r) for x, r in zip(new, (dq64, dk64, dv64))]
         errs_g = [rel(x, r) for x, r in zip(old, (dq64, dk64, dv64))]
         finite = all(torch.isfinite(x).all().item() for x in new)
         ok = finite and all(e <= 2 * 2.5e-3 + 1e-3 for e in errs)
-        p2, p2_ok = p2_perturbed(lambda *a: backward_cute(*a, causal, scale, pair=pair), new,
+        p2, p2_ok = p2_perturbed(lambda *a: backward_cute(*a, causal, scale), new,
                                  q, k, v, do, o, lse, cu, lengths)
         ok = ok and p2_ok
         ok_all = ok_all and ok
-        print(f"{'PASS' if ok else 'FAIL'}{' pair' if pair else ''} H={Hq}/{Hkv} causal={causal} "
-              f"L={lengths}: dq/dk/dv "
+        print(f"{'PASS' if ok else 'FAIL'} H={Hq}/{Hkv} causal={causal} L={lengths}: dq/dk/dv "
               f"{errs[0]:.2e}/{errs[1]:.2e}/{errs[2]:.2e} (gluon {errs_g[0]:.2e}/{errs_g[1]:.2e}/"
               f"{errs_g[2]:.2e}) finite={finite} P2={p2}", flush=True)
     return ok_all
 
 
 WITH_G1 = False     # --g1
-ABLATE: list = []   # --ablate
 
 
 def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
-    """The CuTe kernel without and with pair clusters; with --g1 also, to tell whether keeping a
-    GQA group's query heads in one CTA costs L2 locality (FA4 runs one CTA per key block and
-    query head), both kernels on K / V repeated to one KV head per query head (one head per CTA,
-    the same FLOPs and Q / dO / dQ bytes), dK / dV then summed over the group (the repeats are
-    made outside the timing)."""
+    """The CuTe kernel; with --g1 also, to tell whether keeping a GQA group's query heads in one
+    CTA costs L2 locality (FA4 runs one CTA per key block and query head), both kernels on K / V
+    repeated to one KV head per query head (one head per CTA, the same FLOPs and Q / dO / dQ
+    bytes), dK / dV then summed over the group (the repeats are made outside the timing)."""
     import functools
     from flamia.ops import backward_sm90 as B
     if D_ != D:
         return {}
-    out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale),
-           "cute pair": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale,
-                                          pair=True)}
-    for ab in ABLATE:
-        out[f"pair-{ab}"] = functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal,
-                                              scale, pair=True, ablate=ab)
+    out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale)}
     G = q.shape[1] // k.shape[1]
     if G > 1 and WITH_G1:
         k1, v1 = (x.repeat_interleave(G, dim=1).contiguous() for x in (k, v))
@@ -808,8 +639,6 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--g1", action="store_true", help="--time: also both kernels on K / V "
                     "repeated to one KV head per query head (the tenth session's question)")
-    ap.add_argument("--ablate", default="", help="--time: also pair mode's timing-only "
-                    "ablation (BwdSm90Cute.ablate): nocomm")
     ap.add_argument("--shapes", default="",
                     help="more workloads, name:Hq:Hkv:D:L1+L2+... separated by commas")
     a = ap.parse_args()
@@ -819,22 +648,14 @@ def main():
         os.makedirs("/tmp/cute_bwd_dump", exist_ok=True)
         compile_only(dump="/tmp/cute_bwd_dump")
         print(f"compiled for sm_90a in {time.time() - t0:.1f} s (PTX in /tmp/cute_bwd_dump)")
-        t0 = time.time()
-        os.makedirs("/tmp/cute_bwd_dump_pair", exist_ok=True)
-        compile_only(dump="/tmp/cute_bwd_dump_pair", pair=True)
-        print(f"pair mode compiled in {time.time() - t0:.1f} s (PTX in /tmp/cute_bwd_dump_pair)")
     ok = True
     if a.check:
         ok = check()
         print("check:", "PASS" if ok else "FAIL", flush=True)
-        ok_pair = check(pair=True)
-        print("check, pair mode:", "PASS" if ok_pair else "FAIL", flush=True)
-        ok = ok and ok_pair
     if a.time:
         from benchmarks import bwd_sm90_dev as dev
         from flamia.ops.config import sm90_backward_config
-        global WITH_G1, ABLATE
-        ABLATE = [x for x in a.ablate.split(",") if x]
+        global WITH_G1
         WITH_G1 = a.g1
         dev.EXTRA_VARIANTS.append(_variants)
         dev.time_workloads(a.workloads.split(","), lambda d: [sm90_backward_config(d)],

@@ -31,6 +31,8 @@ the previous document).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,8 @@ from .config import FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
 from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
 from .numerics import LOG2E
+
+KV_CHUNK = 2    # KV heads whose CTAs the Triton forward's grid interleaves (_attn_fwd_kernel)
 from .schedule import work_list
 
 
@@ -159,22 +163,28 @@ def _attn_fwd_kernel(Q, K, V, SQ, SK, SV, VCAP, O, LSE, ITEMS, CU, KD, VD, SKD, 
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FP8: tl.constexpr, USE_TMA: tl.constexpr,
                      FOLD_LR: tl.constexpr, FULL_STAGES: tl.constexpr,
-                     MASKED_STAGES: tl.constexpr, ROW_MAX: tl.constexpr):
+                     MASKED_STAGES: tl.constexpr, ROW_MAX: tl.constexpr,
+                     KV_CHUNK: tl.constexpr):
     """One (query block, head) of the work list. FP8 (token-block scaling): K, V (vt8), SK, SV
     the block copies and KD, VD (vt8_diag), SKD, SVD the token copies (causal), vt8's columns in
     the padded layout (PCU). ROW_MAX: the row max m (natural log) into RMAX too."""
-    # Head fastest: the GROUP query heads of a KV head run side by side and share its tiles in L2,
-    # and the item list is sorted heaviest first across all heads.
+    # Chunks of KV_CHUNK KV heads slowest, then the item (the list is heaviest first), the query
+    # heads of the chunk fastest: the CTAs resident together read a few KV heads' K / V tiles
+    # (kept in L2); with every head fastest they would read every KV head's at once (one
+    # 8k-token document's K / V over 32 heads is 32 MB).
     pid = tl.program_id(0)
-    head = pid % HQ
-    item = pid // HQ
+    per_chunk = N_ITEMS * GROUP * KV_CHUNK
+    chunk = pid // per_chunk
+    rem = pid - chunk * per_chunk
+    item = rem // (GROUP * KV_CHUNK)
+    head = chunk * (GROUP * KV_CHUNK) + rem % (GROUP * KV_CHUNK)
+    kvh = head // GROUP
     doc = tl.load(ITEMS + item)
     if doc < 0:
         return
     blk = tl.load(ITEMS + N_ITEMS + item)
     start = tl.load(CU + doc)
     L = tl.load(CU + doc + 1) - start
-    kvh = head // GROUP
     q_lo = blk * BLOCK_M
     offs_m = q_lo + tl.arange(0, BLOCK_M)          # doc-local rows
     offs_d = tl.arange(0, D)
@@ -369,6 +379,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages, ROW_MAX=bool(return_row_max),
+        KV_CHUNK=math.gcd(Hkv, KV_CHUNK),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return result

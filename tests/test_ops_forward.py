@@ -8,8 +8,8 @@ tests/test_forward_kvblock.py has fp8's quantize layout, tile shapes and bitwise
 - attention_forward: out / lse match the reference emulation by the FlashAttention rule
   (max |out - ref64| <= 2 max |emul - ref64| + atol, and elementwise with a noise-level atol),
   relative error close to the emulation's; every output element written (outputs start as NaN);
-  MHA / MQA, softmax_scale, fold_lr, fp16 inputs, V^T in either column order, a NaN confined
-  to its document.
+  MHA / MQA, GQA over several KV-head chunks of the grid, softmax_scale, fold_lr, fp16 inputs,
+  V^T in either column order, a NaN confined to its document.
 - P1 (causal prefix) and P2 (document isolation) bitwise, through flamia.audit, and the control
   that the audit catches a leaky V cap.
 - The bf16 forward compiles for sm_90a (no GPU needed: triton's bundled ptxas).
@@ -156,6 +156,16 @@ def test_forward_variants(recipe, causal, hkv):
     """MHA and MQA, causal and not, with a softmax_scale of the caller's."""
     q, k, v, cu = make_qkv(LENGTHS, 4, hkv, 64, "mild", seed=2)
     _check_forward(q, k, v, cu, recipe, causal, CFG_TMA, "mild", scale=0.2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_forward_kv_head_chunks(recipe):
+    """GQA with more KV heads than one chunk of the grid's order (forward.KV_CHUNK): every
+    (query block, head) is computed once, by the CTA that the chunked order gives it."""
+    from flamia.ops import forward
+    hkv = 2 * forward.KV_CHUNK
+    q, k, v, cu = make_qkv(LENGTHS, 2 * hkv, hkv, 64, "mild", seed=6)
+    _check_forward(q, k, v, cu, recipe, True, CFG_PTR, "mild")
 
 
 @pytest.mark.parametrize("recipe,D,family,causal,hkv,seed,scale", [

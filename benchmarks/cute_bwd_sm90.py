@@ -6,9 +6,9 @@ clusters: Q / dO multicast, dQ tiles of two key blocks added on chip). CuTe DSL 
 per-warp mbarrier arrivals and non-blocking named-barrier arrives, so the warpgroups meet once
 per step instead of Gluon's four. Measured so far (benchmarks/NOTES.md, tenth and fifteenth
 sessions): that alone does not close the gap to FA4, and the 2-CTA cluster that adds two key
-blocks' dQ tiles on chip loses to this kernel without it (5b35eac keeps its pair mode). This is the same algorithm as
-flamia.ops.backward_sm90._attn_bwd_sm90_kernel (its work list, padded dQ rows, preprocess and
-post pass are reused), written as a CuTe DSL kernel:
+blocks' dQ tiles on chip loses to this kernel without it (5b35eac keeps its pair mode). This
+is the same algorithm as flamia.ops.backward_sm90._attn_bwd_sm90_kernel (its work list, padded
+dQ rows, preprocess and post pass are reused), written as a CuTe DSL kernel:
 
   CTA = one key block (BN=128 keys of one document) of one KV head, all query heads of its GQA
   group, query blocks of BM=64 rows; 384 threads: warp 0 loads (TMA), warp 1 writes dQ

@@ -160,10 +160,10 @@ def test_forward_variants(recipe, causal, hkv):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_forward_kv_head_chunks(recipe):
-    """GQA with more KV heads than one chunk of the grid's order (forward.KV_CHUNK): every
+    """GQA with more KV heads than one chunk of the grid's order (config.FWD_KV_CHUNK): every
     (query block, head) is computed once, by the CTA that the chunked order gives it."""
-    from flamia.ops import forward
-    hkv = 2 * forward.KV_CHUNK
+    from flamia.ops.config import FWD_KV_CHUNK
+    hkv = 2 * FWD_KV_CHUNK
     q, k, v, cu = make_qkv(LENGTHS, 2 * hkv, hkv, 64, "mild", seed=6)
     _check_forward(q, k, v, cu, recipe, True, CFG_PTR, "mild")
 

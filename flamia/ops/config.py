@@ -128,6 +128,11 @@ SM90_LOADER_REGS = 24
 SM90_DQ_REGS = 24
 SM90_PASS_ROWS = 64
 
+# The Triton forward's CTA order (forward._attn_fwd_kernel): the CTAs of this many KV heads
+# interleave (then item, heaviest first), so that the CTAs resident together share those heads'
+# K / V in L2; 2 beat 1, 4, 8 and every head in one A/B at D=64 (benchmarks/NOTES.md).
+FWD_KV_CHUNK = 2
+
 
 @dataclass(frozen=True)
 class Sm90BwdConfig:

@@ -39,12 +39,10 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .config import FwdConfig, PersistentFwdConfig, forward_config
+from .config import FWD_KV_CHUNK, FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
 from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
 from .numerics import LOG2E
-
-KV_CHUNK = 2    # KV heads whose CTAs the Triton forward's grid interleaves (_attn_fwd_kernel)
 from .schedule import work_list
 
 
@@ -379,7 +377,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         D=D, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal), FP8=fp8, USE_TMA=use_tma,
         FOLD_LR=bool(config.fold_lr), FULL_STAGES=config.num_stages,
         MASKED_STAGES=config.masked_stages or config.num_stages, ROW_MAX=bool(return_row_max),
-        KV_CHUNK=math.gcd(Hkv, KV_CHUNK),
+        KV_CHUNK=math.gcd(Hkv, FWD_KV_CHUNK),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     return result

@@ -185,11 +185,11 @@ def _visible_max_block(OFF, DIAG, OUT, start, lo, hi, end, CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, NS: tl.constexpr,
+def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, c0, NS: tl.constexpr,
                    BLOCK_C: tl.constexpr):
     """DST[s, h, c] = S_s[h, tok(c)] (0 on pad columns) for the NS (2 or 4) scale vectors, over
-    the padded columns of program_id(0)'s block."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    the padded columns [c0, c0 + BLOCK_C)."""
+    c = c0 + tl.arange(0, BLOCK_C)
     c_ok = c < Tp
     tok = tl.load(TOK_OF_COL + c, mask=c_ok, other=-1)
     ok = tok >= 0
@@ -208,17 +208,20 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr,
                          CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
-    """After _quantize_kv_kernel, one launch: grid axis 1 < HKV copies the block copy of V into its
-    K-major padded copy VT8 and gathers the scales into SCOLS (axis 0: column blocks);
-    HKV <= axis 1 < 2 HKV copies the token copy (causal); the rest computes vcap and vnorm of the
-    K/V block axis 0 of the work list ITEMS (_visible_max_block)."""
-    i = tl.program_id(0)
-    j = tl.program_id(1)
+    """After _quantize_kv_kernel, one launch of 3 HKV programs per column block / K/V block i
+    (program i * 3 HKV + j, so that the programs running together read every head's bytes of
+    the same tokens, whole 128-byte lines at D=64): j < HKV copies the block copy of V into its
+    K-major padded copy VT8 and gathers the scales into SCOLS (i: column blocks); HKV <= j < 2 HKV
+    copies the token copy (causal); the rest computes vcap and vnorm of the K/V block i of the
+    work list ITEMS (_visible_max_block)."""
+    pid = tl.program_id(0)
+    j = pid % (3 * HKV)
+    i = pid // (3 * HKV)
     if j < HKV:
         if i < N_COL_BLOCKS:
             copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, i * BLOCK_C, D, BLOCK_C,
                          1)   # ORDER_MMA_A
-            _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j,
+            _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j, i * BLOCK_C,
                            4 if CAUSAL else 2, BLOCK_C)
     elif j < 2 * HKV:
         if CAUSAL:
@@ -300,7 +303,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     check_copy(v8, vt8, ORDER_MMA_A)
     block_c = launch.cols_block
     n_cols = triton.cdiv(Tp, block_c)
-    _kvblock_cols_kernel[(max(n_cols, n_items), 3 * Hkv)](
+    _kvblock_cols_kernel[(max(n_cols, n_items) * 3 * Hkv,)](
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
         vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,

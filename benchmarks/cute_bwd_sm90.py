@@ -27,6 +27,7 @@ On a GPU: checks dQ / dK / dV against the library's Gluon bf16 kernel and times 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -602,21 +603,17 @@ def check(seed: int = 0) -> bool:
     return ok_all
 
 
-WITH_G1 = False     # --g1
-
-
-def _variants(do, o, lse, q, k, v, cu, causal, scale, D_):
-    """The CuTe kernel; with --g1 also, to tell whether keeping a GQA group's query heads in one
-    CTA costs L2 locality (FA4 runs one CTA per key block and query head), both kernels on K / V
-    repeated to one KV head per query head (one head per CTA, the same FLOPs and Q / dO / dQ
-    bytes), dK / dV then summed over the group (the repeats are made outside the timing)."""
-    import functools
+def _variants(do, o, lse, q, k, v, cu, causal, scale, D_, with_g1=False):
+    """The CuTe kernel; with_g1 (--g1) adds, to tell whether keeping a GQA group's query heads in
+    one CTA costs L2 locality (FA4 runs one CTA per key block and query head), both kernels on
+    K / V repeated to one KV head per query head (one head per CTA, the same FLOPs and Q / dO /
+    dQ bytes), dK / dV then summed over the group (the repeats are made outside the timing)."""
     from flamia.ops import backward_sm90 as B
     if D_ != D:
         return {}
     out = {"cute bf16": functools.partial(backward_cute, do, o, lse, q, k, v, cu, causal, scale)}
     G = q.shape[1] // k.shape[1]
-    if G > 1 and WITH_G1:
+    if G > 1 and with_g1:
         k1, v1 = (x.repeat_interleave(G, dim=1).contiguous() for x in (k, v))
 
         def g1(fn):
@@ -655,9 +652,7 @@ def main():
     if a.time:
         from benchmarks import bwd_sm90_dev as dev
         from flamia.ops.config import sm90_backward_config
-        global WITH_G1
-        WITH_G1 = a.g1
-        dev.EXTRA_VARIANTS.append(_variants)
+        dev.EXTRA_VARIANTS.append(functools.partial(_variants, with_g1=a.g1))
         dev.time_workloads(a.workloads.split(","), lambda d: [sm90_backward_config(d)],
                            shapes=[x for x in a.shapes.split(",") if x], rounds=a.rounds)
     sys.exit(0 if ok else 1)

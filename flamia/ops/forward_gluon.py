@@ -387,12 +387,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_serial_step(s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready,
-                          rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g,
-                          RESCALE: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
-        """One tile g of _pers_serial_tiles in the module docstring's order; RESCALE: not on an
-        item's first tile (acc is zero); NEXT: S_{g+1} issued behind PV_g, then PV_g retired. P's
-        registers stay alive to that wait (_keep_alive): the PV wgmma reads them asynchronously."""
+                          rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g, rescale,
+                          NEXT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, NW: gl.constexpr):
+        """One tile g of _pers_serial_tiles in the module docstring's order; rescale (a runtime
+        flag, so that an item's first tile shares the copy of the step): not on an item's first
+        tile (acc is zero); NEXT: S_{g+1} issued behind PV_g, then PV_g retired. P's registers
+        stay alive to that wait (_keep_alive): the PV wgmma reads them asynchronously."""
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         o_layout: gl.constexpr = wgmma_layout(NW, 1, acc.type.shape[1], 32)
         st = g % STAGES
@@ -400,7 +401,7 @@ if HAVE_GLUON:
         a, m_i, l_i, alpha = _softmax_tile(s, sk_smem, sv_smem, st, m_i, l_i, row_f, lr, rows,
                                            n0, L, full_end, CAUSAL, o_layout)
         _ws_release(rel, st)
-        if RESCALE:
+        if rescale:
             acc = _mul_rows(acc, alpha)
         _wait_v(v_smem, v_ready, st, g, n0, L, NW)
         acc = warpgroup_mma(a, v_smem.index(st).permute((1, 0)), acc, is_async=True)
@@ -421,31 +422,25 @@ if HAVE_GLUON:
                            BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                            CAUSAL: gl.constexpr, NW: gl.constexpr):
         """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
-        _pers_serial_step per tile (S_{j+1} in flight and the retired acc cross the loop's back
-        edge, never P's A operand). Returns (acc with every PV added, m, l, g past the item)."""
+        _pers_serial_step per tile, one copy for the tiles before the last and one for the last
+        (S_{j+1} in flight and the retired acc cross the loop's back edge, never P's A operand).
+        Returns (acc with every PV added, m, l, g past the item)."""
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         o_layout: gl.constexpr = wgmma_layout(NW, 1, D, 32)
         st = g % STAGES
         mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
         s = _issue_qk(q_tile, k_smem.index(st), s_layout)
         acc = gl.zeros([16 * NW, D], gl.float32, o_layout)
-        if n_tiles == 1:     # (the last step's S is waited on: a plain tensor, not kept)
-            _s, acc, m_i, l_i, g = _pers_serial_step(
-                s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, 0, L, full_end, g, False, False, BN, STAGES, CAUSAL, NW)
-        else:
+        for j in range(n_tiles - 1):
             s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, 0, L, full_end, g, False, True, BN, STAGES, CAUSAL, NW)
-            for j in range(1, n_tiles - 1):
-                s, acc, m_i, l_i, g = _pers_serial_step(
-                    s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
-                    m_i, l_i, row_f, lr, rows, j * BN, L, full_end, g, True, True, BN,
-                    STAGES, CAUSAL, NW)
-            _s, acc, m_i, l_i, g = _pers_serial_step(
-                s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
-                l_i, row_f, lr, rows, (n_tiles - 1) * BN, L, full_end, g, True, False,
-                BN, STAGES, CAUSAL, NW)
+                l_i, row_f, lr, rows, j * BN, L, full_end, g, j > 0, True, BN, STAGES, CAUSAL,
+                NW)
+        # the last tile (the only one of a one-tile item); its S is waited on: a plain tensor
+        _s, acc, m_i, l_i, g = _pers_serial_step(
+            s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
+            row_f, lr, rows, (n_tiles - 1) * BN, L, full_end, g, n_tiles > 1, False, BN, STAGES,
+            CAUSAL, NW)
         return acc, m_i, l_i, g
 
     @gluon.jit

@@ -958,28 +958,81 @@ if HAVE_GLUON:
         return y
 
     @gluon.jit
+    def _diag_key_scales(SKD, SVD, kv_row, k0, L, BN: gl.constexpr, row_l: gl.constexpr):
+        """(skt, svt): the diagonal copies' per-key scales of keys k0.. (rows of S^T, 0 past
+        the document's end), (BN, 1)."""
+        keys = gl.arange(0, BN, layout=row_l)
+        kin = keys < L - k0
+        skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
+        svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+        return skt, svt
+
+    @gluon.jit
+    def _col_halves(x):
+        """(columns [0, BM/2), columns [BM/2, BM)) of a wgmma-layout tile: each thread's own
+        registers (a thread's columns repeat every 8), no data moves."""
+        BN: gl.constexpr = x.type.shape[0]
+        BM: gl.constexpr = x.type.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [BN, 2, BM // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _col_join(lo, hi, layout: gl.constexpr):
+        """The tile _col_halves split, in `layout`."""
+        BN: gl.constexpr = lo.type.shape[0]
+        H: gl.constexpr = lo.type.shape[1]
+        x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BN, 2 * H])
+        return gl.convert_layout(x, layout)
+
+    @gluon.jit
+    def _half_vector(ring, s, h: gl.constexpr, like):
+        """Columns [h H, (h + 1) H) of stage s's per-query vector, broadcast along the rows of
+        `like` (a (BN, H) half tile of _col_halves)."""
+        H: gl.constexpr = like.type.shape[1]
+        v = _ring_row(ring, s).slice(h * H, H).load(gl.SliceLayout(0, like.type.layout))
+        return gl.expand_dims(v, 0)
+
+    @gluon.jit
+    def _x_y_halves(st, dpt, vec_smem, v0, s_layout: gl.constexpr):
+        """_x_y of a plain step at 128 query rows, by column halves: x a - b and d c - e are
+        single FMAs whose two per-query vectors are live for half the columns at a time (whole
+        vectors at once spill)."""
+        s_lo, s_hi = _col_halves(st)
+        x_lo = gl.exp2(s_lo * _half_vector(vec_smem, v0, 0, s_lo)
+                       - _half_vector(vec_smem, v0 + 1, 0, s_lo))
+        x_hi = gl.exp2(s_hi * _half_vector(vec_smem, v0, 1, s_hi)
+                       - _half_vector(vec_smem, v0 + 1, 1, s_hi))
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        d_lo, d_hi = _col_halves(dpt)
+        y_lo = x_lo * (d_lo * _half_vector(vec_smem, v0 + 2, 0, d_lo)
+                       - _half_vector(vec_smem, v0 + 3, 0, d_lo))
+        y_hi = x_hi * (d_hi * _half_vector(vec_smem, v0 + 2, 1, d_hi)
+                       - _half_vector(vec_smem, v0 + 3, 1, d_hi))
+        return _col_join(x_lo, x_hi, s_layout), _col_join(y_lo, y_hi, s_layout)
+
+    @gluon.jit
     def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
              BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
              ANY: gl.constexpr):
         """(X^T, Y^T) of an fp8 step from S^T and the in-flight dP^T, the per-query vectors at
         vec_smem[v0 ..] (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal
         step, the per-key scales skt / svt. One vector live at a time (32 registers each at 128
-        query rows); at 128 rows the products are not contracted into FMAs, which would keep two
-        vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain
-        step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math."""
+        query rows, where this runs the masked steps only: _x_y_halves the plain ones); at 128
+        rows the products are not contracted into FMAs, which would keep two vectors live
+        (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain step) the
+        block has no branch, so ptxas spreads X^T's exp2 over Y^T's math. A masked step selects
+        0 in both results at the end, from one mask."""
         xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL, ANY)
         vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
         xt = gl.exp2(xt - vb)
-        if ANY:
-            if masked:
-                xt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), xt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         yt = _scaled(dpt, svt, vec_smem, v0 + 2, col_l, diag, BM, CAUSAL, ANY)
         ve = gl.expand_dims(_column_vector(vec_smem, v0 + 3, col_l), 0)
         yt = xt * (yt - ve)
         if ANY:
-            if masked:   # dP^T of keys past the document end may be NaN
-                yt = gl.where(_visible(k0, q0, L, BN, BM, s_layout, CAUSAL), yt, 0.0)
+            if masked:   # exp2 of a masked key may be inf, dP^T past the document end NaN
+                vis = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                xt = gl.where(vis, xt, 0.0)
+                yt = gl.where(vis, yt, 0.0)
         return xt, yt
 
     @gluon.jit
@@ -1025,11 +1078,8 @@ if HAVE_GLUON:
             kv_row = kvh.to(gl.int64) * T + start + k0
             skb = gl.load(SK + kv_row)
             u_off = c_ds * skb
-            if CAUSAL:   # the diagonal copies' per-key scales (rows of S^T)
-                keys = gl.arange(0, BN, layout=row_l)
-                kin = keys < L - k0
-                skt = gl.expand_dims(gl.load(SKD + kv_row + keys, mask=kin, other=0.0), 1)
-                svt = gl.expand_dims(gl.load(SVD + kv_row + keys, mask=kin, other=0.0), 1)
+            if CAUSAL and BM == 64:   # the diagonal copies' per-key scales (rows of S^T)
+                skt, svt = _diag_key_scales(SKD, SVD, kv_row, k0, L, BN, row_l)
             else:
                 skt = 0.0
                 svt = 0.0
@@ -1070,7 +1120,14 @@ if HAVE_GLUON:
                     else:
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
                                       k0, q0, L, BN, BM, s_layout, CAUSAL, False)
-                else:          # 128 rows (D=64) sit at the register limit: the cases branch
+                elif CAUSAL:   # 128 rows (D=64) sit at the register limit
+                    if masked:   # the per-key scales loaded here, not held through the loop
+                        skt2, svt2 = _diag_key_scales(SKD, SVD, kv_row, k0, L, BN, row_l)
+                        xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt2, svt2, diag,
+                                      masked, k0, q0, L, BN, BM, s_layout, CAUSAL, True)
+                    else:        # plain steps: single FMAs by column halves
+                        xt, yt = _x_y_halves(st, dpt, vec_smem, s * NV, s_layout)
+                else:          # (non-causal: the halves' copy of the block spills in plain steps)
                     xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked, k0,
                                   q0, L, BN, BM, s_layout, CAUSAL, True)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)

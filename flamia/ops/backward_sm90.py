@@ -458,8 +458,10 @@ if HAVE_GLUON:
                 _zero_rows_from(k_smem, L - k0, num_warps)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                q0 = (m_lo + i % n_m) * BM
+                if BM == 128:   # a division per step: a carried counter spills at D=64
+                    q0 = (m_lo + i % n_m) * BM
                 s = i % STAGES
                 ph = (i // STAGES) & 1
                 q_tile = q_smem.index(s)
@@ -503,6 +505,8 @@ if HAVE_GLUON:
                 mbarrier.wait(dq_free.index(b), ((i // 2) + 1) & 1, pred=i >= 2)
                 dq_smem.index(b).store(_dq_rows_stored(dq))
                 dk = warpgroup_mma_wait(0, deps=[dk])
+                if BM == 64:    # counters, not an integer division (~25 SASS) per step
+                    _h, q0 = _next_step(0, q0, m_lo, n_m, BM)
             _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             _store_grad(dv, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
@@ -1086,8 +1090,10 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
+            q0 = m_lo * BM
             for i in range(GROUP * n_m):
-                q0 = (m_lo + i % n_m) * BM
+                if BM == 128:   # a division per step: a carried counter measured no faster
+                    q0 = (m_lo + i % n_m) * BM
                 if CAUSAL:    # the query block inside the key block: the token copies
                     diag = q0 < k0 + BN
                 else:
@@ -1153,6 +1159,8 @@ if HAVE_GLUON:
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 if KMAJOR_ONCHIP:
                     _release_step(dq_ready, q_free, i)
+                if BM == 64:    # counters, not an integer division (~25 SASS) per step
+                    _h, q0 = _next_step(0, q0, m_lo, n_m, BM)
             if not KMAJOR_ONCHIP:
                 _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE);

@@ -1020,11 +1020,11 @@ if HAVE_GLUON:
         """(X^T, Y^T) of an fp8 step from S^T and the in-flight dP^T, the per-query vectors at
         vec_smem[v0 ..] (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal
         step, the per-key scales skt / svt. One vector live at a time (32 registers each at 128
-        query rows, where this runs the masked steps only: _x_y_halves the plain ones); at 128
-        rows the products are not contracted into FMAs, which would keep two vectors live
-        (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a plain step) the
-        block has no branch, so ptxas spreads X^T's exp2 over Y^T's math. A masked step selects
-        0 in both results at the end, from one mask."""
+        query rows, where causal builds run only their masked steps here: _x_y_halves the plain
+        ones); at 128 rows the products are not contracted into FMAs, which would keep two
+        vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a
+        plain step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math. A
+        masked step selects 0 in both results at the end, from one mask."""
         xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL, ANY)
         vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
         xt = gl.exp2(xt - vb)

@@ -217,12 +217,35 @@ if HAVE_GLUON:
         m_lo = k0 // BM if CAUSAL else k0 * 0
         return m_lo, (L + BM - 1) // BM - m_lo
 
+    # The steps of a CTA: per query head of its GQA group, the query blocks that see its keys; the
+    # group's first head from the key block's own block upwards, the later heads downwards from
+    # the document's last block. Why: a key block has BN / BM steps per head fewer than the one
+    # before it, so CTAs that start together drift apart by that much per head. Walking upwards,
+    # the CTAs of neighbouring key blocks read a Q / dO block of head h (and add to its dQ rows)
+    # (h + 1) BN / BM steps apart, walking downwards h BN / BM: the rows stay in L2 between the
+    # two reads (at doc32k, 132 CTAs x 64 KB a step against the 50 MB L2; benchmarks/NOTES.md).
+
     @gluon.jit
-    def _next_step(h, q0, m_lo, n_m, BM: gl.constexpr):
-        """(query head, first query row) of the step after (h, q0): the next query block, or the
-        first block of the next head of the GQA group (counters, not a division per step)."""
-        wrap = (q0 + BM == (m_lo + n_m) * BM).to(gl.int32)
-        return h + wrap, q0 + BM - wrap * (n_m * BM)
+    def _first_step(m_lo, n_m, BM: gl.constexpr):
+        """(first query row, row step, row where the head ends) of a CTA's first step."""
+        return m_lo * BM, BM, (m_lo + n_m - 1) * BM
+
+    @gluon.jit
+    def _next_step(h, q0, dq0, q_end, m_lo, n_m, BM: gl.constexpr):
+        """(query head, first query row, row step, end row) of the step after (h, q0): the next
+        query block of this head in its direction, or, after the head's end row, the next head's
+        last block, walking down (counters, not a division per step)."""
+        wrap = (q0 == q_end).to(gl.int32)
+        last = (m_lo + n_m - 1) * BM
+        nq0 = q0 + dq0 + wrap * (last - q0 - dq0)
+        return h + wrap, nq0, dq0 - wrap * (dq0 + BM), q_end + wrap * (m_lo * BM - q_end)
+
+    @gluon.jit
+    def _step_q0(i, m_lo, n_m, BM: gl.constexpr):
+        """First query row of step i, by a division (the 128-row steps: counters spill there)."""
+        j = i % n_m
+        up = (i < n_m).to(gl.int32)
+        return (m_lo + up * j + (1 - up) * (n_m - 1 - j)) * BM
 
     @gluon.jit
     def _zero_rows_from(tile, first, num_warps: gl.constexpr):
@@ -307,7 +330,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(v_desc, [start + k0, kvh * D], kv_ready, v_smem)
             m_lo, n_m = _query_blocks(k0, L, BM, CAUSAL)
             h = kvh * GROUP
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
@@ -319,7 +342,7 @@ if HAVE_GLUON:
                 mbarrier.expect(db, do_desc.block_type.nbytes + dl_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(do_desc, [start + q0, h * D], db, do_smem.index(s))
                 tma.async_copy_global_to_shared(dl_desc, [h, pq + q0], db, dl_smem.index(s))
-                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+                h, q0, dq0, q_end = _next_step(h, q0, dq0, q_end, m_lo, n_m, BM)
 
     @gluon.jit
     def _bulk_writes_done():
@@ -360,7 +383,7 @@ if HAVE_GLUON:
         if doc >= 0:
             m_lo, n_m = _query_blocks(blk * BN, L, BM, CAUSAL)
             h = kvh * GROUP
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 b = i % 2
                 mbarrier.wait(dq_ready.index(b), (i // 2) & 1)
@@ -388,7 +411,7 @@ if HAVE_GLUON:
                 elif first:
                     _bulk_writes_done()
                     gl.atomic_xchg(sem, 2, sem="release", scope="gpu")
-                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+                h, q0, dq0, q_end = _next_step(h, q0, dq0, q_end, m_lo, n_m, BM)
 
     @gluon.jit
     def _release_step(dq_ready, q_free, j):
@@ -458,10 +481,10 @@ if HAVE_GLUON:
                 _zero_rows_from(k_smem, L - k0, num_warps)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 if BM == 128:   # a division per step: a carried counter spills at D=64
-                    q0 = (m_lo + i % n_m) * BM
+                    q0 = _step_q0(i, m_lo, n_m, BM)
                 s = i % STAGES
                 ph = (i // STAGES) & 1
                 q_tile = q_smem.index(s)
@@ -506,7 +529,7 @@ if HAVE_GLUON:
                 dq_smem.index(b).store(_dq_rows_stored(dq))
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 if BM == 64:    # counters, not an integer division (~25 SASS) per step
-                    _h, q0 = _next_step(0, q0, m_lo, n_m, BM)
+                    _h, q0, dq0, q_end = _next_step(0, q0, dq0, q_end, m_lo, n_m, BM)
             _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dK (times the softmax scale) and dV of the keys inside the document
             _store_grad(dv, dv_desc, v_smem, DV, start, k0, L, kvh, stride_kt)
@@ -576,8 +599,8 @@ if HAVE_GLUON:
 #     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
-# Steps run in the bf16 kernel's order (per query head of the group, the query blocks from the key
-# block's own upwards), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
+# Steps run in the bf16 kernel's order (per query head of the group, the query blocks that see the
+# key block: the first head upwards, the later ones downwards; _first_step), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
 # steps (the query block inside the key block) recompute S^T and dP^T from the token copies, as the
 # forward did: skt_j, svt_j multiply them per key row. dQ reads the block copy on every step
 # (reference.py). Epilogue: dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two
@@ -787,7 +810,7 @@ if HAVE_GLUON:
             mbarrier.expect(kt_ready, kt_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kt_desc, [kvh * D, pq + k0], kt_ready, kt_smem)
             h = kvh * GROUP
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 mbarrier.wait(q_free.index(s), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
@@ -798,7 +821,7 @@ if HAVE_GLUON:
                 _load_stage(do_desc, dot_desc, vec_desc, do_ready.index(s), do_smem.index(s),
                             dot_smem.index(s), vec_smem, s * NV, 2, h, HQ, start + q0, pq + q0,
                             KMAJOR_ONCHIP)
-                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+                h, q0, dq0, q_end = _next_step(h, q0, dq0, q_end, m_lo, n_m, BM)
 
     @gluon.jit
     def _store_pairs_transposed(yt, ds_smem):
@@ -894,7 +917,7 @@ if HAVE_GLUON:
             ratio = gl.where(c_ds > 0.0, c_pt / c_ds, 0.0)
             ratio_svb = ratio * svb     # (exact: svb is a power of two)
             h = kvh * GROUP
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 s = i % STAGES
                 ph = (i // STAGES) & 1
@@ -927,7 +950,7 @@ if HAVE_GLUON:
                     fence_async_shared()
                     gl.thread_barrier()
                     arrive_synced(t_ready.index(2 * s + 1))
-                h, q0 = _next_step(h, q0, m_lo, n_m, BM)
+                h, q0, dq0, q_end = _next_step(h, q0, dq0, q_end, m_lo, n_m, BM)
 
     @gluon.jit
     def _mul_rn(x, v):
@@ -1090,10 +1113,10 @@ if HAVE_GLUON:
             mbarrier.wait(kv_ready, 0)
             dk = gl.zeros([BN, D], gl.float32, kv_layout)
             dv = gl.zeros([BN, D], gl.float32, kv_layout)
-            q0 = m_lo * BM
+            q0, dq0, q_end = _first_step(m_lo, n_m, BM)
             for i in range(GROUP * n_m):
                 if BM == 128:   # a division per step: a carried counter measured no faster
-                    q0 = (m_lo + i % n_m) * BM
+                    q0 = _step_q0(i, m_lo, n_m, BM)
                 if CAUSAL:    # the query block inside the key block: the token copies
                     diag = q0 < k0 + BN
                 else:
@@ -1160,7 +1183,7 @@ if HAVE_GLUON:
                 if KMAJOR_ONCHIP:
                     _release_step(dq_ready, q_free, i)
                 if BM == 64:    # counters, not an integer division (~25 SASS) per step
-                    _h, q0 = _next_step(0, q0, m_lo, n_m, BM)
+                    _h, q0, dq0, q_end = _next_step(0, q0, dq0, q_end, m_lo, n_m, BM)
             if not KMAJOR_ONCHIP:
                 _release_step(dq_ready, q_free, GROUP * n_m - 1)
             # epilogue: dV = c_pt acc; dK = softmax scale * c_ds * acc, rotated back (ROTATE);

@@ -4,6 +4,7 @@ check the layouts, ragged offsets and FP8 scale plumbing of the cuDNN baselines)
 from __future__ import annotations
 
 import io
+import math
 import json
 import sys
 import types
@@ -878,3 +879,38 @@ def test_cudnn_ragged_training_function_with_fake_frontend(fake_cudnn, monkeypat
         CG.cudnn_ragged_varlen(q, q, q, cu, 8)
     with pytest.raises(NotImplementedError, match="causal"):
         CG.cudnn_ragged_varlen(q, q, q, cu, 8, causal=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/tools/gates.py: the issues' criteria from a bench JSON
+
+def _gate_rows(fp8_fb, fp8_fwd, ms):
+    """Rows of one workload: flamia fp8 / bf16 and FA4 (fwd_ms, fwdbwd_ms) = ms[key]."""
+    rows = [{"key": k, "impl": impl, "fwd_ms": ms[k][0], "fwdbwd_ms": ms[k][1]}
+            for k, impl in (("flamia:fp8", "flamia"), ("flamia:bf16", "flamia"),
+                            ("fa4", "FlashAttention-4 4.0.0b36"))]
+    rows[0].update(speedup_fwdbwd=fp8_fb, speedup_fwd=fp8_fwd)
+    return rows
+
+
+def test_gates_criteria_from_bench_json(tmp_path):
+    from benchmarks.tools import gates
+    # fp8 backward 8 ms, bf16 10 ms, FA4 9.9 ms (skeleton 0.99); the second workload's bf16 bwd
+    # 11 ms (0.9x: missed), and its fp8 fwd+bwd 1.0x brings the geomean of 1.3 and 1.0 to 1.14
+    ms_a = {"flamia:fp8": (2.0, 10.0), "flamia:bf16": (3.0, 13.0), "fa4": (3.0, 12.9)}
+    ms_b = {"flamia:fp8": (2.0, 10.0), "flamia:bf16": (3.0, 14.0), "fa4": (3.0, 12.9)}
+    res = {"workloads": [
+        {"workload": {"name": "doc32k"}, "rows": _gate_rows(1.3, 1.3, ms_a)},
+        {"workload": {"name": "short"}, "rows": _gate_rows(1.0, 0.9, ms_b)}]}
+    c = gates.criteria(res)
+    assert c["fp8_geomean"] == pytest.approx(math.sqrt(1.3))
+    assert c["issue26_fp8"] and c["fp8_lowest"] == 1.0
+    assert c["per_workload"]["doc32k"][2] == pytest.approx(9.9 / 8.0)
+    assert c["per_workload"]["doc32k"][3] == pytest.approx(9.9 / 10.0)
+    assert c["skeleton_missed"] == ["short"]
+    assert not c["issue28_forward"]              # short's forward 0.9x, doc32k's 1.3 >= 1.25
+    res["workloads"][1]["rows"][0]["speedup_fwdbwd"] = 0.9           # below the 0.95 floor
+    assert not gates.criteria(res)["issue26_fp8"]
+    p = _write(tmp_path, res, "bench.json")
+    text = gates.report(p)
+    assert "missed at short" in text and "geomean 1.0817" in text

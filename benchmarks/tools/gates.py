@@ -13,40 +13,62 @@ import json
 import math
 import sys
 
+FP8_GEOMEAN = 1.10          # issue 26: fp8 fwd+bwd geomean over the workloads
+FP8_LOWEST = 0.95           # issue 26: no workload below
+SKELETON = 0.95             # issue 26: flamia bf16 backward / FA4's, every workload
+FWD_LONG = 1.25             # issue 28: fp8 forward at the long-document workloads
+FWD_LONG_WORKLOADS = ("doc32k", "doc8k_x4")
+
 
 def _bwd(row: dict) -> float:
     return row["fwdbwd_ms"] - row["fwd_ms"]
 
 
-def gates(path: str) -> None:
-    d = json.load(open(path))
-    print(path.split("/")[-1])
-    print(f"{'workload':13s} {'fp8 fwd+bwd':>11s} {'fp8 fwd':>8s} {'fp8 bwd/FA4':>12s} "
-          f"{'bf16 bwd/FA4':>13s}")
-    fb, fwd, skel = [], [], []
-    for w in d["workloads"]:
+def criteria(results: dict) -> dict:
+    """Per workload (name -> fp8 fwd+bwd, fp8 fwd, fp8 bwd / FA4's, bf16 bwd / FA4's; the last
+    two None without an FA4 row) and the verdicts."""
+    per = {}
+    for w in results["workloads"]:
         rows = {r["key"]: r for r in w["rows"]}
         f8, b16 = rows["flamia:fp8"], rows["flamia:bf16"]
         fa4 = [r for r in w["rows"] if r["impl"].startswith("FlashAttention-4")]
-        name = w["workload"]["name"]
-        fb.append(f8["speedup_fwdbwd"])
-        fwd.append((name, f8["speedup_fwd"]))
-        if fa4:
-            skel.append((name, _bwd(fa4[0]) / _bwd(b16)))
-            print(f"{name:13s} {f8['speedup_fwdbwd']:11.4f} {f8['speedup_fwd']:8.4f} "
-                  f"{_bwd(fa4[0]) / _bwd(f8):12.4f} {skel[-1][1]:13.4f}")
-        else:
-            print(f"{name:13s} {f8['speedup_fwdbwd']:11.4f} {f8['speedup_fwd']:8.4f} (no FA4 row)")
+        per[w["workload"]["name"]] = (
+            f8["speedup_fwdbwd"], f8["speedup_fwd"],
+            _bwd(fa4[0]) / _bwd(f8) if fa4 else None,
+            _bwd(fa4[0]) / _bwd(b16) if fa4 else None)
+    fb = [v[0] for v in per.values()]
     gm = math.exp(sum(map(math.log, fb)) / len(fb))
-    print(f"fp8 fwd+bwd geomean {gm:.4f} (issue 26: >= 1.10), lowest {min(fb):.4f} (>= 0.95)")
-    low = [n for n, x in skel if x < 0.95]
-    print("issue 26 skeleton gate (bf16 bwd >= 0.95x FA4's):",
-          "holds" if skel and not low else f"missed at {', '.join(low) or 'no FA4 rows'}")
-    long_ok = all(x >= 1.25 for n, x in fwd if n in ("doc32k", "doc8k_x4"))
-    print("issue 28 forward (>= 1.25x doc32k / doc8k_x4, >= 1.0x everywhere):",
-          "holds" if long_ok and all(x >= 1.0 for _, x in fwd) else "missed")
+    skel = {n: v[3] for n, v in per.items()}
+    return {
+        "per_workload": per,
+        "fp8_geomean": gm,
+        "fp8_lowest": min(fb),
+        "issue26_fp8": gm >= FP8_GEOMEAN and min(fb) >= FP8_LOWEST,
+        "skeleton_missed": sorted(n for n, x in skel.items() if x is None or x < SKELETON),
+        "issue28_forward": all(v[1] >= (FWD_LONG if n in FWD_LONG_WORKLOADS else 1.0)
+                               for n, v in per.items()),
+    }
+
+
+def report(path: str) -> str:
+    c = criteria(json.load(open(path)))
+    out = [path.split("/")[-1],
+           f"{'workload':13s} {'fp8 fwd+bwd':>11s} {'fp8 fwd':>8s} {'fp8 bwd/FA4':>12s} "
+           f"{'bf16 bwd/FA4':>13s}"]
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"       # noqa: E731
+    for name, (fb, fwd, b8, b16) in c["per_workload"].items():
+        out.append(f"{name:13s} {fb:11.4f} {fwd:8.4f} {fmt(b8):>12s} {fmt(b16):>13s}")
+    out.append(f"fp8 fwd+bwd geomean {c['fp8_geomean']:.4f} (issue 26: >= {FP8_GEOMEAN}), "
+               f"lowest {c['fp8_lowest']:.4f} (>= {FP8_LOWEST}): "
+               f"{'holds' if c['issue26_fp8'] else 'missed'}")
+    miss = c["skeleton_missed"]
+    out.append(f"issue 26 skeleton gate (bf16 backward >= {SKELETON}x FA4's): "
+               + ("holds" if not miss else "missed at " + ", ".join(miss)))
+    out.append(f"issue 28 forward (>= {FWD_LONG}x at {' / '.join(FWD_LONG_WORKLOADS)}, >= 1.0x "
+               f"everywhere): {'holds' if c['issue28_forward'] else 'missed'}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
     for p in sys.argv[1:]:
-        gates(p)
+        print(report(p))

@@ -600,12 +600,12 @@ if HAVE_GLUON:
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
 # Steps run in the bf16 kernel's order (per query head of the group, the query blocks that see the
-# key block: the first head upwards, the later ones downwards; _first_step), so the dQ writer and its deterministic-mode wavefront are shared. Diagonal
-# steps (the query block inside the key block) recompute S^T and dP^T from the token copies, as the
-# forward did: skt_j, svt_j multiply them per key row. dQ reads the block copy on every step
-# (reference.py). Epilogue: dV = c_pt acc, dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two
-# bf16 wgmmas, H in the dead K tiles); the post pass divides dQ by sqf, multiplies by the softmax
-# scale and rotates it back.
+# key block: the first head upwards, the later ones downwards; _first_step), so the dQ writer and
+# its deterministic-mode wavefront are shared. Diagonal steps (the query block inside the key
+# block) recompute S^T and dP^T from the token copies, as the forward did: skt_j, svt_j multiply
+# them per key row. dQ reads the block copy on every step (reference.py). Epilogue: dV = c_pt acc,
+# dK = scale c_ds acc rotated back (dK @ H / sqrt(D) by two bf16 wgmmas, H in the dead K tiles);
+# the post pass divides dQ by sqf, multiplies by the softmax scale and rotates it back.
 
 FP8_PAD = 128           # padded layout of the fp8 path: documents start at multiples of 128
 DO_BLOCK = 64           # rows per dO scale (reference.DO_BLOCK)

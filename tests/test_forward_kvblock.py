@@ -142,6 +142,33 @@ def test_quantize_matches_reference(D, causal):
         assert (x.scale_cols[i][:, plain < 0] == 0).all()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_visible_maxima_long_documents_and_non_finite_v(causal):
+    """vcap (bitwise) and vnorm of documents of up to 33 KV blocks (a carry over many blocks,
+    more than one of the cols kernel's loads), with a NaN and an Inf V token: NaN reaches the
+    visible maxima of the rows that see them, as in the reference, and no other document's."""
+    lens = [3000, 1, 0, 2177, 128, 129, 4100]
+    cu = cu_seqlens_from_lengths(lens)
+    T, H, D = sum(lens), 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(T, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    v = (torch.randn(T, H, D, generator=g) * torch.randn(T, 1, 1, generator=g).mul(3).exp())
+    v = v.to(torch.bfloat16)
+    v[5000, 1, 3] = float("nan")       # document 3
+    v[7000, 0, 0] = float("inf")       # document 6
+    x = quantize_qkv(q, k, v, cu, "fp8", causal)
+    svb = x.sv.t()
+    svt = x.sv_diag.t() if causal else svb
+    vnb = (x.v8.float() * svb[..., None]).norm(dim=-1)
+    vnt = (x.v8_diag.float() * svt[..., None]).norm(dim=-1) if causal else vnb
+    want = _per_doc_visible_max(cu, svb, svt, causal)
+    clean = torch.cat([want[:3001], want[5178:5435]])     # the documents with finite V only
+    assert want.isnan().any() and not clean.isnan().any()
+    assert torch.equal(x.vcap.t().nan_to_num(-1.0), want.nan_to_num(-1.0))
+    torch.testing.assert_close(x.vnorm.t(), _per_doc_visible_max(cu, vnb, vnt, causal),
+                               rtol=2e-6, atol=0, equal_nan=True)
+
+
 def test_quantize_tiling_free_and_reference_only_recipes_refused():
     """The launch tiling does not change a byte; the recipes without kernels (fp8_mixed,
     fp8_token: reference only) are refused."""

@@ -221,11 +221,14 @@ def ab_pairs(names) -> dict:
     if PAIR_COPIES:
         l16 = next((n for n in lib if n.startswith("sm90 ")), None)
         l8 = next((n for n in lib if n.startswith("fp8 ")), None)
+        d16 = next((n for n in names if n.startswith("sm90 ") and n.endswith(" det")), None)
         out = {}
         for b in bases:
             out[b] = l16
             out[f"{b} fp8"] = l8
-        return {n: base for n, base in out.items() if base}
+            out[f"{b} det"] = d16               # deterministic mode (--det): copy / library
+            out[f"{b} fp8 det"] = "fp8 det"
+        return {n: base for n, base in out.items() if base and n in names and base in names}
     b16, b8 = bases[0], f"{bases[0]} fp8"
     return {n: (b8 if n.startswith("fp8 ") else b16) for n in lib}
 
@@ -266,6 +269,10 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
         for name, mod in AB_BASE.items():
             variants[name] = functools.partial(mod.attention_backward_sm90, do, o, lse, q, k, v,
                                                cu, causal, scale)
+            if args_det:
+                variants[f"{name} det"] = functools.partial(
+                    mod.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale,
+                    deterministic=True)
         for cfg in configs(D):
             variants[f"sm90 m{cfg.block_m}n128"] = functools.partial(
                 B.attention_backward_sm90, do, o, lse, q, k, v, cu, causal, scale, config=cfg)
@@ -304,6 +311,10 @@ def time_workloads(names, configs, causal=True, args_det=False, shapes=(), fp8=F
                 variants[f"{name} fp8"] = functools.partial(
                     mod.attention_backward_sm90_fp8, *fp8_args,
                     config=sm90_backward_config(D, maxlen))
+                if args_det:
+                    variants[f"{name} fp8 det"] = functools.partial(
+                        mod.attention_backward_sm90_fp8, *fp8_args, deterministic=True,
+                        config=sm90_backward_config(D, maxlen))
             if args_det:
                 variants["fp8 det"] = functools.partial(B.attention_backward_sm90_fp8, *fp8_args,
                                                         deterministic=True)
@@ -395,7 +406,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--configs", default="", help="D:BM,... (default: the "
                     "selected config per head dim)")
-    ap.add_argument("--det", action="store_true", help="also time deterministic mode")
+    ap.add_argument("--det", action="store_true", help="also time deterministic mode (the "
+                    "library's and each --ab copy's; --pair-copies pairs them)")
     ap.add_argument("--shapes", default="", help="extra workloads name:Hq:Hkv:D:L1+L2+..., "
                     "comma separated")
     ap.add_argument("--fp8", action="store_true", help="also time the fp8 recipe's one-pass "

@@ -13,7 +13,8 @@ import torch
 
 from _sm90 import compile_report
 from flamia.inputs import cu_seqlens_from_lengths
-from flamia.ops.backward_sm90 import dq_row_host, dq_rows_stored_host, key_blocks
+from flamia.ops.backward_sm90 import (dq_row_host, dq_rows_stored_host, first_step_host,
+                                      key_blocks, next_step_host, step_q0_host)
 
 
 @pytest.mark.parametrize("causal", (True, False))
@@ -85,6 +86,24 @@ def _store_wavefronts(row_of) -> int:
                     waves += max(len(v) for v in banks.values())
                 worst = max(worst, waves)
     return worst
+
+
+@pytest.mark.parametrize("BM", [64, 128])
+def test_step_order_counters_equal_division(BM):
+    """A CTA's steps: its loader, dQ writer and helper warps walk them by counters (next_step),
+    the 128-row compute steps by a division (step_q0); both give, per query head of the group,
+    every query block seeing the key block once, the first head upwards and the later ones
+    downwards."""
+    for m_lo in (0, 1, 7):
+        for n_m in (1, 2, 5):
+            for group in (1, 2, 4, 8):
+                q0, dq0, q_end = first_step_host(m_lo, n_m, BM)
+                h = 0
+                for i in range(group * n_m):
+                    assert (h, q0) == (i // n_m, step_q0_host(i, m_lo, n_m, BM)), (m_lo, n_m, i)
+                    j = i % n_m
+                    assert q0 == (m_lo + (j if h == 0 else n_m - 1 - j)) * BM
+                    h, q0, dq0, q_end = next_step_host(h, q0, dq0, q_end, m_lo, n_m, BM)
 
 
 def test_dq_row_order():

@@ -151,9 +151,45 @@ def dq_rows_stored_host(x):
             .reshape([x.shape[0], x.shape[1]])
 
 
+# The steps of a CTA: per query head of its GQA group, the query blocks that see its keys; the
+# group's first head from the key block's own block upwards, the later heads downwards from the
+# document's last block. Why: a key block has BN / BM steps per head fewer than the one before
+# it, so CTAs that start together drift apart by that much per head. Walking upwards, the CTAs of
+# neighbouring key blocks read a Q / dO block of head h (and add to its dQ rows) (h + 1) BN / BM
+# steps apart, walking downwards h BN / BM: the rows stay in L2 between the two reads (at doc32k,
+# 132 CTAs x 64 KB a step against the 50 MB L2; benchmarks/NOTES.md). Two forms of one order:
+# counters (the loader, the dQ writer, the helper warps and the 64-row steps) and a division by
+# step index (the 128-row steps, where a carried counter spills); tests/test_backward_sm90.py
+# holds them equal. Plain operators: ints here, Gluon tensors as `_first_step` etc.
+
+def first_step_host(m_lo, n_m, BM):
+    """(first query row, row step, row where the head ends) of a CTA's first step."""
+    return m_lo * BM, BM, (m_lo + n_m - 1) * BM
+
+
+def next_step_host(h, q0, dq0, q_end, m_lo, n_m, BM):
+    """(query head, first query row, row step, end row) of the step after (h, q0): the next
+    query block of this head in its direction, or, after the head's end row, the next head's
+    last block, walking down."""
+    wrap = (q0 == q_end) * 1
+    last = (m_lo + n_m - 1) * BM
+    nq0 = q0 + dq0 + wrap * (last - q0 - dq0)
+    return h + wrap, nq0, dq0 - wrap * (dq0 + BM), q_end + wrap * (m_lo * BM - q_end)
+
+
+def step_q0_host(i, m_lo, n_m, BM):
+    """First query row of step i (of head i // n_m), by a division."""
+    j = i % n_m
+    up = (i < n_m) * 1
+    return (m_lo + up * j + (1 - up) * (n_m - 1 - j)) * BM
+
+
 _dq_row = triton.jit(dq_row_host)
 if HAVE_GLUON:
     _dq_rows_stored = gluon.jit(dq_rows_stored_host)
+    _first_step = gluon.jit(first_step_host)
+    _next_step = gluon.jit(next_step_host)
+    _step_q0 = gluon.jit(step_q0_host)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,36 +252,6 @@ if HAVE_GLUON:
         """(first query block, number of query blocks) that see keys [k0, k0 + BN)."""
         m_lo = k0 // BM if CAUSAL else k0 * 0
         return m_lo, (L + BM - 1) // BM - m_lo
-
-    # The steps of a CTA: per query head of its GQA group, the query blocks that see its keys; the
-    # group's first head from the key block's own block upwards, the later heads downwards from
-    # the document's last block. Why: a key block has BN / BM steps per head fewer than the one
-    # before it, so CTAs that start together drift apart by that much per head. Walking upwards,
-    # the CTAs of neighbouring key blocks read a Q / dO block of head h (and add to its dQ rows)
-    # (h + 1) BN / BM steps apart, walking downwards h BN / BM: the rows stay in L2 between the
-    # two reads (at doc32k, 132 CTAs x 64 KB a step against the 50 MB L2; benchmarks/NOTES.md).
-
-    @gluon.jit
-    def _first_step(m_lo, n_m, BM: gl.constexpr):
-        """(first query row, row step, row where the head ends) of a CTA's first step."""
-        return m_lo * BM, BM, (m_lo + n_m - 1) * BM
-
-    @gluon.jit
-    def _next_step(h, q0, dq0, q_end, m_lo, n_m, BM: gl.constexpr):
-        """(query head, first query row, row step, end row) of the step after (h, q0): the next
-        query block of this head in its direction, or, after the head's end row, the next head's
-        last block, walking down (counters, not a division per step)."""
-        wrap = (q0 == q_end).to(gl.int32)
-        last = (m_lo + n_m - 1) * BM
-        nq0 = q0 + dq0 + wrap * (last - q0 - dq0)
-        return h + wrap, nq0, dq0 - wrap * (dq0 + BM), q_end + wrap * (m_lo * BM - q_end)
-
-    @gluon.jit
-    def _step_q0(i, m_lo, n_m, BM: gl.constexpr):
-        """First query row of step i, by a division (the 128-row steps: counters spill there)."""
-        j = i % n_m
-        up = (i < n_m).to(gl.int32)
-        return (m_lo + up * j + (1 - up) * (n_m - 1 - j)) * BM
 
     @gluon.jit
     def _zero_rows_from(tile, first, num_warps: gl.constexpr):

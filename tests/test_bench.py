@@ -914,3 +914,21 @@ def test_gates_criteria_from_bench_json(tmp_path):
     p = _write(tmp_path, res, "bench.json")
     text = gates.report(p)
     assert "missed at short" in text and "geomean 1.0817" in text
+
+
+def test_gates_spread_over_suites(tmp_path):
+    """gates.spread: per workload and column, (min, median, max) of the fwd+bwd medians over
+    the given suites; a column a suite did not time is left out, not counted as zero."""
+    from benchmarks.tools import gates
+    suites = []
+    for fa4_ms in (12.0, 13.0, 15.0):
+        ms = {"flamia:fp8": (2.0, 10.0), "flamia:bf16": (3.0, 13.0), "fa4": (3.0, fa4_ms)}
+        suites.append({"workloads": [{"workload": {"name": "doc32k"},
+                                      "rows": _gate_rows(1.3, 1.3, ms)}]})
+    suites[2]["workloads"][0]["rows"] = suites[2]["workloads"][0]["rows"][:2]   # no FA4 row
+    sp = gates.spread(suites)["doc32k"]
+    assert sp["fa4"] == (12.0, 12.5, 13.0) and sp["fp8"] == (10.0, 10.0, 10.0)
+    paths = [_write(tmp_path, r, f"b{i}.json") for i, r in enumerate(suites)]
+    text = gates.spread_report(paths)
+    assert "12.00 / 12.50 / 13.00 (8%)" in text and "over 3 suites" in text
+

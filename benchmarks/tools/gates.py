@@ -1,6 +1,7 @@
 """Issue 26's and 28's criteria from committed bench JSON files (flamia.bench's schema).
 
     python benchmarks/tools/gates.py benchmarks/results/bench-*.json
+    python benchmarks/tools/gates.py --spread benchmarks/results/bench-2026120[56]-*.json
 
 Per workload: flamia fp8 forward+backward and forward-only speedups over the fastest bf16
 baseline (the bench's own columns), and the backward (fwd+bwd median minus fwd median, same
@@ -50,6 +51,41 @@ def criteria(results: dict) -> dict:
     }
 
 
+def spread(results: list[dict]) -> dict:
+    """Per workload, over several suites (each a bench JSON): the fwd+bwd medians (ms) of
+    FlashAttention-4, flamia fp8 and flamia bf16, as (min, median, max) over the suites that
+    timed them. Gates near their edge flip between suites when the baseline moves between
+    processes; this shows by how much each side moved."""
+    times: dict = {}
+    for res in results:
+        for w in res["workloads"]:
+            rows = {r["key"]: r for r in w["rows"]}
+            fa4 = [r for r in w["rows"] if r["impl"].startswith("FlashAttention-4")]
+            for col, row in (("fa4", fa4[0] if fa4 else None), ("fp8", rows.get("flamia:fp8")),
+                             ("bf16", rows.get("flamia:bf16"))):
+                if row and row.get("fwdbwd_ms"):
+                    times.setdefault(w["workload"]["name"], {}).setdefault(col, []).append(
+                        row["fwdbwd_ms"])
+    med = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else \
+        (sorted(xs)[len(xs) // 2 - 1] + sorted(xs)[len(xs) // 2]) / 2      # noqa: E731
+    return {name: {col: (min(xs), med(xs), max(xs)) for col, xs in cols.items()}
+            for name, cols in times.items()}
+
+
+def spread_report(paths: list[str]) -> str:
+    sp = spread([json.load(open(p)) for p in paths])
+    out = [f"fwd+bwd ms over {len(paths)} suites: min / median / max (max / min - 1)",
+           f"{'workload':13s} {'FA4':>26s} {'flamia fp8':>26s} {'flamia bf16':>26s}"]
+    for name, cols in sp.items():
+        cells = []
+        for col in ("fa4", "fp8", "bf16"):
+            lo, mid, hi = cols.get(col, (None, None, None))
+            cells.append("-" if lo is None else
+                         f"{lo:.2f} / {mid:.2f} / {hi:.2f} ({100 * (hi / lo - 1):.0f}%)")
+        out.append(f"{name:13s} " + " ".join(f"{c:>26s}" for c in cells))
+    return "\n".join(out)
+
+
 def report(path: str) -> str:
     c = criteria(json.load(open(path)))
     out = [path.split("/")[-1],
@@ -70,5 +106,8 @@ def report(path: str) -> str:
 
 
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
-        print(report(p))
+    if sys.argv[1:2] == ["--spread"]:
+        print(spread_report(sys.argv[2:]))
+    else:
+        for p in sys.argv[1:]:
+            print(report(p))

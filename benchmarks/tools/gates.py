@@ -11,7 +11,7 @@ fp8 fwd+bwd geomean and which criteria hold.
 from __future__ import annotations
 
 import json
-import math
+import statistics
 import sys
 
 FP8_GEOMEAN = 1.10          # issue 26: fp8 fwd+bwd geomean over the workloads
@@ -31,14 +31,13 @@ def criteria(results: dict) -> dict:
     per = {}
     for w in results["workloads"]:
         rows = {r["key"]: r for r in w["rows"]}
-        f8, b16 = rows["flamia:fp8"], rows["flamia:bf16"]
-        fa4 = [r for r in w["rows"] if r["impl"].startswith("FlashAttention-4")]
+        f8, b16, fa4 = rows["flamia:fp8"], rows["flamia:bf16"], rows.get("fa4")
         per[w["workload"]["name"]] = (
             f8["speedup_fwdbwd"], f8["speedup_fwd"],
-            _bwd(fa4[0]) / _bwd(f8) if fa4 else None,
-            _bwd(fa4[0]) / _bwd(b16) if fa4 else None)
+            _bwd(fa4) / _bwd(f8) if fa4 else None,
+            _bwd(fa4) / _bwd(b16) if fa4 else None)
     fb = [v[0] for v in per.values()]
-    gm = math.exp(sum(map(math.log, fb)) / len(fb))
+    gm = statistics.geometric_mean(fb)
     skel = {n: v[3] for n, v in per.items()}
     return {
         "per_workload": per,
@@ -60,15 +59,12 @@ def spread(results: list[dict]) -> dict:
     for res in results:
         for w in res["workloads"]:
             rows = {r["key"]: r for r in w["rows"]}
-            fa4 = [r for r in w["rows"] if r["impl"].startswith("FlashAttention-4")]
-            for col, row in (("fa4", fa4[0] if fa4 else None), ("fp8", rows.get("flamia:fp8")),
-                             ("bf16", rows.get("flamia:bf16"))):
+            for col, key in (("fa4", "fa4"), ("fp8", "flamia:fp8"), ("bf16", "flamia:bf16")):
+                row = rows.get(key)
                 if row and row.get("fwdbwd_ms"):
                     times.setdefault(w["workload"]["name"], {}).setdefault(col, []).append(
                         row["fwdbwd_ms"])
-    med = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else \
-        (sorted(xs)[len(xs) // 2 - 1] + sorted(xs)[len(xs) // 2]) / 2      # noqa: E731
-    return {name: {col: (min(xs), med(xs), max(xs)) for col, xs in cols.items()}
+    return {name: {col: (min(xs), statistics.median(xs), max(xs)) for col, xs in cols.items()}
             for name, cols in times.items()}
 
 

@@ -36,10 +36,10 @@
 # NCU_ARGS=--fp8: flamia's fp8 kernel instead), ptest-NAME / pab-NAME (a prepared patch,
 # benchmarks/patches/NAME.patch, applied to a copy of the tree in /tmp/patched/NAME: the GPU
 # tests of each kernel module it changes there (backward_sm90.py: both backward kernels';
-# forward_gluon.py: the forward's), PATCH_TESTS: more pytest args; each such kernel timed against
-# this tree's module in one process (forward.py / config.py: the forward's tests, no A/B;
-# bwd_sm90_dev.py --fp8 --ab: the whole backward, both
-# recipes; fwd_ab.py --gluon: the forward kernel at D=128), PAB_ARGS / PAB_FWD_ARGS: more args
+# forward.py, forward_gluon.py, config.py: the forward's), PATCH_TESTS: more pytest args; the
+# backward and the Gluon forward timed against this tree's module in one process
+# (bwd_sm90_dev.py --fp8 --ab: the whole backward, both recipes; fwd_ab.py --gluon: the forward
+# kernel at D=128; a Triton forward or config patch gets no A/B), PAB_ARGS / PAB_FWD_ARGS: more args
 # of the backward's / the forward's A/B script; pprof-NAME: profile_call.py PROFILE_ARGS in the
 # patched tree, to set against a `profile` stage of this tree in the same call; a ptest and a
 # pab of one patch must not share a + group).
@@ -223,13 +223,11 @@ stage() {  # name seconds: one stage
         tests="tests/gpu/test_backward_sm90_fp8_gpu.py tests/gpu/test_backward_sm90_gpu.py"
         abs+=("benchmarks/bwd_sm90_dev.py --time --fp8 --ab /tmp/patched/main_bwd.py ${PAB_ARGS:-}")
       fi
-      if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "$p"; then
+      if grep -q '^diff --git a/flamia/ops/\(forward\|forward_gluon\|config\)\.py' "$p"; then
         tests="$tests tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_forward_gpu.py"
-        abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
       fi
-      if grep -q '^diff --git a/flamia/ops/\(forward\|config\)\.py' "$p"; then   # the Triton forward
-        case " $tests " in *test_forward_gpu.py*) ;;
-          *) tests="$tests tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_forward_gpu.py" ;; esac
+      if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "$p"; then
+        abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
       fi
       [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
       if [ "${name%%-*}" = pprof ]; then   # profile_call.py (PROFILE_ARGS) in the patched tree

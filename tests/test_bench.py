@@ -931,4 +931,3 @@ def test_gates_spread_over_suites(tmp_path):
     paths = [_write(tmp_path, r, f"b{i}.json") for i, r in enumerate(suites)]
     text = gates.spread_report(paths)
     assert "12.00 / 12.50 / 13.00 (8%)" in text and "over 3 suites" in text
-

@@ -47,10 +47,12 @@ def build_fp8(D: int, cfg=None, causal=True, T=1024, Hq=8, Hkv=2, deterministic=
     return dict(built)
 
 
-def report(kern, label: str, sass: bool = True, lines: bool = False) -> None:
+def report(kern, label: str, sass: bool = True, lines: bool = False, path: int | None = None
+           ) -> None:
     """Print one sm_90a build: registers (and the partitions' setmaxnreg), spills, shared
     memory, wgmma serialization and count, bar.syncs; sass: the main loop's SASS count; lines:
-    its opcodes per source line, most first."""
+    its opcodes per source line, most first (path: those of the path-th shortest distinct path
+    through one step instead of the whole loop; 0 is the plain step)."""
     u = resource_usage(kern)
     ptx = kern.asm["ptx"]
     c = ptx_counts(ptx)
@@ -58,9 +60,14 @@ def report(kern, label: str, sass: bool = True, lines: bool = False) -> None:
           f"spills={u['spill_stores']} smem={u['shared']} serialized={u['wgmma_serialized']} "
           f"wgmma={c['wgmma']} bar.sync={c['bar']}")
     if sass:
-        from benchmarks.tools.sass import describe_paths, main_loop, parse, sass_of
+        from benchmarks.tools.sass import (describe_paths, loop_paths, main_loop, parse,
+                                           predicated, sass_of)
         text = sass_of(kern)
         loop = main_loop(parse(text))
+        if path is not None:
+            distinct = {len(p): p for p in loop_paths(loop, predicated(text))}
+            loop = distinct[sorted(distinct)[path]]
+            print(f"  (lines of path {path}: {len(loop)} SASS)")
         print(f"  main loop: {len(loop)} SASS; one step issues, by the branches it takes:")
         print(describe_paths(text))
         if lines:
@@ -81,6 +88,8 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="the fp8 recipe's kernel "
                     "(_attn_bwd_sm90_fp8_kernel; token-block operands of tools.fake_qkv)")
     ap.add_argument("--block-m", type=int, default=None, help="query rows per step")
+    ap.add_argument("--path", type=int, default=None, help="with --lines: the path-th shortest "
+                    "path through a step (0: plain, then the masked / diagonal variants)")
     args = ap.parse_args()
     for D in [int(x) for x in args.dims.split(",")]:
         cfg = sm90_backward_config(D)
@@ -91,7 +100,7 @@ def main():
         else:
             built = build(D, cfg)
             kern = built["_attn_bwd_sm90_kernel"]
-        report(kern, f"D={D} m{cfg.block_m}n128", args.sass, args.lines)
+        report(kern, f"D={D} m{cfg.block_m}n128", args.sass, args.lines, args.path)
         if args.ptx:
             with open(f"{args.ptx}.D{D}.ptx", "w") as f:
                 f.write(kern.asm["ptx"])

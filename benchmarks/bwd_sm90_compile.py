@@ -64,12 +64,12 @@ def report(kern, label: str, sass: bool = True, lines: bool = False, path: int |
                                            predicated, sass_of)
         text = sass_of(kern)
         loop = main_loop(parse(text))
-        if path is not None:
-            distinct = {len(p): p for p in loop_paths(loop, predicated(text))}
-            loop = distinct[sorted(distinct)[path]]
-            print(f"  (lines of path {path}: {len(loop)} SASS)")
         print(f"  main loop: {len(loop)} SASS; one step issues, by the branches it takes:")
         print(describe_paths(text))
+        if lines and path is not None:
+            distinct = {len(p): p for p in loop_paths(loop, predicated(text))}
+            loop = distinct[sorted(distinct)[path]]
+            print(f"  lines of path {path} ({len(loop)} SASS):")
         if lines:
             from benchmarks.tools.sass import by_source_line
             for where, ops in sorted(by_source_line(kern, loop).items(),

@@ -29,12 +29,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture
 def fake_capability(monkeypatch):
-    """fake_capability(cap): every CUDA device reports compute capability `cap`, to torch and
-    to flamia.ops' memo of device properties (what config selection asks), with 132 SMs."""
-    def fake(cap):
+    """fake_capability(cap, name): every CUDA device reports compute capability `cap`, to torch
+    and to flamia.ops' memo of device properties (what config selection asks), with 132 SMs and
+    the name `name` (an H100's by default)."""
+    def fake(cap, name="NVIDIA H100 80GB HBM3"):
         from flamia import ops
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-        monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132))
+        monkeypatch.setattr(ops, "_properties", lambda index: (cap, 132, name))
     return fake
 
 

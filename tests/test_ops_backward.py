@@ -73,6 +73,12 @@ def test_backward_selection(monkeypatch, fake_capability):
     for D, L, onchip in ((128, 512, True), (128, edge, True), (128, edge + 1, False),
                          (128, None, False), (64, 512, False)):
         assert C.backward_config(D, "fp8", cuda, max_seqlen=L).fp8_kmajor_onchip is onchip, (D, L)
+    # an H200 never selects it (the saved pass costs less at its DRAM bandwidth)
+    fake_capability((9, 0), "NVIDIA H200")
+    assert C.fp8_onchip_max_seqlen(cuda) == 0
+    for L in (1, 512, edge, None):
+        assert not C.backward_config(128, "fp8", cuda, max_seqlen=L).fp8_kmajor_onchip, L
+    fake_capability((9, 0))
     assert isinstance(C.backward_config(128, "bf16", cuda, torch.float16), Sm90BwdConfig)
     assert isinstance(C.backward_config(64, "fp8", cuda, torch.float8_e4m3fn), Sm90BwdConfig)
     assert isinstance(C.backward_config(128, "bf16", cuda, torch.float32), ReferenceBwdConfig)

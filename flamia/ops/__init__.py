@@ -51,9 +51,15 @@ def sm_count(device) -> int:
     return _properties(torch.device(device).index)[1]
 
 
+def device_name(device) -> str:
+    """A CUDA device's name (e.g. "NVIDIA H200"), memoized per device."""
+    import torch
+    return _properties(torch.device(device).index)[2]
+
+
 @functools.lru_cache(maxsize=None)
 def _properties(index: int | None) -> tuple:
-    """((major, minor), SM count) of a CUDA device (None: the current one)."""
+    """((major, minor), SM count, name) of a CUDA device (None: the current one)."""
     import torch
     p = torch.cuda.get_device_properties(index)
-    return (p.major, p.minor), p.multi_processor_count
+    return (p.major, p.minor), p.multi_processor_count, p.name

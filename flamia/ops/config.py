@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import interpreting, is_sm90
+from . import device_name, interpreting, is_sm90
 from .gluon_common import HAVE_GLUON
 
 # The FP8 recipe with kernels (token-block scaling); the other kernel recipe is bf16
@@ -149,21 +149,38 @@ class Sm90BwdConfig:
 # preprocess transposes each token once; the kernel once per key block that visits it, so the
 # in-kernel cost grows with the document while the saved pass does not. Whole fp8 backward on an
 # H100 (benchmarks/NOTES.md, 2026-12-05 eighth session): -12 % at 2048-token documents, -11 % at
-# 512, +8 % at 8192 (+15 % at 32768); a fit of those crosses over near 3.7k tokens.
+# 512, +8 % at 8192 (+15 % at 32768); a fit of those crosses over near 3.7k tokens. On an H200
+# (4.8 against 3.35 TB/s of DRAM, so the saved pass costs less) the mode loses from 2048 tokens
+# up (+11 % at 2048, +16 % at 3072, +1 % at 512; NOTES, 2026-12-06 twenty-second session): it is
+# never selected there.
 SM90_FP8_ONCHIP_MAX_SEQLEN = 3072
+SM90_FP8_ONCHIP_OFF = ("H200",)     # device names (substrings) where the mode is never selected
 
 
-def sm90_backward_config(head_dim: int, max_seqlen: int | None = None) -> Sm90BwdConfig:
+def fp8_onchip_max_seqlen(device=None) -> int:
+    """The longest document for which the fp8 backward at D=128 makes Q^T / dO^T in the kernel
+    on `device` (None: the current CUDA device; 0: never)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return SM90_FP8_ONCHIP_MAX_SEQLEN
+        device = torch.device("cuda", torch.cuda.current_device())
+    if any(s in device_name(device) for s in SM90_FP8_ONCHIP_OFF):
+        return 0
+    return SM90_FP8_ONCHIP_MAX_SEQLEN
+
+
+def sm90_backward_config(head_dim: int, max_seqlen: int | None = None,
+                         device=None) -> Sm90BwdConfig:
     """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
     next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps;
     fp8's K-major Q^T / dO^T made in the kernel at D=128 for documents of at most
-    SM90_FP8_ONCHIP_MAX_SEQLEN tokens (max_seqlen; None: loaded from the preprocess's copies). At
-    D=64 the kernel always loads them: its step, at its register limit, spills with the
+    fp8_onchip_max_seqlen(device) tokens (max_seqlen; None: loaded from the preprocess's copies).
+    At D=64 the kernel always loads them: its step, at its register limit, spills with the
     transposition's barriers."""
     if head_dim not in (64, 128):
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     onchip = (head_dim == 128 and max_seqlen is not None
-              and max_seqlen <= SM90_FP8_ONCHIP_MAX_SEQLEN)
+              and max_seqlen <= fp8_onchip_max_seqlen(device))
     return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64, fp8_kmajor_onchip=onchip)
 
 
@@ -180,7 +197,7 @@ def backward_config(head_dim: int, recipe, device, dtype=torch.bfloat16,
     ReferenceBwdConfig. max_seqlen: the call's bound on document length (a performance choice
     only, sm90_backward_config)."""
     if uses_sm90_backward(head_dim, recipe, device, dtype):
-        return sm90_backward_config(head_dim, max_seqlen)
+        return sm90_backward_config(head_dim, max_seqlen, device)
     return ReferenceBwdConfig()
 
 

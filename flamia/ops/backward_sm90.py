@@ -269,16 +269,48 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
-    def _visible(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-        """(BN, BM) mask of an S^T tile (keys k0.., queries q0.., document-local): both inside
-        the document and, causal, key <= query."""
+    def _visible_tile(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+        """(BN, BM) boolean mask of an S^T tile (keys k0.., queries q0.., document-local): both
+        inside the document and, causal, key <= query. The bf16 kernel's form (_visible /
+        _keep there: more SASS per step, and spills at D=64, in the CPU build)."""
         keys = gl.expand_dims(k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout)), 1)
         qs = gl.expand_dims(q0 + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout)), 0)
         ok = (keys < L) & (qs < L)
         if CAUSAL:
             ok = ok & (keys <= qs)
         return ok
+
+    @gluon.jit
+    def _visible(k0, q0, L, BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+        """The visible pairs of an S^T tile (keys k0.. as rows, queries q0.. as columns,
+        document-local: both inside the document and, causal, key <= query) as two int32
+        vectors for _keep: (cv (1, BM), lo (BN, 1)), pair (r, c) visible iff cv_c >= lo_r, with
+        cv_c = c (-2^30 for a query past the end) and lo_r = r + k0 - q0 causal, else 0 (BM for
+        a key past the end)."""
+        r = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+        c = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            lo = r + (k0 - q0)
+        else:
+            lo = gl.zeros_like(r)
+        lo = gl.where(r < L - k0, lo, BM)
+        cv = gl.where(c < L - q0, c, -(1 << 30))
+        return gl.expand_dims(cv, 0), gl.expand_dims(lo, 1)
+
+    @gluon.jit
+    def _keep(x, vis):
+        """x on the visible pairs vis = _visible(...), else 0. The compare and the select are one asm block at each use, so no tile of booleans is
+        kept (ptxas holds one packed in registers and unpacks it per element: ~3 more
+        instructions each)."""
+        cv, lo = vis
+        cv, lo = gl.broadcast(cv, lo)
+        x, cv = gl.broadcast(x, cv)
+        x, lo = gl.broadcast(x, lo)
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ge.s32 p, $2, $3; selp.f32 $0, $1, 0f00000000, p; }",
+            "=r,r,r,r", [x, cv, lo], dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
     def _store_grad(x, desc, stage, X, start, k0, L, kvh, stride_kt):
@@ -453,7 +485,7 @@ if HAVE_GLUON:
         delta = gl.expand_dims(_column_vector(dl_smem, s, col_l), 0)
         dst = pt * (dpt - delta)
         if masked:
-            ok = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+            ok = _visible_tile(k0, q0, L, BN, BM, s_layout, CAUSAL)
             pt = gl.where(ok, pt, 0.0)
             dst = gl.where(ok, dst, 0.0)
         return pt, dst
@@ -1063,9 +1095,14 @@ if HAVE_GLUON:
         yt = xt * (yt - ve)
         if ANY:
             if masked:   # exp2 of a masked key may be inf, dP^T past the document end NaN
-                vis = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                xt = gl.where(vis, xt, 0.0)
-                yt = gl.where(vis, yt, 0.0)
+                if BM == 64:     # D=128: a compare-select per use
+                    vis = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                    xt = _keep(xt, vis)
+                    yt = _keep(yt, vis)
+                else:            # D=64 (128 rows): the boolean tile, faster there
+                    ok = _visible_tile(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                    xt = gl.where(ok, xt, 0.0)
+                    yt = gl.where(ok, yt, 0.0)
         return xt, yt
 
     @gluon.jit

@@ -148,12 +148,11 @@ class Sm90BwdConfig:
 # do8 tiles, instead of the preprocess writing K-major copies for the kernel to load. The
 # preprocess transposes each token once; the kernel once per key block that visits it, so the
 # in-kernel cost grows with the document while the saved pass does not. Whole fp8 backward on an
-# H100 (benchmarks/NOTES.md, 2026-12-05 eighth session): -12 % at 2048-token documents, -11 % at
-# 512, +8 % at 8192 (+15 % at 32768); a fit of those crosses over near 3.7k tokens. On an H200
-# (4.8 against 3.35 TB/s of DRAM, so the saved pass costs less) the mode loses from 2048 tokens
-# up (+11 % at 2048, +16 % at 3072, +1 % at 512; NOTES, 2026-12-06 twenty-second session): it is
-# never selected there.
-SM90_FP8_ONCHIP_MAX_SEQLEN = 3072
+# H100 (benchmarks/NOTES.md, 2026-12-06 twenty-second session): -5 % at 512-token documents, -3 %
+# at 2048, +4 % at 3072. On an H200 (4.8 against 3.35 TB/s of DRAM, so the saved pass costs
+# less) the mode loses at every length measured (+1 % at 512, +11 % at 2048, +16 % at 3072; same
+# session): it is never selected there.
+SM90_FP8_ONCHIP_MAX_SEQLEN = 2048
 SM90_FP8_ONCHIP_OFF = ("H200",)     # device names (substrings) where the mode is never selected
 
 

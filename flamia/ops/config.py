@@ -158,12 +158,14 @@ SM90_FP8_ONCHIP_OFF = ("H200",)     # device names (substrings) where the mode i
 
 def fp8_onchip_max_seqlen(device=None) -> int:
     """The longest document for which the fp8 backward at D=128 makes Q^T / dO^T in the kernel
-    on `device` (None: the current CUDA device; 0: never)."""
+    on `device` (None: the current CUDA device; 0: never). A device that is not CUDA (host-side
+    tools that run the sm_90 path on CPU tensors) gets the default."""
     if device is None:
         if not torch.cuda.is_available():
             return SM90_FP8_ONCHIP_MAX_SEQLEN
         device = torch.device("cuda", torch.cuda.current_device())
-    if any(s in device_name(device) for s in SM90_FP8_ONCHIP_OFF):
+    device = torch.device(device)
+    if device.type == "cuda" and any(s in device_name(device) for s in SM90_FP8_ONCHIP_OFF):
         return 0
     return SM90_FP8_ONCHIP_MAX_SEQLEN
 

@@ -41,7 +41,8 @@
 # (bwd_sm90_dev.py --fp8 --ab: the whole backward, both recipes; fwd_ab.py --gluon: the forward
 # kernel at D=128; a Triton forward or config patch gets no A/B), PAB_ARGS / PAB_FWD_ARGS: more args
 # of the backward's / the forward's A/B script; pprof-NAME: profile_call.py PROFILE_ARGS in the
-# patched tree, to set against a `profile` stage of this tree in the same call; a ptest and a
+# patched tree, to set against a `profile` stage of this tree in the same call; prun-NAME:
+# the command line PRUN_CMD in the patched tree, e.g. an A/B script the patch brings; a ptest and a
 # pab of one patch must not share a + group).
 # Needs: the cudnn-frontend wheel in .whl/ (carry ".whl"), FLAMIA_GIT_COMMIT set by the caller
 # as a literal sha: the device's .git is the session's first snapshot, so `git rev-parse` there
@@ -208,7 +209,7 @@ stage() {  # name seconds: one stage
       done
       run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py --time --fp8 \
         --pair-copies --ab "${files#,}" ${ABP_ARGS:-} ;;
-    ptest-*|pab-*|pprof-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
+    ptest-*|pab-*|pprof-*|prun-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
       local pname=${name#p*-} d
       if ! d=$(patched_tree "$pname"); then
         echo "$name: benchmarks/patches/$pname.patch does not apply" | tee -a "$summary"
@@ -230,7 +231,10 @@ stage() {  # name seconds: one stage
         abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
       fi
       [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
-      if [ "${name%%-*}" = pprof ]; then   # profile_call.py (PROFILE_ARGS) in the patched tree
+      if [ "${name%%-*}" = prun ]; then    # PRUN_CMD (a command line) in the patched tree
+        run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
+          ${PRUN_CMD:-true}"
+      elif [ "${name%%-*}" = pprof ]; then   # profile_call.py (PROFILE_ARGS) in the patched tree
         run_stage "$name" "$secs" env PYTHONPATH="${PYTHONPATH//$PWD/$d}" bash -c "cd $d &&
           python benchmarks/profile_call.py ${PROFILE_ARGS:-}"
       elif [ "${name%%-*}" = ptest ]; then

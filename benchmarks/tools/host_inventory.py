@@ -8,7 +8,9 @@ descriptors, and whether the per-cu_seqlens metadata is rebuilt.
 
 Launches are stubbed the way Triton's own launcher starts (its binder specializes every
 argument and computes the cache key) and stop before the driver: nothing runs, outputs are
-left unwritten, and the host time measured under the stub is our Python plus Triton's binder
+left unwritten. Triton's path hands back a stub compiled kernel, so flamia.ops.launch takes
+later calls of the same specialization past the binder as on a GPU, and the host time measured
+under the stub is our Python plus, for a call site's first specialization, Triton's binder
 (not the driver's launch, nor the CUDA caching allocator, which is cheaper than the CPU's).
 Needs real JITFunctions (TRITON_INTERPRET unset); tests run it in a subprocess (tests/_sm90.py).
 """
@@ -62,12 +64,13 @@ class Inventory:
 
 @contextlib.contextmanager
 def stubbed_sm90():
-    """The sm_90 code paths on CPU tensors, every launch stubbed after Triton's binder."""
+    """The sm_90 code paths on CPU tensors, every launch stubbed after Triton's binder (or,
+    for a specialization met before, flamia.ops.launch's key)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
-    from flamia.ops import config
+    from flamia.ops import config, launch
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -77,6 +80,17 @@ def stubbed_sm90():
     binders: dict = {}
     launched: list[tuple[str, int]] = []     # (kernel, TMA descriptors among its arguments)
 
+    class Compiled:
+        """What Triton's path returns: flamia.ops.launch launches later calls of the same
+        specialization through its run(), which records them the same way."""
+        function = packed_metadata = None
+
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, *args):       # grid (3), stream, function, metadata, hooks (3), values
+            launched.append((self.name, sum(isinstance(a, descriptor_types) for a in args[9:])))
+
     def run(fn, *args, grid, warmup, **kwargs):
         if fn not in binders:
             binders[fn] = (create_function_from_signature(fn.signature, fn.params, backend), {})
@@ -84,20 +98,32 @@ def stubbed_sm90():
         _bound, specialization, options = binder(*args, **kwargs)
         compute_cache_key(key_cache, specialization, options)
         launched.append((fn.__name__, sum(isinstance(a, descriptor_types) for a in args)))
+        return Compiled(fn.__name__)
 
+    run.returns_launchable = True        # flamia.ops.launch may launch its Compiled
+
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     saved = (JITFunction.run, config.is_sm90, config.interpreting,
-             config.triton_forward_config)
+             config.triton_forward_config, torch.cuda.current_device)
     triton_config = config.triton_forward_config
     JITFunction.run = run
     config.is_sm90 = lambda device: True
     config.interpreting = lambda: False
     config.triton_forward_config = lambda d, fp8, device: triton_config(d, fp8,
                                                                         torch.device("cuda"))
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    launch._SITES.clear()         # stub kernels live only inside this block
     try:
         yield launched
     finally:
+        launch._SITES.clear()
         (JITFunction.run, config.is_sm90, config.interpreting,
-         config.triton_forward_config) = saved
+         config.triton_forward_config, torch.cuda.current_device) = saved
+        if raw_stream is None:
+            del torch._C._cuda_getCurrentRawStream
+        else:
+            torch._C._cuda_getCurrentRawStream = raw_stream
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROW
                      Sm90BwdConfig, sm90_backward_config)
 from .gluon_common import HAVE_GLUON
 from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
+from .launch import launch_kernel
 from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits, sylvester_parity_host
 from .schedule import per_cu_seqlens
 
@@ -1330,8 +1331,8 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     delta = torch.empty((Hq, QR), dtype=torch.float32, device=dev)
     dq_acc = torch.empty((QR, Hq, D), dtype=torch.float32, device=dev)   # the kernel stores first
     grid_t = (triton.cdiv(T, SM90_PASS_ROWS), Hq)
-    _bwd_preprocess[grid_t](out, dout, lse.contiguous(), kb.prow, lse2, delta, T, QR, Hq * D,
-                            D=D, BT=SM90_PASS_ROWS, num_warps=4)
+    launch_kernel(_bwd_preprocess, grid_t, out, dout, lse.contiguous(), kb.prow, lse2, delta, T,
+                  QR, Hq * D, D=D, BT=SM90_PASS_ROWS, num_warps=4)
     q_desc = descriptor_2d(q, T, Hq * D, Hq * D, [BM, D])
     do_desc = descriptor_2d(dout, T, Hq * D, Hq * D, [BM, D])
     k_desc = descriptor_2d(k, T, Hkv * D, Hkv * D, [BN, D])
@@ -1339,15 +1340,15 @@ def attention_backward_sm90(dout, out, lse, q, k, v, cu_seqlens, causal=True, so
     lse_desc = descriptor_2d(lse2, Hq, QR, QR, [1, BM])
     dl_desc = descriptor_2d(delta, Hq, QR, QR, [1, BM])
     dq_desc = descriptor_2d(dq_acc, QR, Hq * D, Hq * D, [BM, D])
-    _attn_bwd_sm90_kernel[(kb.n_items,)](
+    launch_kernel(_attn_bwd_sm90_kernel, (kb.n_items,),
         q_desc, do_desc, k_desc, v_desc, lse_desc, dl_desc, dq_desc, *_grad_descriptors(dk, dv),
         dk, dv,
         _semaphores(kb, Hq, BM), kb.items,
         kb.n_items, Hq // Hkv, QR // BM, Hkv * D, scale * LOG2E, scale, BM=BM, BN=BN, D=D,
         STAGES=SM90_STAGES, CAUSAL=bool(causal), LOADER_REGS=SM90_LOADER_REGS,
         DQ_REGS=SM90_DQ_REGS, DETERMINISTIC=bool(deterministic), num_warps=8)
-    _bwd_postprocess[grid_t](dq_acc, kb.prow, dq, T, scale, Hq * D, D=D, BT=SM90_PASS_ROWS,
-                             num_warps=4)
+    launch_kernel(_bwd_postprocess, grid_t, dq_acc, kb.prow, dq, T, scale, Hq * D, D=D,
+                  BT=SM90_PASS_ROWS, num_warps=4)
     return dq, dk, dv
 
 
@@ -1401,7 +1402,7 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
         check_copy(src, dst, order)
     u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8 if dot8 is not None else kt8,
                                          qt8 if qt8 is not None else kt8, kt8)]
-    _bwd_preprocess_fp8[(nb * Hq,)](
+    launch_kernel(_bwd_preprocess_fp8, (nb * Hq,),
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
         bds, sem, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
         BT=DO_BLOCK, BM=BM, QT_DOT=qt8 is not None, num_warps=cfg.fp8_pre_warps)
@@ -1451,7 +1452,7 @@ def attention_backward_sm90_fp8(dout, out, lse, row_max, qkv, cu_seqlens, causal
         descriptor_2d(prep.dq_acc, QR, Hq * D, Hq * D, [BM, D]),
         *_grad_descriptors(dk, dv),
     )
-    _attn_bwd_sm90_fp8_kernel[(kb.n_items,)](
+    launch_kernel(_attn_bwd_sm90_fp8_kernel, (kb.n_items,),
         *descs, dk, dv, prep.sem, kb.items, kb.n_items, Hq // Hkv,
         Hq, QR // BM, prep.bpt, prep.bds, prep.bpt.shape[1], prep.cta, qkv.sk, qkv.sv, skd, svd,
         T, Hkv * D, scale, BM=BM, BN=BN, D=D, STAGES=SM90_STAGES, CAUSAL=bool(causal),
@@ -1466,8 +1467,8 @@ def fp8_post(dq_acc, prow, sq, rotated: bool, scale: float, dq, cfg: Sm90BwdConf
     sq), rotated back when `rotated`."""
     T, Hq, D = dq.shape
     grid = (triton.cdiv(T, cfg.fp8_post_rows), Hq)
-    _bwd_postprocess_fp8[grid](dq_acc, prow, sq, dq, T, Hq, scale, ROTATE=rotated, D=D,
-                               BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
+    launch_kernel(_bwd_postprocess_fp8, grid, dq_acc, prow, sq, dq, T, Hq, scale, ROTATE=rotated,
+                  D=D, BT=cfg.fp8_post_rows, num_warps=cfg.fp8_post_warps)
 
 
 def _grads(T, Hq, Hkv, D, dtype, dev):

@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .config import FWD_KV_CHUNK, FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
+from .launch import launch_kernel
 from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
 from .numerics import LOG2E
 from .schedule import work_list
@@ -369,7 +370,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
     pcu = qkv.kv_pcu if fp8 else items
     n_items = items.shape[1]
     grid = (n_items * Hq,)
-    _attn_fwd_kernel[grid](
+    launch_kernel(_attn_fwd_kernel, grid,
         Qa, Ka, Va, sq, sk, sv, vcap, out, lse, items, cu_seqlens, KDa, VDa, skd, svd,
         pcu, lse if row_max is None else row_max,
         q8.stride(0), k8.stride(0), stride_vn, stride_vd, stride_vh, out.stride(0), out.stride(1),

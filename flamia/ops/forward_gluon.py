@@ -38,6 +38,7 @@ import torch
 
 from .config import PersistentFwdConfig
 from .gluon_common import HAVE_GLUON, descriptor_2d
+from .launch import launch_kernel
 from .layout import QuantizedQKV
 from .numerics import LOG2E
 from .schedule import persistent_grid
@@ -561,7 +562,7 @@ def launch(qkv: QuantizedQKV, items, causal: bool, scale: float, out, lse, row_m
     BM, BN = cfg.block_m, cfg.block_n
     n_items = items.shape[1]
     grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, out.device)
-    _attn_fwd_gluon_persistent_kernel[grid](
+    launch_kernel(_attn_fwd_gluon_persistent_kernel, grid,
         *_descriptors(qkv, BM, BN), descriptor_2d(out, T, Hq * D, Hq * D, [BM, D]), qkv.sq,
         qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
         out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BM=BM, BN=BN,

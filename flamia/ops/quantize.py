@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import config, interpreting
 from .kmajor import ORDER_MMA_A, check_copy, copy_columns, kmajor_layout
+from .launch import launch_kernel
 from .layout import KV_BLOCK, QuantizedQKV, new_tensor
 from .numerics import hadamard_signs, pow2_scale_bits
 from .schedule import per_cu_seqlens, work_list
@@ -293,17 +294,17 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
     rot_scale = 1.0 / math.sqrt(D)
-    _quantize_q_kernel[(Hq, triton.cdiv(T, launch.block_t))](
+    launch_kernel(_quantize_q_kernel, (Hq, triton.cdiv(T, launch.block_t)),
         q, q8, sq, had, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D, BLOCK_T=launch.block_t,
         ROTATE=rotate, num_warps=launch.q_warps)
-    _quantize_kv_kernel[(2 * Hkv, n_items)](
+    launch_kernel(_quantize_kv_kernel, (2 * Hkv, n_items),
         k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
         ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
     check_copy(v8, vt8, ORDER_MMA_A)
     block_c = launch.cols_block
     n_cols = triton.cdiv(Tp, block_c)
-    _kvblock_cols_kernel[(max(n_cols, n_items) * 3 * Hkv,)](
+    launch_kernel(_kvblock_cols_kernel, (max(n_cols, n_items) * 3 * Hkv,),
         v8.view(torch.uint8), vt8.view(torch.uint8), v8d_.view(torch.uint8),
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
         vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,

@@ -31,9 +31,10 @@ def test_keys_no_coarser_than_triton(report):
 def test_dispatch(report):
     d = report["dispatch"]
     # first call, same key, a T in the same class, another class, an unaligned q, a profiler's
-    # hook, after the hook, a replaced JITFunction.run that does not return launchable kernels
+    # hook, after the hook, a replaced JITFunction.run that does not return launchable kernels,
+    # an unhashable constexpr twice
     assert d["route"] == ["triton", "compiled", "compiled", "triton", "triton", "triton",
-                          "compiled", "triton"]
+                          "compiled", "triton", "triton", "triton"]
     # grid (2, 1, 1), the stream, the kernel's function and metadata, no launch metadata or
     # hooks, then every parameter of _quantize_q_kernel in order, constexprs included
     assert d["compiled_head"] == ["2", "1", "1", "7", "function", "metadata", "None", "None",

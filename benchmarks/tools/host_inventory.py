@@ -113,11 +113,11 @@ def stubbed_sm90():
                                                                         torch.device("cuda"))
     torch.cuda.current_device = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
-    launch._SITES.clear()         # stub kernels live only inside this block
+    launch.clear()                # stub kernels live only inside this block
     try:
         yield launched
     finally:
-        launch._SITES.clear()
+        launch.clear()
         (JITFunction.run, config.is_sm90, config.interpreting,
          config.triton_forward_config, torch.cuda.current_device) = saved
         if raw_stream is None:

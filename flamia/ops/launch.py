@@ -73,10 +73,6 @@ if HAVE_FAST_LAUNCH:
     _KEYS.update({d: _descriptor_key for d in _DESCRIPTORS})
 
 
-def _constexpr_key(x):
-    return x
-
-
 class _Site:
     """One kernel's parameters (their order, defaults, which are constexprs) and the compiled
     kernels met so far, by key."""
@@ -92,6 +88,11 @@ class _Site:
 
 
 _SITES: dict = {}
+
+
+def clear() -> None:
+    """Forget every kept compiled kernel (tools that stub Triton's path call it around the stub)."""
+    _SITES.clear()
 
 
 def spec_key(fn, args: tuple, kwargs: dict):
@@ -144,7 +145,10 @@ def launch_kernel(fn, grid, *args, **kwargs):
     # the options Triton's path adds from its knobs, and the device its caches are kept per
     key = (spec, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
     compiled = _SITES[fn].compiled
-    kernel = compiled.get(key)
+    try:
+        kernel = compiled.get(key)
+    except TypeError:              # an unhashable constexpr value: Triton's path
+        return fn[grid](*args, **kwargs)
     if kernel is None:
         kernel = fn[grid](*args, **kwargs)
         if kernel is not None and hasattr(kernel, "run") and not hasattr(kernel, "result"):

@@ -88,12 +88,17 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 
 summary="$OUT/summary.txt"
 patched_tree() {  # NAME: /tmp/patched/NAME, the tree with benchmarks/patches/NAME.patch applied
-  local d=/tmp/patched/$1 p=$PWD/benchmarks/patches/$1.patch
-  if [ ! -f "$d/.applied" ]; then
+  # (kept for the later stages of a call and of later calls on a warm machine while the tree and
+  # the patch are the same: .applied holds their content hash, so an edited patch is re-applied)
+  local d=/tmp/patched/$1 p=$PWD/benchmarks/patches/$1.patch files key
+  files="flamia tests benchmarks pyproject.toml README.md"
+  key=$({ tar cf - --sort=name --mtime=@0 --owner=0 --group=0 --exclude=benchmarks/results \
+            $files; cat "$p"; } | sha1sum | cut -c1-40)
+  if [ "$(cat "$d/.applied" 2>/dev/null)" != "$key" ]; then
     rm -rf "$d" && mkdir -p "$d" || return 1
-    tar cf - --exclude=benchmarks/results flamia tests benchmarks pyproject.toml README.md | tar xf - -C "$d"
+    tar cf - --exclude=benchmarks/results $files | tar xf - -C "$d"
     (cd "$d" && { git apply "$p" 2>/dev/null || patch -s -p1 <"$p"; }) || return 1
-    touch "$d/.applied"
+    echo "$key" >"$d/.applied"
   fi
   echo "$d"
 }

@@ -39,8 +39,9 @@
 # forward.py, forward_gluon.py, config.py: the forward's), PATCH_TESTS: more pytest args; the
 # backward and the Gluon forward timed against this tree's module in one process
 # (bwd_sm90_dev.py --fp8 --ab: the whole backward, both recipes; fwd_ab.py --gluon: the forward
-# kernel at D=128; a Triton forward or config patch gets no A/B), PAB_ARGS / PAB_FWD_ARGS: more args
-# of the backward's / the forward's A/B script; pprof-NAME: profile_call.py PROFILE_ARGS in the
+# kernel at D=128; quantize.py: quant_ab.py against this tree's quantize_qkv, with the forward's
+# and the fp8 API's GPU tests; a Triton forward or config patch gets no A/B), PAB_ARGS /
+# PAB_FWD_ARGS / PAB_QUANT_ARGS: more args of the backward's / the forward's / quantize's A/B script; pprof-NAME: profile_call.py PROFILE_ARGS in the
 # patched tree, to set against a `profile` stage of this tree in the same call; prun-NAME:
 # the command line PRUN_CMD in the patched tree, e.g. an A/B script the patch brings; a ptest and a
 # pab of one patch must not share a + group).
@@ -224,6 +225,7 @@ stage() {  # name seconds: one stage
       # changes: backward_sm90.py (both backward kernels), forward_gluon.py (the forward)
       cp flamia/ops/backward_sm90.py /tmp/patched/main_bwd.py
       cp flamia/ops/forward_gluon.py /tmp/patched/main_fwd.py
+      cp flamia/ops/quantize.py /tmp/patched/main_quant.py
       local tests="" abs=() p="benchmarks/patches/$pname.patch"
       if grep -q '^diff --git a/flamia/ops/backward_sm90.py' "$p"; then
         tests="tests/gpu/test_backward_sm90_fp8_gpu.py tests/gpu/test_backward_sm90_gpu.py"
@@ -234,6 +236,10 @@ stage() {  # name seconds: one stage
       fi
       if grep -q '^diff --git a/flamia/ops/forward_gluon.py' "$p"; then
         abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
+      fi
+      if grep -q '^diff --git a/flamia/ops/quantize.py' "$p"; then
+        tests="$tests tests/gpu/test_forward_gpu.py tests/gpu/test_kvblock_kernels_gpu.py"
+        abs+=("benchmarks/quant_ab.py --ab main=/tmp/patched/main_quant.py --rounds 5 ${PAB_QUANT_ARGS:-}")
       fi
       [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"
       if [ "${name%%-*}" = prun ]; then    # PRUN_CMD (a command line) in the patched tree

@@ -238,7 +238,7 @@ stage() {  # name seconds: one stage
         abs+=("benchmarks/fwd_ab.py --gluon main=/tmp/patched/main_fwd.py --rounds 5 ${PAB_FWD_ARGS:-}")
       fi
       if grep -q '^diff --git a/flamia/ops/quantize.py' "$p"; then
-        tests="$tests tests/gpu/test_forward_gpu.py tests/gpu/test_kvblock_kernels_gpu.py"
+        tests="$tests tests/gpu/test_forward_gpu.py tests/gpu/test_forward_kvblock_gpu.py tests/gpu/test_kvblock_kernels_gpu.py"
         abs+=("benchmarks/quant_ab.py --ab main=/tmp/patched/main_quant.py --rounds 5 ${PAB_QUANT_ARGS:-}")
       fi
       [ -n "$tests" ] || tests="tests/gpu/test_backward_sm90_fp8_gpu.py"

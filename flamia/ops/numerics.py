@@ -61,17 +61,29 @@ def fwht(x, M: tl.constexpr, D: tl.constexpr):
     """x (M, D) fp32 @ H_D, H_D the +-1 Sylvester Hadamard matrix (hadamard_signs), D a power
     of two in [16, 256], by log2 D butterfly stages in registers: every product is exact, the
     sums are fp32 (each output a sum of D terms in a fixed tree order), no matrix to load."""
-    x = _butterfly(x, M, D // 2, 1)
-    x = _butterfly(x, M, D // 4, 2)
-    x = _butterfly(x, M, D // 8, 4)
-    x = _butterfly(x, M, D // 16, 8)
-    if D >= 32:
+    return fwht_stages(x, M, D, D)
+
+
+@triton.jit
+def fwht_stages(x, M: tl.constexpr, D: tl.constexpr, LO_END: tl.constexpr):
+    """fwht's first stages, those pairing columns c and c + LO for LO < LO_END (a power of two
+    <= D): the rest of fwht where the columns c + LO sit in other lanes (quantize's Gluon
+    kernels, which finish by shuffles). Also callable from Gluon kernels."""
+    if LO_END > 1:
+        x = _butterfly(x, M, D // 2, 1)
+    if LO_END > 2:
+        x = _butterfly(x, M, D // 4, 2)
+    if LO_END > 4:
+        x = _butterfly(x, M, D // 8, 4)
+    if LO_END > 8:
+        x = _butterfly(x, M, D // 16, 8)
+    if LO_END > 16:
         x = _butterfly(x, M, D // 32, 16)
-    if D >= 64:
+    if LO_END > 32:
         x = _butterfly(x, M, D // 64, 32)
-    if D >= 128:
+    if LO_END > 64:
         x = _butterfly(x, M, D // 128, 64)
-    if D >= 256:
+    if LO_END > 128:
         x = _butterfly(x, M, D // 256, 128)
     return x
 

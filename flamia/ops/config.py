@@ -98,7 +98,7 @@ class QuantizeConfig:
     # sm_90: K and V by the Gluon kernel at this many warps (8 or 16: a token per 2 or 4 lanes;
     # V's K-major copies written from its registers); 0: the Triton kernel (kv_warps) and the
     # cols kernel's V^T copies
-    kv_gluon_warps: int = 16
+    kv_gluon_warps: int = 0
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:

@@ -81,24 +81,21 @@ class PersistentFwdConfig:
 class QuantizeConfig:
     """quantize_qkv's launches: tokens per q program, warps of the q programs and of the K / V block
     programs (one 128-token block each), columns and warps of the V column programs
-    (_kvblock_cols_kernel), and on sm_90 the Gluon kernels' warps and lanes per token. Only the
-    schedule: every choice writes the same bytes, except that the Gluon kernels rotate by
-    butterflies (fp32 sums in another order than the Triton kernels' GEMM with the +-1 matrix:
-    a value on an e4m3 rounding tie may round the other way). 128 columns per V column program:
-    whole quantize_qkv -0.2 to -2 % against 64 (H100, benchmarks/NOTES.md)."""
+    (_kvblock_cols_kernel), and on sm_90 the Gluon q kernel's warps and lanes per token. Only the
+    schedule: every choice writes the same bytes, except that the Gluon q kernel rotates by
+    butterflies (fp32 sums in another order than the Triton kernel's GEMM with the +-1 matrix: a
+    value on an e4m3 rounding tie may round the other way). 128 columns per V column program:
+    whole quantize_qkv -0.2 to -2 % against 64; the Gluon q kernel at 4 warps, 2 lanes per token:
+    -0.03 to -0.05 ms per call at D=128, neutral at D=64 (H100, benchmarks/NOTES.md)."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
     cols_block: int = 128
     cols_warps: int = 4
-    # sm_90: q by the Gluon kernel (a token per q_gluon_tpr lanes, rotated by butterflies) at
+    # sm_90 at D=64 / 128: q by the Gluon kernel (a token per q_gluon_tpr lanes: 1, 2 or 4) at
     # this many warps; 0: the Triton kernel (block_t, q_warps) everywhere
     q_gluon_warps: int = 4
     q_gluon_tpr: int = 2
-    # sm_90: K and V by the Gluon kernel at this many warps (8 or 16: a token per 2 or 4 lanes;
-    # V's K-major copies written from its registers); 0: the Triton kernel (kv_warps) and the
-    # cols kernel's V^T copies
-    kv_gluon_warps: int = 0
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:

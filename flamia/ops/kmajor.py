@@ -109,10 +109,9 @@ except ImportError:   # pragma: no cover - triton without Gluon
 
 @triton.jit
 def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, c0, D: tl.constexpr,
-                 BLOCK_C: tl.constexpr, ORDER: tl.constexpr, PADS_ONLY: tl.constexpr = False):
+                 BLOCK_C: tl.constexpr, ORDER: tl.constexpr):
     """Output columns [c0, c0 + BLOCK_C) of head h: dst[h, :, c] = src[tok(c), h, :], the
-    columns of each 16-group in ORDER (ORDER_*; a bool: ORDER_MMA_A or ORDER_TOKEN). PADS_ONLY:
-    only the pad columns (zeros), where another kernel wrote the tokens' columns."""
+    columns of each 16-group in ORDER (ORDER_*; a bool: ORDER_MMA_A or ORDER_TOKEN)."""
     c = c0 + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
     if ORDER == 2:      # ORDER_PAIRS
@@ -123,14 +122,9 @@ def copy_columns(src, dst, tok_of_col, Tp, stride_t, h, c0, D: tl.constexpr,
         src_col = c
     tok = tl.load(tok_of_col + src_col, mask=c < Tp, other=-1)
     ok = tok >= 0
-    if PADS_ONLY:
-        keep = (c < Tp) & ~ok
-        x = tl.zeros([D, BLOCK_C], dst.dtype.element_ty)
-    else:
-        keep = c < Tp
-        x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None],
-                    mask=ok[None, :], other=0)
-    tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=keep[None, :])
+    x = tl.load(src + tok[None, :].to(tl.int64) * stride_t + h * D + d[:, None], mask=ok[None, :],
+                other=0)
+    tl.store(dst + (h * D + d[:, None]).to(tl.int64) * Tp + c[None, :], x, mask=(c < Tp)[None, :])
 
 
 def check_copy(src: torch.Tensor, dst: torch.Tensor, order: int = ORDER_TOKEN) -> None:

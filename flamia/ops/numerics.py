@@ -67,8 +67,8 @@ def fwht(x, M: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def fwht_stages(x, M: tl.constexpr, D: tl.constexpr, LO_END: tl.constexpr):
     """fwht's first stages, those pairing columns c and c + LO for LO < LO_END (a power of two
-    <= D): the rest of fwht where the columns c + LO sit in other lanes (quantize's Gluon
-    kernels, which finish by shuffles). Also callable from Gluon kernels."""
+    <= D): the rest of fwht where the columns c + LO sit in other lanes (quantize's Gluon q
+    kernel, which finishes by shuffles). Also callable from Gluon kernels."""
     if LO_END > 1:
         x = _butterfly(x, M, D // 2, 1)
     if LO_END > 2:

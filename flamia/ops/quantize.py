@@ -13,10 +13,9 @@ writes the K-major V copies (block and, causal, token: the forward's PV GEMM red
 flamia.ops.kmajor) in its padded column layout, the scales in the same columns (scale_cols, for the
 Gluon forward's TMA) and, per K/V block, the visible maxima vcap and vnorm (reference._visible_max).
 
-On sm_90 at D=64 / 128, q and K / V run as Gluon kernels instead (config.QuantizeConfig's
-*_gluon fields): a token per 1-4 adjacent lanes, the rotation as numerics.fwht's butterflies in
-registers and shuffles (no +-1 matrix), and V's K-major copies written from the K / V kernel's
-registers, so that _kvblock_cols_kernel writes only their pad columns.
+On sm_90 at D=64 / 128, q runs as a Gluon kernel instead (_quantize_q_gluon;
+config.QuantizeConfig's q_gluon_* fields): a token per 1-4 adjacent lanes, the rotation as
+numerics.fwht's butterflies in registers and shuffles across the token's lanes (no +-1 matrix).
 
 Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in its
 own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32 summation
@@ -37,7 +36,7 @@ import triton.language as tl
 
 from . import config, interpreting, is_sm90
 from .gluon_common import HAVE_GLUON
-from .kmajor import ORDER_MMA_A, check_copy, copy_columns, kmajor_layout, mma_key_order_gluon
+from .kmajor import ORDER_MMA_A, check_copy, copy_columns, kmajor_layout
 from .launch import launch_kernel
 from .layout import KV_BLOCK, QuantizedQKV, new_tensor
 from .numerics import fwht_stages, hadamard_signs, pow2_scale_bits
@@ -218,8 +217,7 @@ def _scale_columns(S0, S1, S2, S3, DST, TOK_OF_COL, T, Tp, HKV, h, c0, NS: tl.co
 def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCAP, VNORM,
                          TOK_OF_COL, ITEMS, N_ITEMS, T, Tp, stride_t, HKV, N_COL_BLOCKS,
                          D: tl.constexpr, BLOCK_C: tl.constexpr,
-                         CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr,
-                         VT_PADS_ONLY: tl.constexpr = False):
+                         CAUSAL: tl.constexpr, KVB: tl.constexpr, CHUNK: tl.constexpr):
     """After _quantize_kv_kernel, one launch of 3 HKV programs per column block / K/V block i
     (program i * 3 HKV + j, so that the programs running together read every head's bytes of
     the same tokens, whole 128-byte lines at D=64): j < HKV copies the block copy of V into its
@@ -232,14 +230,14 @@ def _kvblock_cols_kernel(V8, VT8, V8D, VT8D, SK, SV, SKD, SVD, SCOLS, NORMS, VCA
     if j < HKV:
         if i < N_COL_BLOCKS:
             copy_columns(V8, VT8, TOK_OF_COL, Tp, stride_t, j, i * BLOCK_C, D, BLOCK_C,
-                         1, VT_PADS_ONLY)   # ORDER_MMA_A
+                         1)   # ORDER_MMA_A
             _scale_columns(SK, SV, SKD, SVD, SCOLS, TOK_OF_COL, T, Tp, HKV, j, i * BLOCK_C,
                            4 if CAUSAL else 2, BLOCK_C)
     elif j < 2 * HKV:
         if CAUSAL:
             if i < N_COL_BLOCKS:
                 copy_columns(V8D, VT8D, TOK_OF_COL, Tp, stride_t, j - HKV, i * BLOCK_C, D,
-                             BLOCK_C, 1, VT_PADS_ONLY)
+                             BLOCK_C, 1)
     elif i < N_ITEMS:
         if tl.load(ITEMS + i) >= 0:
             h = (j - 2 * HKV).to(tl.int64)
@@ -259,8 +257,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _rows_f32(X, stride_xt, lo, hi, D: gl.constexpr, BT: gl.constexpr, TPR: gl.constexpr,
                   num_warps: gl.constexpr):
-        """Tokens [lo, lo + BT) of one head (zeros from hi on) as fp32, a row per TPR (1 or 2)
-        adjacent lanes, each holding D / TPR adjacent columns: loaded 16 bytes per thread, moved
+        """Tokens [lo, lo + BT) of one head (zeros from hi on) as fp32, a row per TPR (1, 2 or
+        4) adjacent lanes, each holding D / TPR adjacent columns: loaded 16 bytes per thread, moved
         to the rows' threads once through shared memory."""
         LD: gl.constexpr = D // 8
         ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LD, LD], [num_warps, 1], [1, 0])
@@ -293,99 +291,6 @@ if HAVE_GLUON:
         gl.store(S + t, gl.convert_layout(v, sc_l), mask=t < hi)
 
     @gluon.jit
-    def _store_kmajor(VT, y, c0, n_cols, Tp, D: gl.constexpr, BT: gl.constexpr,
-                      num_warps: gl.constexpr):
-        """The block's columns of a K-major copy (kmajor: wgmma key order within every 16
-        columns): VT[d * Tp + c0 + p] = y[mma_order16(p), d] for p < n_cols (y's rows past the
-        document's end are zeros: the pad columns). The order is a relabeling of y's rows (no
-        data moves); the transposition is one move through shared memory, then 16 bytes per
-        thread along the columns."""
-        TC: gl.constexpr = BT // 16
-        vt_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TC, TC], [num_warps, 1], [1, 0])
-        yt = gl.convert_layout(mma_key_order_gluon(gl.permute(y, (1, 0))), vt_l)
-        d = gl.arange(0, D, layout=gl.SliceLayout(1, vt_l))
-        p = gl.arange(0, BT, layout=gl.SliceLayout(0, vt_l))
-        gl.store(VT + d.to(gl.int64)[:, None] * Tp + c0 + p[None, :], yt,
-                 mask=(p < n_cols)[None, :])
-
-    @gluon.jit
-    def _norms_rows(y, s):
-        """2-norms over D of the dequantized rows y * s (in each row's thread)."""
-        yd = y.to(gl.float32) * s
-        return gl.sqrt(gl.sum(yd * yd, axis=1))
-
-    @gluon.jit
-    def _quantize_block_gluon(X, stride_xt, YB, YT, SB, ST, NB, NT, VT, VTD, c0, Tp, rot_scale,
-                              lo, hi, HKV, D: gl.constexpr, KVB: gl.constexpr,
-                              ROTATE: gl.constexpr, TOKEN_COPY: gl.constexpr,
-                              V_OUT: gl.constexpr, num_warps: gl.constexpr):
-        TPR: gl.constexpr = 32 * num_warps // KVB      # lanes per token
-        """_quantize_block with a token per two lanes (K rotated by butterflies in registers, no
-        +-1 matrix; the row amax a NaN-propagating max, so a NaN / inf row is the Triton
-        kernel's `bad` row), and for V (V_OUT) the norms and the block's columns of the K-major
-        copies VT (block copy) and VTD (token copy) written from the same registers."""
-        xf = _rows_f32(X, stride_xt, lo, hi, D, KVB, TPR, num_warps)
-        if ROTATE:
-            xf = _fwht_lanes(xf, KVB, D, TPR) * rot_scale
-        amax = gl.reduce(gl.abs(xf), 1, _max_nan)
-        bad = ~(amax < float("inf"))
-        row_stride = HKV * D
-        n_cols = (hi - lo + 15) // 16 * 16
-        # one copy at a time (an fp8 tile takes a register per byte until it is stored)
-        # pow2 is monotone: the block's scale is also the max of its tokens' scales
-        sb, invb = pow2_scale_bits(gl.max(amax, axis=0),
-                                          gl.max(bad.to(gl.int32), axis=0) != 0)
-        yb = (xf * invb).to(gl.float8e4nv)
-        _store_rows8(YB, yb, lo, hi, row_stride, D, KVB, num_warps)
-        _store_per_token(SB, gl.zeros_like(amax) + sb, lo, hi, KVB, num_warps)
-        if V_OUT:
-            _store_per_token(NB, _norms_rows(yb, sb), lo, hi, KVB, num_warps)
-            _store_kmajor(VT, yb, c0, n_cols, Tp, D, KVB, num_warps)
-        if TOKEN_COPY:
-            scale, inv = pow2_scale_bits(amax, bad)
-            yt = (xf * gl.expand_dims(inv, 1)).to(gl.float8e4nv)
-            _store_rows8(YT, yt, lo, hi, row_stride, D, KVB, num_warps)
-            _store_per_token(ST, scale, lo, hi, KVB, num_warps)
-            if V_OUT:
-                _store_per_token(NT, _norms_rows(yt, gl.expand_dims(scale, 1)), lo, hi, KVB,
-                                 num_warps)
-                _store_kmajor(VTD, yt, c0, n_cols, Tp, D, KVB, num_warps)
-
-    @gluon.jit(do_not_specialize=["N_ITEMS"])
-    def _quantize_kv_gluon(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, VT8, VT8D, PCU,
-                           ITEMS, N_ITEMS, stride_kt, stride_kh, stride_vt, stride_vh, T, Tp,
-                           HKV, rot_scale, D: gl.constexpr, KVB: gl.constexpr,
-                           ROTATE: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-        """_quantize_kv_kernel's grid and outputs, a token per two lanes (KVB = 16 num_warps), and
-        V's K-major copies vt8 / vt8_diag (kmajor's padded columns, wgmma key order) from the
-        same registers: the cols kernel then writes only their pad columns past a document's
-        last block."""
-        row = gl.program_id(0)
-        j = gl.program_id(1)
-        doc = gl.load(ITEMS + j)
-        if doc >= 0:
-            blk = gl.load(ITEMS + N_ITEMS + j)
-            start = gl.load(ITEMS + 2 * N_ITEMS + j)
-            L = gl.load(ITEMS + 3 * N_ITEMS + j)
-            lo = start + blk * KVB
-            hi = start + gl.minimum((blk + 1) * KVB, L)
-            c0 = gl.load(PCU + doc) + blk * KVB
-            if row < HKV:
-                h = row
-                _quantize_block_gluon(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D,
-                                      SK + h * T, SKD + h * T, NORMS, NORMS, VT8, VT8D, c0, Tp,
-                                      rot_scale, lo, hi, HKV, D, KVB, ROTATE, CAUSAL, False,
-                                      num_warps)
-            else:
-                h = row - HKV
-                _quantize_block_gluon(V + h * stride_vh, stride_vt, V8 + h * D, V8D + h * D,
-                                      SV + h * T, SVD + h * T, NORMS + h * T,
-                                      NORMS + (HKV + h) * T, VT8 + h.to(gl.int64) * D * Tp,
-                                      VT8D + h.to(gl.int64) * D * Tp, c0, Tp, rot_scale, lo, hi, HKV, D,
-                                      KVB, False, CAUSAL, True, num_warps)
-
-
-    @gluon.jit
     def _lane_butterfly(x, LO: gl.constexpr, XOR: gl.constexpr):
         """The fwht stage of columns c, c + LO held by lanes l, l ^ XOR: one shuffle per value."""
         if XOR == 1:
@@ -413,6 +318,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _max_nan(a, b):
+        """max that returns NaN where either operand is NaN (a NaN row gets scale NaN)."""
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
@@ -489,9 +395,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
     rot_scale = 1.0 / math.sqrt(D)
-    # the Gluon kernels at the kernels' head dims on sm_90 (the Triton ones everywhere else)
-    gluon_ok = D in (64, 128) and HAVE_GLUON and not interpreting() and is_sm90(dev)
-    if launch.q_gluon_warps and gluon_ok:
+    # q: the Gluon kernel at the attention kernels' head dims on sm_90, Triton's elsewhere
+    if (launch.q_gluon_warps and D in (64, 128) and HAVE_GLUON and not interpreting()
+            and is_sm90(dev)):
         q_rows = 32 * launch.q_gluon_warps // launch.q_gluon_tpr
         launch_kernel(_quantize_q_gluon, (Hq, triton.cdiv(T, q_rows)),
             q, q8, sq, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D, TPR=launch.q_gluon_tpr,
@@ -500,18 +406,10 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
         launch_kernel(_quantize_q_kernel, (Hq, triton.cdiv(T, launch.block_t)),
             q, q8, sq, had, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D,
             BLOCK_T=launch.block_t, ROTATE=rotate, num_warps=launch.q_warps)
-    kv_gluon = bool(launch.kv_gluon_warps) and gluon_ok
-    if kv_gluon:
-        launch_kernel(_quantize_kv_gluon, (2 * Hkv, n_items),
-            k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, vt8, vt8d if causal else vt8,
-            pcu, items, n_items, k.stride(0), k.stride(1), v.stride(0), v.stride(1), T, Tp, Hkv,
-            rot_scale, D=D, KVB=KV_BLOCK, ROTATE=rotate, CAUSAL=bool(causal),
-            num_warps=launch.kv_gluon_warps)
-    else:
-        launch_kernel(_quantize_kv_kernel, (2 * Hkv, n_items),
-            k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
-            ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
+    launch_kernel(_quantize_kv_kernel, (2 * Hkv, n_items),
+        k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
+        ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
     check_copy(v8, vt8, ORDER_MMA_A)
     block_c = launch.cols_block
     n_cols = triton.cdiv(Tp, block_c)
@@ -520,6 +418,5 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
         (vt8d if causal else vt8).view(torch.uint8), sk, sv, skd_, svd_, scale_cols, norms, vcap,
         vnorm, tok_of_col, items, n_items, T, Tp, v8.stride(0), Hkv, n_cols, D=D,
         BLOCK_C=block_c, CAUSAL=bool(causal), KVB=KV_BLOCK,
-        CHUNK=KV_BLOCK if interpreting() else 2048, VT_PADS_ONLY=bool(kv_gluon),
-        num_warps=launch.cols_warps)
+        CHUNK=KV_BLOCK if interpreting() else 2048, num_warps=launch.cols_warps)
     return out

@@ -69,22 +69,9 @@ def fwht_stages(x, M: tl.constexpr, D: tl.constexpr, LO_END: tl.constexpr):
     """fwht's first stages, those pairing columns c and c + LO for LO < LO_END (a power of two
     <= D): the rest of fwht where the columns c + LO sit in other lanes (quantize's Gluon q
     kernel, which finishes by shuffles). Also callable from Gluon kernels."""
-    if LO_END > 1:
-        x = _butterfly(x, M, D // 2, 1)
-    if LO_END > 2:
-        x = _butterfly(x, M, D // 4, 2)
-    if LO_END > 4:
-        x = _butterfly(x, M, D // 8, 4)
-    if LO_END > 8:
-        x = _butterfly(x, M, D // 16, 8)
-    if LO_END > 16:
-        x = _butterfly(x, M, D // 32, 16)
-    if LO_END > 32:
-        x = _butterfly(x, M, D // 64, 32)
-    if LO_END > 64:
-        x = _butterfly(x, M, D // 128, 64)
-    if LO_END > 128:
-        x = _butterfly(x, M, D // 256, 128)
+    for k in tl.static_range(8):      # LO = 2^k: columns c and c + LO of each 2 LO group
+        if (1 << k) < LO_END:
+            x = _butterfly(x, M, D // (2 << k), 1 << k)
     return x
 
 

@@ -86,7 +86,7 @@ class QuantizeConfig:
     butterflies (fp32 sums in another order than the Triton kernel's GEMM with the +-1 matrix: a
     value on an e4m3 rounding tie may round the other way). 128 columns per V column program:
     whole quantize_qkv -0.2 to -2 % against 64; the Gluon q kernel at 4 warps, 2 lanes per token:
-    -0.03 to -0.05 ms per call at D=128, neutral at D=64 (H100, benchmarks/NOTES.md)."""
+    -0.02 to -0.05 ms per call at D=128, within +-4 % at D=64 (H100, benchmarks/NOTES.md)."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8

@@ -81,12 +81,11 @@ class PersistentFwdConfig:
 class QuantizeConfig:
     """quantize_qkv's launches: tokens per q program, warps of the q programs and of the K / V block
     programs (one 128-token block each), columns and warps of the V column programs
-    (_kvblock_cols_kernel), and on sm_90 the Gluon q kernel's warps and lanes per token. Only the
-    schedule: every choice writes the same bytes, except that the Gluon q kernel rotates by
-    butterflies (fp32 sums in another order than the Triton kernel's GEMM with the +-1 matrix: a
-    value on an e4m3 rounding tie may round the other way). 128 columns per V column program:
-    whole quantize_qkv -0.2 to -2 % against 64; the Gluon q kernel at 4 warps, 2 lanes per token:
-    -0.02 to -0.05 ms per call at D=128, within +-4 % at D=64 (H100, benchmarks/NOTES.md)."""
+    (_kvblock_cols_kernel), and on sm_90 the Gluon q and K / V kernels' warps (q: and lanes per
+    token). Only the schedule: every choice writes the same bytes, except that the Gluon kernels
+    rotate by butterflies (fp32 sums in another order than the Triton kernels' GEMM with the +-1
+    matrix: a value on an e4m3 rounding tie may round the other way) and sum V's norms over a
+    token's lanes in their own order. quantize_config(head_dim) gives the measured choice."""
     block_t: int = 64
     q_warps: int = 4
     kv_warps: int = 8
@@ -96,6 +95,19 @@ class QuantizeConfig:
     # this many warps; 0: the Triton kernel (block_t, q_warps) everywhere
     q_gluon_warps: int = 4
     q_gluon_tpr: int = 2
+    # sm_90 at D=64 / 128: K and V by the Gluon kernel at this many warps (4, 8 or 16: a token
+    # per 1, 2 or 4 lanes of a 128-token block); 0: the Triton kernel (kv_warps)
+    kv_gluon_warps: int = 8
+
+
+def quantize_config(head_dim: int) -> QuantizeConfig:
+    """quantize_qkv's launches at this head dim (H100, one process, benchmarks/NOTES.md): 128
+    columns per V column program (whole quantize_qkv -0.2 to -2 % against 64); the Gluon q kernel
+    at 4 warps x 2 lanes per token (-0.02 to -0.05 ms per call at D=128, within +-4 % at D=64);
+    the Gluon K / V kernel (-0.01 to -0.03 ms per call against Triton's) at 8 warps at D=128 (4
+    warps hold a 128-wide row per thread: 228 registers) and 4 at D=64 (-0.004 to -0.02 ms
+    against 8)."""
+    return QuantizeConfig(kv_gluon_warps=4 if head_dim <= 64 else 8)
 
 
 def uses_persistent_forward(head_dim: int, recipe, device) -> bool:

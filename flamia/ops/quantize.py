@@ -13,9 +13,11 @@ writes the K-major V copies (block and, causal, token: the forward's PV GEMM red
 flamia.ops.kmajor) in its padded column layout, the scales in the same columns (scale_cols, for the
 Gluon forward's TMA) and, per K/V block, the visible maxima vcap and vnorm (reference._visible_max).
 
-On sm_90 at D=64 / 128, q runs as a Gluon kernel instead (_quantize_q_gluon;
-config.QuantizeConfig's q_gluon_* fields): a token per 1-4 adjacent lanes, the rotation as
-numerics.fwht's butterflies in registers and shuffles across the token's lanes (no +-1 matrix).
+On sm_90 at D=64 / 128, q and K / V run as Gluon kernels instead (_quantize_q_gluon,
+_quantize_kv_gluon; config.QuantizeConfig's q_gluon_* and kv_gluon_warps): a token per 1-4
+adjacent lanes, the rotation as numerics.fwht's butterflies in registers and shuffles across the
+token's lanes (no +-1 matrix); the same outputs as the Triton kernels (V's K-major copies stay
+with _kvblock_cols_kernel: made from the K / V kernel's registers they cost more than the re-read).
 
 Numerics follow flamia.reference exactly: the rotation is (x @ sign(H)) * (1/sqrt(D)) with x in its
 own 16-bit dtype and the ±1 Hadamard signs, so every product is exact and only the fp32 summation
@@ -322,6 +324,71 @@ if HAVE_GLUON:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
+    def _norms_rows(y, s):
+        """2-norms over D of the dequantized rows y * s (over the row's lanes)."""
+        yd = y.to(gl.float32) * s
+        return gl.sqrt(gl.sum(yd * yd, axis=1))
+
+    @gluon.jit
+    def _quantize_block_gluon(X, stride_xt, YB, YT, SB, ST, NB, NT, rot_scale, lo, hi, HKV,
+                              D: gl.constexpr, KVB: gl.constexpr, ROTATE: gl.constexpr,
+                              TOKEN_COPY: gl.constexpr, NORMS: gl.constexpr,
+                              num_warps: gl.constexpr):
+        """_quantize_block with a token per 32 num_warps / KVB adjacent lanes: K rotated by
+        butterflies (no +-1 matrix), the row amax a NaN-propagating max (a NaN / inf row is the
+        Triton kernel's `bad` row); the same outputs (the copies' rows, scales, V's norms; V's
+        K-major copies stay with _kvblock_cols_kernel)."""
+        TPR: gl.constexpr = 32 * num_warps // KVB
+        xf = _rows_f32(X, stride_xt, lo, hi, D, KVB, TPR, num_warps)
+        if ROTATE:
+            xf = _fwht_lanes(xf, KVB, D, TPR) * rot_scale
+        amax = gl.reduce(gl.abs(xf), 1, _max_nan)
+        bad = ~(amax < float("inf"))
+        row_stride = HKV * D
+        if TOKEN_COPY:
+            scale, inv = pow2_scale_bits(amax, bad)
+            yt = (xf * gl.expand_dims(inv, 1)).to(gl.float8e4nv)
+            _store_rows8(YT, yt, lo, hi, row_stride, D, KVB, num_warps)
+            _store_per_token(ST, scale, lo, hi, KVB, num_warps)
+            if NORMS:
+                _store_per_token(NT, _norms_rows(yt, gl.expand_dims(scale, 1)), lo, hi, KVB,
+                                 num_warps)
+        # pow2 is monotone: the block's scale is also the max of its tokens' scales
+        sb, invb = pow2_scale_bits(gl.max(amax, axis=0), gl.max(bad.to(gl.int32), axis=0) != 0)
+        yb = (xf * invb).to(gl.float8e4nv)
+        _store_rows8(YB, yb, lo, hi, row_stride, D, KVB, num_warps)
+        _store_per_token(SB, gl.zeros_like(amax) + sb, lo, hi, KVB, num_warps)
+        if NORMS:
+            _store_per_token(NB, _norms_rows(yb, sb), lo, hi, KVB, num_warps)
+
+    @gluon.jit(do_not_specialize=["N_ITEMS"])
+    def _quantize_kv_gluon(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, ITEMS, N_ITEMS,
+                           stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
+                           D: gl.constexpr, KVB: gl.constexpr, ROTATE: gl.constexpr,
+                           CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """_quantize_kv_kernel's grid and outputs by _quantize_block_gluon."""
+        row = gl.program_id(0)
+        j = gl.program_id(1)
+        doc = gl.load(ITEMS + j)
+        if doc >= 0:
+            blk = gl.load(ITEMS + N_ITEMS + j)
+            start = gl.load(ITEMS + 2 * N_ITEMS + j)
+            L = gl.load(ITEMS + 3 * N_ITEMS + j)
+            lo = start + blk * KVB
+            hi = start + gl.minimum((blk + 1) * KVB, L)
+            if row < HKV:
+                h = row
+                _quantize_block_gluon(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D,
+                                      SK + h * T, SKD + h * T, NORMS, NORMS, rot_scale, lo, hi,
+                                      HKV, D, KVB, ROTATE, CAUSAL, False, num_warps)
+            else:
+                h = row - HKV
+                _quantize_block_gluon(V + h * stride_vh, stride_vt, V8 + h * D, V8D + h * D,
+                                      SV + h * T, SVD + h * T, NORMS + h * T,
+                                      NORMS + (HKV + h) * T, rot_scale, lo, hi, HKV, D, KVB,
+                                      False, CAUSAL, True, num_warps)
+
+    @gluon.jit
     def _quantize_q_gluon(Q, Q8, SQ, stride_qt, stride_qh, T, HQ, rot_scale,
                           D: gl.constexpr, TPR: gl.constexpr, ROTATE: gl.constexpr,
                           num_warps: gl.constexpr):
@@ -351,9 +418,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
 
     fp8 (token-block scaling, module docstring): the fields of layout.QuantizedQKV, vt8 and vt8_diag
     in wgmma key order (flamia.ops.kmajor), which both forward kernels read. bf16: the inputs
-    themselves (fp16 rounded to bf16 as the reference does), no scales. launch: tokens per q program
-    and warps (QuantizeConfig() by default; the values do not depend on it). poison=True fills
-    outputs with NaN first (tests: every element written)."""
+    themselves (fp16 rounded to bf16 as the reference does), no scales. launch: the kernels' tiles
+    and warps (config.quantize_config(D) by default; the values do not depend on it). poison=True
+    fills outputs with NaN first (tests: every element written)."""
     rec: Recipe = get_recipe(recipe)
     if rec.name == "bf16":
         q8, k8, v8 = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16) for x in (q, k, v))
@@ -367,7 +434,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dim {D} not supported by the quantize kernel")
     q, k, v = _rows_view(q), _rows_view(k), _rows_view(v)
-    launch = launch or config.QuantizeConfig()
+    launch = launch or config.quantize_config(D)
     fill = functools.partial(new_tensor, device=q.device, fill=float("nan") if poison else None)
     dev = q.device
     f8, f32 = torch.float8_e4m3fn, torch.float32
@@ -395,9 +462,9 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     # non-causal: the token-copy pointers are placeholders of the right type (never written)
     k8d_, v8d_, skd_, svd_ = (k8d, v8d, skd, svd) if causal else (k8, v8, sk, sv)
     rot_scale = 1.0 / math.sqrt(D)
-    # q: the Gluon kernel at the attention kernels' head dims on sm_90, Triton's elsewhere
-    if (launch.q_gluon_warps and D in (64, 128) and HAVE_GLUON and not interpreting()
-            and is_sm90(dev)):
+    # q, K / V: the Gluon kernels at the attention kernels' head dims on sm_90, Triton's elsewhere
+    gluon_ok = D in (64, 128) and HAVE_GLUON and not interpreting() and is_sm90(dev)
+    if launch.q_gluon_warps and gluon_ok:
         q_rows = 32 * launch.q_gluon_warps // launch.q_gluon_tpr
         launch_kernel(_quantize_q_gluon, (Hq, triton.cdiv(T, q_rows)),
             q, q8, sq, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D, TPR=launch.q_gluon_tpr,
@@ -406,10 +473,16 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
         launch_kernel(_quantize_q_kernel, (Hq, triton.cdiv(T, launch.block_t)),
             q, q8, sq, had, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D,
             BLOCK_T=launch.block_t, ROTATE=rotate, num_warps=launch.q_warps)
-    launch_kernel(_quantize_kv_kernel, (2 * Hkv, n_items),
-        k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items, k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
-        ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
+    if launch.kv_gluon_warps and gluon_ok:
+        launch_kernel(_quantize_kv_gluon, (2 * Hkv, n_items),
+            k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, items, n_items, k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,
+            ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_gluon_warps)
+    else:
+        launch_kernel(_quantize_kv_kernel, (2 * Hkv, n_items),
+            k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, had, items, n_items,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D,
+            KVB=KV_BLOCK, ROTATE=rotate, CAUSAL=bool(causal), num_warps=launch.kv_warps)
     check_copy(v8, vt8, ORDER_MMA_A)
     block_c = launch.cols_block
     n_cols = triton.cdiv(Tp, block_c)

@@ -91,12 +91,11 @@ class QuantizeConfig:
     kv_warps: int = 8
     cols_block: int = 128
     cols_warps: int = 4
-    # sm_90 at D=64 / 128: q by the Gluon kernel (a token per q_gluon_tpr lanes: 1, 2 or 4) at
-    # this many warps; 0: the Triton kernel (block_t, q_warps) everywhere
+    # sm_90 at D=64 / 128 (the Gluon kernels; block_t, q_warps and kv_warps are the Triton
+    # kernels' elsewhere): q at this many warps, a token per q_gluon_tpr lanes (1, 2 or 4); K
+    # and V at kv_gluon_warps (4, 8 or 16: a token per 1, 2 or 4 lanes of a 128-token block)
     q_gluon_warps: int = 4
     q_gluon_tpr: int = 2
-    # sm_90 at D=64 / 128: K and V by the Gluon kernel at this many warps (4, 8 or 16: a token
-    # per 1, 2 or 4 lanes of a 128-token block); 0: the Triton kernel (kv_warps)
     kv_gluon_warps: int = 8
 
 

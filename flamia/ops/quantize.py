@@ -136,6 +136,17 @@ def _quantize_block(X, stride_xt, YB, YT, SB, ST, NB, NT, HAD, rot_scale, lo, hi
         tl.store(NB + offs_t, tl.sqrt(tl.sum(yd * yd, axis=1)), mask=tmask)
 
 
+@triton.jit
+def _kv_block_tokens(ITEMS, N_ITEMS, j, KVB: tl.constexpr):
+    """(doc, lo, hi) of K/V block j of the work list ITEMS: its tokens [lo, hi); doc < 0: a list
+    slot with no block. Also called from the Gluon K / V kernel."""
+    doc = tl.load(ITEMS + j)
+    blk = tl.load(ITEMS + N_ITEMS + j)
+    start = tl.load(ITEMS + 2 * N_ITEMS + j)
+    L = tl.load(ITEMS + 3 * N_ITEMS + j)
+    return doc, start + blk * KVB, start + tl.minimum((blk + 1) * KVB, L)
+
+
 @triton.jit(do_not_specialize=["N_ITEMS"])   # (follows cu_seqlens: one build for every split)
 def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, ITEMS, N_ITEMS,
                         stride_kt, stride_kh, stride_vt, stride_vh, T, HKV, rot_scale,
@@ -144,14 +155,8 @@ def _quantize_kv_kernel(K, V, K8, V8, K8D, V8D, SK, SV, SKD, SVD, NORMS, HAD, IT
     """Axis 0: k heads, then v heads; axis 1: the document-local KVB-token blocks of the work list
     ITEMS (_quantize_block). NORMS (2, HKV, T): the block copy's and token copy's V norms."""
     row = tl.program_id(0)
-    j = tl.program_id(1)
-    doc = tl.load(ITEMS + j)
+    doc, lo, hi = _kv_block_tokens(ITEMS, N_ITEMS, tl.program_id(1), KVB)
     if doc >= 0:
-        blk = tl.load(ITEMS + N_ITEMS + j)
-        start = tl.load(ITEMS + 2 * N_ITEMS + j)
-        L = tl.load(ITEMS + 3 * N_ITEMS + j)
-        lo = start + blk * KVB
-        hi = start + tl.minimum((blk + 1) * KVB, L)
         if row < HKV:
             h = row
             _quantize_block(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D, SK + h * T,
@@ -324,6 +329,27 @@ if HAVE_GLUON:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
+    def _rows_amax(X, stride_xt, lo, hi, rot_scale, D: gl.constexpr, BT: gl.constexpr,
+                   TPR: gl.constexpr, ROTATE: gl.constexpr, num_warps: gl.constexpr):
+        """(_rows_f32's rows, rotated by butterflies when ROTATE, and their amax): the amax a
+        NaN-propagating max, so a NaN / inf row is the Triton kernels' `bad` row."""
+        xf = _rows_f32(X, stride_xt, lo, hi, D, BT, TPR, num_warps)
+        if ROTATE:
+            xf = _fwht_lanes(xf, BT, D, TPR) * rot_scale
+        return xf, gl.reduce(gl.abs(xf), 1, _max_nan)
+
+    @gluon.jit
+    def _token_rows8(xf, amax, Y, S, lo, hi, row_stride, D: gl.constexpr, BT: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """Per-token scaling of the rows xf (amax: _rows_amax's): the e4m3 rows to Y, the
+        scales to S (tokens lo + i < hi); returns (the e4m3 rows, the scales)."""
+        scale, inv = pow2_scale_bits(amax, ~(amax < float("inf")))
+        y = (xf * gl.expand_dims(inv, 1)).to(gl.float8e4nv)
+        _store_rows8(Y, y, lo, hi, row_stride, D, BT, num_warps)
+        _store_per_token(S, scale, lo, hi, BT, num_warps)
+        return y, scale
+
+    @gluon.jit
     def _norms_rows(y, s):
         """2-norms over D of the dequantized rows y * s (over the row's lanes)."""
         yd = y.to(gl.float32) * s
@@ -339,17 +365,11 @@ if HAVE_GLUON:
         Triton kernel's `bad` row); the same outputs (the copies' rows, scales, V's norms; V's
         K-major copies stay with _kvblock_cols_kernel)."""
         TPR: gl.constexpr = 32 * num_warps // KVB
-        xf = _rows_f32(X, stride_xt, lo, hi, D, KVB, TPR, num_warps)
-        if ROTATE:
-            xf = _fwht_lanes(xf, KVB, D, TPR) * rot_scale
-        amax = gl.reduce(gl.abs(xf), 1, _max_nan)
+        xf, amax = _rows_amax(X, stride_xt, lo, hi, rot_scale, D, KVB, TPR, ROTATE, num_warps)
         bad = ~(amax < float("inf"))
         row_stride = HKV * D
         if TOKEN_COPY:
-            scale, inv = pow2_scale_bits(amax, bad)
-            yt = (xf * gl.expand_dims(inv, 1)).to(gl.float8e4nv)
-            _store_rows8(YT, yt, lo, hi, row_stride, D, KVB, num_warps)
-            _store_per_token(ST, scale, lo, hi, KVB, num_warps)
+            yt, scale = _token_rows8(xf, amax, YT, ST, lo, hi, row_stride, D, KVB, num_warps)
             if NORMS:
                 _store_per_token(NT, _norms_rows(yt, gl.expand_dims(scale, 1)), lo, hi, KVB,
                                  num_warps)
@@ -368,14 +388,8 @@ if HAVE_GLUON:
                            CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """_quantize_kv_kernel's grid and outputs by _quantize_block_gluon."""
         row = gl.program_id(0)
-        j = gl.program_id(1)
-        doc = gl.load(ITEMS + j)
+        doc, lo, hi = _kv_block_tokens(ITEMS, N_ITEMS, gl.program_id(1), KVB)
         if doc >= 0:
-            blk = gl.load(ITEMS + N_ITEMS + j)
-            start = gl.load(ITEMS + 2 * N_ITEMS + j)
-            L = gl.load(ITEMS + 3 * N_ITEMS + j)
-            lo = start + blk * KVB
-            hi = start + gl.minimum((blk + 1) * KVB, L)
             if row < HKV:
                 h = row
                 _quantize_block_gluon(K + h * stride_kh, stride_kt, K8 + h * D, K8D + h * D,
@@ -401,14 +415,9 @@ if HAVE_GLUON:
         BT: gl.constexpr = 32 * num_warps // TPR
         h = gl.program_id(0)
         t0 = gl.program_id(1) * BT
-        xf = _rows_f32(Q + h * stride_qh, stride_qt, t0, T, D, BT, TPR, num_warps)
-        if ROTATE:
-            xf = _fwht_lanes(xf, BT, D, TPR) * rot_scale
-        amax = gl.reduce(gl.abs(xf), 1, _max_nan)
-        scale, inv = pow2_scale_bits(amax, ~(amax < float("inf")))
-        y = (xf * gl.expand_dims(inv, 1)).to(gl.float8e4nv)
-        _store_rows8(Q8 + h * D, y, t0, T, HQ * D, D, BT, num_warps)
-        _store_per_token(SQ + h * T, scale, t0, T, BT, num_warps)
+        xf, amax = _rows_amax(Q + h * stride_qh, stride_qt, t0, T, rot_scale, D, BT, TPR, ROTATE,
+                              num_warps)
+        _token_rows8(xf, amax, Q8 + h * D, SQ + h * T, t0, T, HQ * D, D, BT, num_warps)
 
 
 def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
@@ -464,7 +473,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
     rot_scale = 1.0 / math.sqrt(D)
     # q, K / V: the Gluon kernels at the attention kernels' head dims on sm_90, Triton's elsewhere
     gluon_ok = D in (64, 128) and HAVE_GLUON and not interpreting() and is_sm90(dev)
-    if launch.q_gluon_warps and gluon_ok:
+    if gluon_ok:
         q_rows = 32 * launch.q_gluon_warps // launch.q_gluon_tpr
         launch_kernel(_quantize_q_gluon, (Hq, triton.cdiv(T, q_rows)),
             q, q8, sq, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D, TPR=launch.q_gluon_tpr,
@@ -473,7 +482,7 @@ def quantize_qkv(q, k, v, cu_seqlens, recipe, causal, *,
         launch_kernel(_quantize_q_kernel, (Hq, triton.cdiv(T, launch.block_t)),
             q, q8, sq, had, q.stride(0), q.stride(1), T, Hq, rot_scale, D=D,
             BLOCK_T=launch.block_t, ROTATE=rotate, num_warps=launch.q_warps)
-    if launch.kv_gluon_warps and gluon_ok:
+    if gluon_ok:
         launch_kernel(_quantize_kv_gluon, (2 * Hkv, n_items),
             k, v, k8, v8, k8d_, v8d_, sk, sv, skd_, svd_, norms, items, n_items, k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), T, Hkv, rot_scale, D=D, KVB=KV_BLOCK,

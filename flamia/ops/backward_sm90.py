@@ -639,6 +639,10 @@ if HAVE_GLUON:
 #     X^T = exp2(S^T A skb - B - log2 c_pt)          = P^T sdo / c_pt       (dV's e4m3 operand)
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
+# X^T's exp2 is ex2.approx except in the plain steps at 128 query rows (D=64), where a quarter of
+# them is a cubic on the FMA pipe (_exp2_fma, relative error 7.5e-5; both far below the e4m3
+# rounding that follows). The helper warps also write the scaled vectors by pairs (A with B, Hv
+# with E: vp_smem), so a plain step reads two of them per 16-byte load.
 # Steps run in the bf16 kernel's order (per query head of the group, the query blocks that see the
 # key block: the first head upwards, the later ones downwards; _first_step), so the dQ writer and
 # its deterministic-mode wavefront are shared. Diagonal steps (the query block inside the key
@@ -864,16 +868,31 @@ if HAVE_GLUON:
                 h, q0, dq0, q_end = _next_step(h, q0, dq0, q_end, m_lo, n_m, BM)
 
     @gluon.jit
-    def _store_pairs_transposed(yt, ds_smem):
-        """ds_smem[q, c] = e4m3(yt[key(c), q]), key(c) in pair order (kmajor's module docstring): a
-        thread's two keys of a pair form one 16-bit element, stored transposed (stmatrix .trans)."""
+    def _e4m3_pairs(yt):
+        """(y8, y16): yt in e4m3 (yt's layout), and its values as key pairs for the transposed
+        dS store: y16[a, l, q] = (e4m3(yt[16 a + l, q]), e4m3(yt[16 a + 8 + l, q])), one 16-bit
+        element (rows 16 a + l and 16 a + 8 + l are one thread's, in pair order). One cvt per two
+        values serves both: a thread's consecutive accumulator registers hold (r, c), (r, c + 1),
+        (r + 8, c), (r + 8, c + 1); each cvt makes a key pair, and one prmt per four values puts
+        them in register order for y8."""
         BN: gl.constexpr = yt.type.shape[0]
         BM: gl.constexpr = yt.type.shape[1]
-        y4 = gl.permute(gl.reshape(yt, [BN // 16, 2, 8, BM]), (0, 2, 3, 1))   # [a, l, q, h]
-        lo, hi = gl.split(y4)
-        y16 = gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r",
-                                        [lo, hi], dtype=gl.int16, is_pure=True, pack=1)
-        y16 = gl.reshape(y16, [BN // 2, BM])
+        y8, w = gl.inline_asm_elementwise(
+            "{ .reg .b16 a, b; .reg .b32 w; "
+            "cvt.rn.satfinite.e4m3x2.f32 a, $5, $3; cvt.rn.satfinite.e4m3x2.f32 b, $6, $4; "
+            "mov.b32 w, {a, b}; prmt.b32 $0, w, 0, 0x3120; mov.b32 $1, w; mov.b32 $2, w; }",
+            "=r,=r,=r,r,r,r,r", [yt], dtype=(gl.float8e4nv, gl.int16), is_pure=True, pack=4)
+        # w at (r, q) holds rows r, r + 8 of column q; the copies at rows r + 8 are dropped
+        lo, _hi = gl.split(gl.permute(gl.reshape(w, [BN // 16, 2, 8, BM]), (0, 2, 3, 1)))
+        return y8, gl.reshape(lo, [BN // 2, BM])
+
+    @gluon.jit
+    def _store_pairs_transposed(y16, ds_smem):
+        """ds_smem[q, c] = y16's byte of key(c), key(c) in pair order (kmajor's module
+        docstring): a thread's two keys of a pair form one 16-bit element (_e4m3_pairs), stored
+        transposed (stmatrix .trans)."""
+        BM: gl.constexpr = y16.type.shape[1]
+        BN: gl.constexpr = 2 * y16.type.shape[0]
         l16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                  rank=2)
         ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
@@ -926,8 +945,8 @@ if HAVE_GLUON:
             dst32.slice(4 * g, 4, 1).store(z)
 
     @gluon.jit
-    def _fp8_helper(q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready, do_ready,
-                    t_ready, cs_ready, ITEMS, N_ITEMS, GROUP, SK, SV, T, BN: gl.constexpr,
+    def _fp8_helper(q_smem, qt_smem, do_smem, dot_smem, vec_smem, vp_smem, cs_smem, q_ready,
+                    do_ready, t_ready, cs_ready, ITEMS, N_ITEMS, GROUP, SK, SV, T, BN: gl.constexpr,
                     CAUSAL: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
         """Each step's per-query vectors scaled by the CTA's scalars in place, once
         per step instead of once per compute thread: A sk (A alone on a diagonal step, whose
@@ -970,15 +989,22 @@ if HAVE_GLUON:
                 vh = _ring_row(vec_smem, s * NV + 2)
                 ve = _ring_row(vec_smem, s * NV + 3)
                 mbarrier.wait(q_ready.index(s), ph)
+                a = va.load(lay)
                 if not diag:
-                    va.store(va.load(lay) * skb)
-                vb.store(vb.load(lay) + lcpt)
+                    a = a * skb
+                    va.store(a)
+                b = vb.load(lay) + lcpt
+                vb.store(b)
+                _store_interleaved(vp_smem, 2 * s, a, b)
                 mbarrier.wait(do_ready.index(s), ph)
                 if diag:
-                    vh.store(vh.load(lay) * ratio)
+                    hv = vh.load(lay) * ratio
                 else:
-                    vh.store(vh.load(lay) * ratio_svb)
-                ve.store(ve.load(lay) * ratio)
+                    hv = vh.load(lay) * ratio_svb
+                vh.store(hv)
+                e = ve.load(lay) * ratio
+                ve.store(e)
+                _store_interleaved(vp_smem, 2 * s + 1, hv, e)
                 if KMAJOR_ONCHIP:
                     _kmajor_tile_words(do_smem.index(s), dot_smem.index(s), L - q0)
                 fence_async_shared()   # before the stage's next TMA (and dO^T's wgmma)
@@ -1059,22 +1085,91 @@ if HAVE_GLUON:
         return gl.expand_dims(v, 0)
 
     @gluon.jit
-    def _x_y_halves(st, dpt, vec_smem, v0, s_layout: gl.constexpr):
+    def _interleaved_view(vp_smem, r, lo: gl.constexpr, n: gl.constexpr):
+        """Columns [lo, lo + n) of row r of vp_smem as (n / 2, 2, 2): (column pair, vector,
+        column in the pair)."""
+        return _ring_row(vp_smem, r).slice(2 * lo, 2 * n)._reinterpret(
+            gl.float32, [n // 2, 2, 2], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+
+    @gluon.jit
+    def _store_interleaved(vp_smem, r, a, b):
+        """Row r of vp_smem = per-query vectors a and b by column pairs: a[2p], a[2p + 1],
+        b[2p], b[2p + 1] at 4p (_vector_pair reads both with one 16-byte load)."""
+        BM: gl.constexpr = a.type.shape[0]
+        ab = gl.join(gl.reshape(a, [BM // 2, 2]), gl.reshape(b, [BM // 2, 2]))   # (p, e, k)
+        _interleaved_view(vp_smem, r, 0, BM).store(gl.permute(ab, (0, 2, 1)))
+
+    @gluon.jit
+    def _vector_pair(vp_smem, r, h: gl.constexpr, like):
+        """Columns [h H, (h + 1) H) of the two per-query vectors of row r of vp_smem
+        (_store_interleaved), each broadcast along the rows of `like` (a (BN, H) half tile of
+        _col_halves): one 16-byte load per column pair of a thread (the column pair 2p, 2p + 1
+        of its quad lane p % 4) instead of two 8-byte ones."""
+        H: gl.constexpr = like.type.shape[1]
+        NW: gl.constexpr = gl.num_warps()
+        lay: gl.constexpr = gl.BlockedLayout([1, 2, 2], [4, 8, 1], [1, NW, 1], [0, 2, 1])
+        g = _interleaved_view(vp_smem, r, h * H, H).load(lay)      # (p, k, e)
+        a, b = gl.split(gl.permute(g, (0, 2, 1)))                   # (p, e)
+        col_l: gl.constexpr = gl.SliceLayout(0, like.type.layout)
+        a = gl.convert_layout(gl.reshape(a, [H]), col_l)
+        b = gl.convert_layout(gl.reshape(b, [H]), col_l)
+        return gl.expand_dims(a, 0), gl.expand_dims(b, 0)
+
+    @gluon.jit
+    def _exp2_fma(t):
+        """2^t in 8 FMA-pipe instructions instead of one MUFU ex2 (8 cycles a warp on its pipe):
+        t = j + f with j = rint(t) (the 1.5 * 2^23 shift), 2^f by a cubic on [-1/2, 1/2] (relative
+        error 7.5e-5 against ex2.approx's 2^-22: below e4m3's 2^-4 rounding of X^T and Y^T by
+        far), 2^j added to the exponent bits. t below -126 gives 2^-126 p(f) (e4m3 rounds it to 0,
+        as the 0 of ex2.approx.ftz), a NaN stays NaN (max.NaN)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .f32 t, tt, j, f, p; .reg .b32 jb; "
+            "max.NaN.f32 t, $1, 0fC2FC0000; "
+            "add.rn.f32 tt, t, 0f4B400000; sub.rn.f32 j, tt, 0f4B400000; sub.rn.f32 f, t, j; "
+            "fma.rn.f32 p, f, 0f3D61FBAF, 0f3E786F0D; fma.rn.f32 p, p, f, 0f3F31798D; "
+            "fma.rn.f32 p, p, f, 0f3F7FFB49; "
+            "mov.b32 jb, tt; shl.b32 jb, jb, 23; mov.b32 $0, p; add.s32 $0, $0, jb; }",
+            "=r,r", [t], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _x_y_halves(st, dpt, vp_smem, r0, s_layout: gl.constexpr):
         """_x_y of a plain step at 128 query rows, by column halves: x a - b and d c - e are
         single FMAs whose two per-query vectors are live for half the columns at a time (whole
-        vectors at once spill)."""
+        vectors at once spill), read in pairs from vp_smem rows r0 (A, B) and r0 + 1 (Hv, E).
+        The step waits on its MUFU pipe (64 exp2 per thread, 8 cycles a warp each) more than on
+        issue: a quarter of X^T's exponentials run as _exp2_fma (+113 SASS, -16 MUFU per step;
+        a half, -32 MUFU and +230 SASS, is slower; benchmarks/NOTES.md)."""
         s_lo, s_hi = _col_halves(st)
-        x_lo = gl.exp2(s_lo * _half_vector(vec_smem, v0, 0, s_lo)
-                       - _half_vector(vec_smem, v0 + 1, 0, s_lo))
-        x_hi = gl.exp2(s_hi * _half_vector(vec_smem, v0, 1, s_hi)
-                       - _half_vector(vec_smem, v0 + 1, 1, s_hi))
+        a, b = _vector_pair(vp_smem, r0, 0, s_lo)
+        x_lo = gl.exp2(s_lo * a - b)
+        a, b = _vector_pair(vp_smem, r0, 1, s_hi)
+        # a quarter of the exponentials (columns 96-127) on the FMA pipe (_exp2_fma)
+        t_hi = s_hi * a - b
+        q_a, q_b = _col_halves(t_hi)
+        h_layout: gl.constexpr = t_hi.type.layout
+        x_hi = _col_join(gl.exp2(q_a), _exp2_fma(q_b), h_layout)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         d_lo, d_hi = _col_halves(dpt)
-        y_lo = x_lo * (d_lo * _half_vector(vec_smem, v0 + 2, 0, d_lo)
-                       - _half_vector(vec_smem, v0 + 3, 0, d_lo))
-        y_hi = x_hi * (d_hi * _half_vector(vec_smem, v0 + 2, 1, d_hi)
-                       - _half_vector(vec_smem, v0 + 3, 1, d_hi))
+        c, e = _vector_pair(vp_smem, r0 + 1, 0, d_lo)
+        y_lo = x_lo * (d_lo * c - e)
+        c, e = _vector_pair(vp_smem, r0 + 1, 1, d_hi)
+        y_hi = x_hi * (d_hi * c - e)
         return _col_join(x_lo, x_hi, s_layout), _col_join(y_lo, y_hi, s_layout)
+
+    @gluon.jit
+    def _x_y_plain(st, dpt, vp_smem, r0, s_layout: gl.constexpr):
+        """_x_y of a plain step (no diagonal, no mask): at 128 query rows by column halves
+        (_x_y_halves), at 64 in one piece; the per-query vectors read in pairs (_vector_pair)."""
+        BM: gl.constexpr = st.type.shape[1]
+        if BM == 128:
+            xt, yt = _x_y_halves(st, dpt, vp_smem, r0, s_layout)
+        else:
+            a, b = _vector_pair(vp_smem, r0, 0, st)
+            xt = gl.exp2(st * a - b)
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+            c, e = _vector_pair(vp_smem, r0 + 1, 0, dpt)
+            yt = xt * (dpt * c - e)
+        return xt, yt
 
     @gluon.jit
     def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
@@ -1109,8 +1204,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fp8_compute(q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                     cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready, q_free,
-                     cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS, NB, CTA,
+                     vp_smem, cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
+                     q_free, cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP, BPT, BDS,
+                     NB, CTA,
                      SK, SV, SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt, sm_scale,
                      CAUSAL: gl.constexpr,
                      ROTATE: gl.constexpr, KMAJOR_ONCHIP: gl.constexpr, num_warps: gl.constexpr):
@@ -1192,23 +1288,22 @@ if HAVE_GLUON:
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
                                       k0, q0, L, BN, BM, s_layout, CAUSAL, True)
                     else:
-                        xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
-                                      k0, q0, L, BN, BM, s_layout, CAUSAL, False)
+                        xt, yt = _x_y_plain(st, dpt, vp_smem, 2 * s, s_layout)
                 elif CAUSAL:   # 128 rows (D=64) sit at the register limit
                     if masked:   # the per-key scales loaded here, not held through the loop
                         skt2, svt2 = _diag_key_scales(SKD, SVD, kv_row, k0, L, BN, row_l)
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt2, svt2, diag,
                                       masked, k0, q0, L, BN, BM, s_layout, CAUSAL, True)
                     else:        # plain steps: single FMAs by column halves
-                        xt, yt = _x_y_halves(st, dpt, vec_smem, s * NV, s_layout)
+                        xt, yt = _x_y_plain(st, dpt, vp_smem, 2 * s, s_layout)
                 else:          # (non-causal: the halves' copy of the block spills in plain steps)
                     xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked, k0,
                                   q0, L, BN, BM, s_layout, CAUSAL, True)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-                y8 = yt.to(f8)
+                y8, y16 = _e4m3_pairs(yt)
                 # dS for dQ: keys contiguous, in pair order (K^T's columns too)
-                _store_pairs_transposed(yt, ds_smem)
+                _store_pairs_transposed(y16, ds_smem)
                 fence_async_shared()
                 gl.thread_barrier()
                 ya = gl.convert_layout(mma_key_order_gluon(y8), a_layout)
@@ -1264,6 +1359,9 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(f8, [2, BN, D], v_desc.layout)
         kt_smem = gl.allocate_shared_memory(f8, [D, BN], kt_desc.layout)
         vec_smem = gl.allocate_shared_memory(gl.float32, [STAGES * N_VEC_C, 1, BM], vec_desc.layout)
+        # the helper's copy of the scaled vectors by pairs (A with B, Hv with E) per stage
+        vp_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 2, 1, 2 * BM],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
                                                        rank=2)
         ds_smem = gl.allocate_shared_memory(f8, [BM, BN], ds_layout)
@@ -1278,8 +1376,9 @@ if HAVE_GLUON:
                                             gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gl.warp_specialize([
             (_fp8_compute, (q_smem, qt_smem, do_smem, dot_smem, k_smem, v_smem, kt_smem, vec_smem,
-                            cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready, do_ready,
-                            q_free, cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS, GROUP,
+                            vp_smem, cs_smem, ds_smem, dq_smem, kv_ready, kt_ready, q_ready,
+                            do_ready, q_free, cs_ready, t_ready, dq_ready, dq_free, ITEMS, N_ITEMS,
+                            GROUP,
                             BPT, BDS, NB, CTA,
                             SK, SV, SKD, SVD, DK, DV, dk_desc, dv_desc, T, stride_kt,
                             sm_scale, CAUSAL, ROTATE,
@@ -1291,7 +1390,7 @@ if HAVE_GLUON:
                            KMAJOR_ONCHIP)),
             (_bwd_dq_writer, (dq_desc, dq_smem, dq_ready, dq_free, SEM, ITEMS, N_ITEMS, GROUP,
                               QBLOCKS, BN, CAUSAL, DETERMINISTIC)),
-            (_fp8_helper, (q_smem, qt_smem, do_smem, dot_smem, vec_smem, cs_smem, q_ready,
+            (_fp8_helper, (q_smem, qt_smem, do_smem, dot_smem, vec_smem, vp_smem, cs_smem, q_ready,
                            do_ready, t_ready, cs_ready, ITEMS, N_ITEMS, GROUP, SK, SV, T, BN,
                            CAUSAL, KMAJOR_ONCHIP, 2)),
         ], [1, 1, 2], [LOADER_REGS, DQ_REGS, LOADER_REGS])

@@ -43,7 +43,8 @@ from .config import (SM90_BLOCK_N, SM90_DQ_REGS, SM90_LOADER_REGS, SM90_PASS_ROW
 from .gluon_common import HAVE_GLUON
 from .kmajor import ORDER_MMA_A, ORDER_PAIRS, check_copy, copy_columns
 from .launch import launch_kernel
-from .numerics import LOG2E, fwht, log2_pow2, pow2_scale_bits, sylvester_parity_host
+from .numerics import (EXP2_FMA_PTX, LOG2E, fwht, log2_pow2, pow2_scale_bits,
+                       sylvester_parity_host)
 from .schedule import per_cu_seqlens
 
 if HAVE_GLUON:
@@ -56,6 +57,7 @@ if HAVE_GLUON:
                                tma_reduce_add, wgmma_layout)
     from .kmajor import mma_key_order_gluon
     _sylvester_parity = gluon.jit(sylvester_parity_host)
+    _EXP2_FMA_ASM = gl.constexpr(EXP2_FMA_PTX.replace("$IN", "$1").replace("$OUT", "$0"))
     _pow2_scale_bits = gluon.jit(pow2_scale_bits.fn)
 
 
@@ -640,7 +642,7 @@ if HAVE_GLUON:
 #     Y^T = X^T (dP^T svb Hv R - E R)                 = dS^T sqf / c_ds      (dK's and dQ's)
 #     dV += X^T dOf,  dK += Y^T Qf,  dQ_i += (c_ds skb) Y Kf (the units folded per step)
 # X^T's exp2 is ex2.approx except in the plain steps at 128 query rows (D=64), where a quarter of
-# them is a cubic on the FMA pipe (_exp2_fma, relative error 7.5e-5; both far below the e4m3
+# them is a cubic on the FMA pipe (_exp2_fma, relative error 1.1e-4; both far below the e4m3
 # rounding that follows). The helper warps also write the scaled vectors by pairs (A with B, Hv
 # with E: vp_smem), so a plain step reads two of them per 16-byte load.
 # Steps run in the bf16 kernel's order (per query head of the group, the query blocks that see the
@@ -1117,19 +1119,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _exp2_fma(t):
-        """2^t in 8 FMA-pipe instructions instead of one MUFU ex2 (8 cycles a warp on its pipe):
-        t = j + f with j = rint(t) (the 1.5 * 2^23 shift), 2^f by a cubic on [-1/2, 1/2] (relative
-        error 7.5e-5 against ex2.approx's 2^-22: below e4m3's 2^-4 rounding of X^T and Y^T by
-        far), 2^j added to the exponent bits. t below -126 gives 2^-126 p(f) (e4m3 rounds it to 0,
-        as the 0 of ex2.approx.ftz), a NaN stays NaN (max.NaN)."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .f32 t, tt, j, f, p; .reg .b32 jb; "
-            "max.NaN.f32 t, $1, 0fC2FC0000; "
-            "add.rn.f32 tt, t, 0f4B400000; sub.rn.f32 j, tt, 0f4B400000; sub.rn.f32 f, t, j; "
-            "fma.rn.f32 p, f, 0f3D61FBAF, 0f3E786F0D; fma.rn.f32 p, p, f, 0f3F31798D; "
-            "fma.rn.f32 p, p, f, 0f3F7FFB49; "
-            "mov.b32 jb, tt; shl.b32 jb, jb, 23; mov.b32 $0, p; add.s32 $0, $0, jb; }",
-            "=r,r", [t], dtype=gl.float32, is_pure=True, pack=1)
+        """2^t in 8 FMA-pipe instructions instead of one MUFU ex2 (numerics.EXP2_FMA_PTX:
+        relative error 1.1e-4 against ex2.approx's 2^-22, both far below the e4m3 rounding of
+        X^T and Y^T; from t = -126 down a value below 2^-125, which e4m3 rounds to 0 as it does
+        ex2.approx.ftz's; a NaN stays NaN)."""
+        return gl.inline_asm_elementwise(_EXP2_FMA_ASM, "=r,r", [t], dtype=gl.float32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _x_y_halves(st, dpt, vp_smem, r0, s_layout: gl.constexpr):

@@ -5,6 +5,7 @@ interpreter installs flamia.ops.interpreter."""
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import triton
@@ -18,6 +19,50 @@ if interpreting():   # every kernel module imports this one: the GPU's float cas
     interpreter.install()
 
 LOG2E = 1.4426950408889634
+
+# 2^f for f in [-1/2, 1/2] by a cubic c0 + c1 f + c2 f^2 + c3 f^3 (fp32 coefficients of a minimax
+# fit in relative error: 7.5e-5 in exact arithmetic, 1.1e-4 in fp32), for the kernels' exp2 on
+# the FMA pipe (EXP2_FMA_PTX).
+EXP2_CUBIC = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716648042202)
+EXP2_SHIFT = 12582912.0      # 1.5 * 2^23: t + shift - shift = rint(t) for |t| < 2^22
+EXP2_FLOOR = -126.0          # t is clamped here: 2^j stays a normal exponent
+
+
+def _ptx_f32(x: float) -> str:
+    """x as a PTX fp32 literal (0fXXXXXXXX, the bits of its fp32 rounding)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+# The body of an inline-asm exp2 on the FMA pipe: $OUT = 2^$IN in 8 instructions instead of one
+# MUFU ex2 (8 cycles a warp on the MUFU pipe). t = max(x, -126) (max.NaN: a NaN stays NaN),
+# j = rint(t) by the shift, f = t - j, p = the cubic at f by Horner FMAs, and 2^j added to p's
+# exponent bits (tt's low bits hold j). Relative error 1.1e-4 (ex2.approx: 2^-22) from t = -125
+# on; near and below -126 the result is below 2^-125 (a subnormal's bits where p(f) < 1, which
+# FTZ arithmetic reads as 0). exp2_fma_host is the same arithmetic in torch.
+EXP2_FMA_PTX = (
+    "{{ .reg .f32 t, tt, j, f, p; .reg .b32 jb; "
+    "max.NaN.f32 t, $IN, {floor}; "
+    "add.rn.f32 tt, t, {shift}; sub.rn.f32 j, tt, {shift}; sub.rn.f32 f, t, j; "
+    "fma.rn.f32 p, f, {c3}, {c2}; fma.rn.f32 p, p, f, {c1}; fma.rn.f32 p, p, f, {c0}; "
+    "mov.b32 jb, tt; shl.b32 jb, jb, 23; mov.b32 $OUT, p; add.s32 $OUT, $OUT, jb; }}"
+).format(floor=_ptx_f32(EXP2_FLOOR), shift=_ptx_f32(EXP2_SHIFT),
+         **{f"c{k}": _ptx_f32(c) for k, c in enumerate(EXP2_CUBIC)})
+
+
+def exp2_fma_host(x: torch.Tensor) -> torch.Tensor:
+    """EXP2_FMA_PTX's arithmetic on fp32 tensors (each FMA as one rounding of the exact product
+    and sum, through float64): the reference the tests hold the PTX constants to."""
+    x = x.to(torch.float32)
+    t = torch.maximum(x, torch.tensor(EXP2_FLOOR))
+    tt = t + EXP2_SHIFT
+    f = t - (tt - EXP2_SHIFT)
+    c0, c1, c2, c3 = (torch.tensor(c, dtype=torch.float32).double() for c in EXP2_CUBIC)
+    fd = f.double()
+    p = (fd * c3 + c2).float().double()
+    p = (p * fd + c1).float().double()
+    p = (p * fd + c0).float()
+    bits = p.view(torch.int32) + (tt.view(torch.int32) << 23)
+    return bits.view(torch.float32)
 
 
 @triton.jit

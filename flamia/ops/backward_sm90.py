@@ -893,11 +893,10 @@ if HAVE_GLUON:
         """ds_smem[q, c] = y16's byte of key(c), key(c) in pair order (kmajor's module
         docstring): a thread's two keys of a pair form one 16-bit element (_e4m3_pairs), stored
         transposed (stmatrix .trans)."""
-        BM: gl.constexpr = y16.type.shape[1]
-        BN: gl.constexpr = 2 * y16.type.shape[0]
         l16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                  rank=2)
-        ds_smem._reinterpret(gl.int16, [BM, BN // 2], l16).permute((1, 0)).store(y16)
+        ds_smem._reinterpret(gl.int16, [y16.type.shape[1], y16.type.shape[0]], l16).permute(
+            (1, 0)).store(y16)
 
     @gluon.jit
     def _quad_transpose(a, b, c, d):
@@ -1038,12 +1037,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _scaled(x, per_key, vec_smem, v, col_l: gl.constexpr, diag, BM: gl.constexpr,
-                CAUSAL: gl.constexpr, ANY: gl.constexpr):
+                CAUSAL: gl.constexpr):
         """x (S^T or dP^T) times per-query vector v of the stage (vec_smem), after the per-key
-        scales on a diagonal step (ANY: the step may be one). Not contracted into a later FMA
-        at 128 query rows (_times)."""
+        scales on a diagonal step. Not contracted into a later FMA at 128 query rows
+        (_times)."""
         vv = gl.expand_dims(_column_vector(vec_smem, v, col_l), 0)
-        if CAUSAL and ANY:
+        if CAUSAL:
             if diag:
                 y = (x * per_key) * vv
             else:
@@ -1077,14 +1076,6 @@ if HAVE_GLUON:
         H: gl.constexpr = lo.type.shape[1]
         x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BN, 2 * H])
         return gl.convert_layout(x, layout)
-
-    @gluon.jit
-    def _half_vector(ring, s, h: gl.constexpr, like):
-        """Columns [h H, (h + 1) H) of stage s's per-query vector, broadcast along the rows of
-        `like` (a (BN, H) half tile of _col_halves)."""
-        H: gl.constexpr = like.type.shape[1]
-        v = _ring_row(ring, s).slice(h * H, H).load(gl.SliceLayout(0, like.type.layout))
-        return gl.expand_dims(v, 0)
 
     @gluon.jit
     def _interleaved_view(vp_smem, r, lo: gl.constexpr, n: gl.constexpr):
@@ -1168,33 +1159,29 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _x_y(st, dpt, vec_smem, v0, col_l: gl.constexpr, skt, svt, diag, masked, k0, q0, L,
-             BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
-             ANY: gl.constexpr):
-        """(X^T, Y^T) of an fp8 step from S^T and the in-flight dP^T, the per-query vectors at
-        vec_smem[v0 ..] (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal
-        step, the per-key scales skt / svt. One vector live at a time (32 registers each at 128
-        query rows, where causal builds run only their masked steps here: _x_y_halves the plain
-        ones); at 128 rows the products are not contracted into FMAs, which would keep two
-        vectors live (_mul_rn). ANY: diagonal and masked steps branch inside; without it (a
-        plain step) the block has no branch, so ptxas spreads X^T's exp2 over Y^T's math. A
-        masked step selects 0 in both results at the end, from one mask."""
-        xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL, ANY)
+             BN: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr):
+        """(X^T, Y^T) of an fp8 step that may be diagonal or masked (causal builds' plain steps
+        run _x_y_plain) from S^T and the in-flight dP^T, the per-query vectors at vec_smem[v0 ..]
+        (each already scaled by the CTA's scalars: _fp8_helper) and, on a diagonal step, the
+        per-key scales skt / svt. One vector live at a time (32 registers each at 128 query rows);
+        at 128 rows the products are not contracted into FMAs, which would keep two vectors live
+        (_mul_rn). A masked step selects 0 in both results at the end, from one mask."""
+        xt = _scaled(st, skt, vec_smem, v0, col_l, diag, BM, CAUSAL)
         vb = gl.expand_dims(_column_vector(vec_smem, v0 + 1, col_l), 0)
         xt = gl.exp2(xt - vb)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
-        yt = _scaled(dpt, svt, vec_smem, v0 + 2, col_l, diag, BM, CAUSAL, ANY)
+        yt = _scaled(dpt, svt, vec_smem, v0 + 2, col_l, diag, BM, CAUSAL)
         ve = gl.expand_dims(_column_vector(vec_smem, v0 + 3, col_l), 0)
         yt = xt * (yt - ve)
-        if ANY:
-            if masked:   # exp2 of a masked key may be inf, dP^T past the document end NaN
-                if BM == 64:     # D=128: a compare-select per use
-                    vis = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                    xt = _keep(xt, vis)
-                    yt = _keep(yt, vis)
-                else:            # D=64 (128 rows): the boolean tile, faster there
-                    ok = _visible_tile(k0, q0, L, BN, BM, s_layout, CAUSAL)
-                    xt = gl.where(ok, xt, 0.0)
-                    yt = gl.where(ok, yt, 0.0)
+        if masked:   # exp2 of a masked key may be inf, dP^T past the document end NaN
+            if BM == 64:     # D=128: a compare-select per use
+                vis = _visible(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                xt = _keep(xt, vis)
+                yt = _keep(yt, vis)
+            else:            # D=64 (128 rows): the boolean tile, faster there
+                ok = _visible_tile(k0, q0, L, BN, BM, s_layout, CAUSAL)
+                xt = gl.where(ok, xt, 0.0)
+                yt = gl.where(ok, yt, 0.0)
         return xt, yt
 
     @gluon.jit
@@ -1281,19 +1268,19 @@ if HAVE_GLUON:
                 if BM == 64:   # plain steps run a copy of the block without branches
                     if masked:
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked,
-                                      k0, q0, L, BN, BM, s_layout, CAUSAL, True)
+                                      k0, q0, L, BN, BM, s_layout, CAUSAL)
                     else:
                         xt, yt = _x_y_plain(st, dpt, vp_smem, 2 * s, s_layout)
                 elif CAUSAL:   # 128 rows (D=64) sit at the register limit
                     if masked:   # the per-key scales loaded here, not held through the loop
                         skt2, svt2 = _diag_key_scales(SKD, SVD, kv_row, k0, L, BN, row_l)
                         xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt2, svt2, diag,
-                                      masked, k0, q0, L, BN, BM, s_layout, CAUSAL, True)
+                                      masked, k0, q0, L, BN, BM, s_layout, CAUSAL)
                     else:        # plain steps: single FMAs by column halves
                         xt, yt = _x_y_plain(st, dpt, vp_smem, 2 * s, s_layout)
                 else:          # (non-causal: the halves' copy of the block spills in plain steps)
                     xt, yt = _x_y(st, dpt, vec_smem, s * NV, col_l, skt, svt, diag, masked, k0,
-                                  q0, L, BN, BM, s_layout, CAUSAL, True)
+                                  q0, L, BN, BM, s_layout, CAUSAL)
                 xa = gl.convert_layout(mma_key_order_gluon(xt.to(f8)), a_layout)
                 dv = warpgroup_mma(xa, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
                 y8, y16 = _e4m3_pairs(yt)

@@ -25,7 +25,8 @@ LOG2E = 1.4426950408889634
 # the FMA pipe (EXP2_FMA_PTX).
 EXP2_CUBIC = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716648042202)
 EXP2_SHIFT = 12582912.0      # 1.5 * 2^23: t + shift - shift = rint(t) for |t| < 2^22
-EXP2_FLOOR = -126.0          # t is clamped here: 2^j stays a normal exponent
+EXP2_FLOOR = -126.0          # t is clamped here: j's exponent bits stay in range (the result
+                             # below 2^-125 there, subnormal bits where p(f) < 1)
 
 
 def _ptx_f32(x: float) -> str:

@@ -4,7 +4,7 @@ the CPU (nothing runs): per loop iteration, an fp32 (64, 128) tile from global m
 converted to e4m3 in wgmma key order (flamia.ops.kmajor) and fed from registers to an async
 m64n64 wgmma against a V^T tile in shared memory.
 
-    python benchmarks/merge_probe.py                 # every variant below, one line each
+    python benchmarks/merge_probe.py                 # the variants below, one line each
 
 Variants: --ws (a 1-warp idle worker partition, setmaxnreg), --late (other work and a store
 between the wgmma's issue and its wait, the A registers kept alive to the wait), --two (a second
@@ -12,10 +12,11 @@ conversion and wgmma in flight), --no-key-order (the plain layout conversion, wh
 shuffles need PRMTs anyway). Prints the kernel's PRMT and F2FP counts and how many F2FPs merge
 into another's register (MERGE_C with a register C, not RZ).
 
-benchmarks/NOTES.md (twenty-ninth session): every variant merges, while the library's Gluon
-kernels (the D=128 forward, the fp8 backward) compiled by the same ptxas never do, so the cause
-lies in what those kernels add; the Triton D=64 forward merges once nothing branches between
-its conversions and their packing (patches/fwd-lean.patch).
+benchmarks/NOTES.md (twenty-ninth session): every variant merges except join=1, which is what
+the library's Gluon kernels do (the D=128 forward converts P after its masked / unmasked
+branches join, the fp8 backward X^T and Y^T after its plain / masked ones) and why they never
+merge; the Triton D=64 forward (separate loops, no join) merges once V's wait no longer sits
+between its conversions and their packing (patches/fwd-lean.patch).
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _to_a(p, o_layout: gl.constexpr, KEY_ORDER: gl.constexpr):
 
 @gluon.jit
 def _body(S, V, O, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-          KEY_ORDER: gl.constexpr, LATE: gl.constexpr, TWO: gl.constexpr):
+          KEY_ORDER: gl.constexpr, LATE: gl.constexpr, TWO: gl.constexpr,
+          JOIN: gl.constexpr):
     s_layout: gl.constexpr = wgmma_layout(4, 1, BN, 32)
     o_layout: gl.constexpr = wgmma_layout(4, 1, D, 32)
     v_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -71,7 +73,15 @@ def _body(S, V, O, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
     acc2 = gl.zeros([BM, D], gl.float32, o_layout)
     for it in range(gl.load(O).to(gl.int32)):
         s = gl.load(S + it * BM * BN + rows[:, None] * BN + cols[None, :])
-        p = gl.exp2(s)
+        if JOIN > 0:      # p from either branch of a runtime if / else
+            if it > 3:
+                p = gl.exp2(s)
+            else:
+                p = gl.exp2(s * 0.5) + 1.0
+            if JOIN == 2:     # one arithmetic op after the join
+                p = p * 1.0000001
+        else:
+            p = gl.exp2(s)
         acc = acc * 0.5
         a = _to_a(p, o_layout, KEY_ORDER)
         acc = warpgroup_mma(a, v_smem.permute((1, 0)), acc, is_async=True)
@@ -97,19 +107,19 @@ def _idle(S):
 @gluon.jit
 def probe_kernel(S, V, O, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                  WS: gl.constexpr, KEY_ORDER: gl.constexpr, LATE: gl.constexpr,
-                 TWO: gl.constexpr):
+                 TWO: gl.constexpr, JOIN: gl.constexpr):
     if WS:
-        gl.warp_specialize([(_body, (S, V, O, BM, BN, D, KEY_ORDER, LATE, TWO)),
+        gl.warp_specialize([(_body, (S, V, O, BM, BN, D, KEY_ORDER, LATE, TWO, JOIN)),
                             (_idle, (S,))], [1], [24])
     else:
-        _body(S, V, O, BM, BN, D, KEY_ORDER, LATE, TWO)
+        _body(S, V, O, BM, BN, D, KEY_ORDER, LATE, TWO, JOIN)
 
 
-def counts(ws: bool, key_order: bool, late: bool, two: bool) -> dict:
+def counts(ws: bool, key_order: bool, late: bool, two: bool, join: int = 0) -> dict:
     S = torch.empty(64 * 128, dtype=torch.float32)
     V = torch.empty(64 * 128, dtype=torch.float8_e4m3fn)
     O = torch.empty(64 * 64, dtype=torch.float32)
-    k = compile_for(probe_kernel, (S, V, O, 64, 128, 64, ws, key_order, late, two),
+    k = compile_for(probe_kernel, (S, V, O, 64, 128, 64, ws, key_order, late, two, join),
                     dict(num_warps=4))
     lines = sass_of(k).split("\n")
     merged = sum(1 for x in lines if "MERGE_C" in x and not x.split("MERGE_C")[1].split(";")[0]
@@ -125,6 +135,8 @@ def main():
                                                (False, True)):
         c = counts(ws, ko, late, two)
         print(f"ws={ws:d} key_order={ko:d} late={late:d} two={two:d}: {c}", flush=True)
+    for join in (1, 2):
+        print(f"ws=1 key_order=1 join={join}: {counts(True, True, True, False, join)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@
 # float64 at 32k tokens), passes (benchmarks/bwd_fp8_passes_dev.py PASSES_ARGS: launch settings
 # of the fp8 backward's pre and post passes), dev (benchmarks/bwd_sm90_dev.py DEV_ARGS), abp
 # (the backward modules of the prepared patches ABP_PATCHES timed in one process next to this
-# tree's, ABP_ARGS), fwd-ab
+# tree's, ABP_ARGS), fabp (stacks of prepared forward patches, FABP_PATCHES="a a+b", timed by
+# fwd_ab.py next to this tree's forward modules, also loaded as a copy "main": the checks'
+# reference, and main against current is the noise; FABP_ARGS), fwd-ab
 # (fp8 forward kernels against copies, benchmarks/fwd_ab.py FWD_AB_ARGS), tests-fwd-kvblock
 # (fp8's forward kernels), tests-fwd, cute-probe (benchmarks/cute_dsmem_probe.py: a CuTe DSL
 # 2-CTA cluster's shared-memory exchange, built and checked; needs the FA4 parts for CuTe DSL),
@@ -215,6 +217,39 @@ stage() {  # name seconds: one stage
       done
       run_stage "$name" "$secs" python benchmarks/bwd_sm90_dev.py --time --fp8 \
         --pair-copies --ab "${files#,}" ${ABP_ARGS:-} ;;
+    fabp) # stacks of prepared forward patches (FABP_PATCHES="a a+b ...": each item's patches
+      # applied in that order to copies of forward.py and forward_gluon.py) timed in one process
+      # by fwd_ab.py next to this tree's modules, listed first as "main" (the reference of the
+      # output checks); a copy identical to this tree's is left out; FABP_ARGS: --workloads ...
+      local tri="main=flamia/ops/forward.py" glu="main=flamia/ops/forward_gluon.py" item p ok
+      for item in ${FABP_PATCHES:-}; do
+        local v=${item//[-+]/_} d=/tmp/fabp/${item//[-+]/_}
+        rm -rf "$d" && mkdir -p "$d/flamia/ops"
+        cp flamia/ops/forward.py flamia/ops/forward_gluon.py "$d/flamia/ops/"
+        ok=1
+        for p in ${item//+/ }; do
+          (cd "$d" && git apply --include=flamia/ops/forward.py \
+             --include=flamia/ops/forward_gluon.py "$OLDPWD/benchmarks/patches/$p.patch") || ok=0
+        done
+        if [ "$ok" = 0 ]; then
+          echo "fabp: $item does not apply" | tee -a "$summary"
+          continue
+        fi
+        local k f new
+        for k in t g; do   # t: forward.py (Triton), g: forward_gluon.py
+          [ $k = t ] && f=forward.py || f=forward_gluon.py
+          new=1
+          for p in flamia/ops/$f /tmp/fabp/*_$k.py; do
+            [ -f "$p" ] && cmp -s "$d/flamia/ops/$f" "$p" && new=0
+          done
+          [ $new = 0 ] && continue
+          cp "$d/flamia/ops/$f" "/tmp/fabp/${v}_$k.py"
+          if [ $k = t ]; then tri="$tri,$v=/tmp/fabp/${v}_t.py"; else glu="$glu,$v=/tmp/fabp/${v}_g.py"; fi
+        done
+      done
+      echo "fabp: --triton $tri --gluon $glu" | tee -a "$summary"
+      run_stage "$name" "$secs" python benchmarks/fwd_ab.py --triton "$tri" --gluon "$glu" \
+        ${FABP_ARGS:-} ;;
     ptest-*|pab-*|pprof-*|prun-*) # a prepared patch (benchmarks/patches/NAME.patch) in its own copy of the tree
       local pname=${name#p*-} d
       if ! d=$(patched_tree "$pname"); then

@@ -220,8 +220,10 @@ stage() {  # name seconds: one stage
     fabp) # stacks of prepared forward patches (FABP_PATCHES="a a+b ...": each item's patches
       # applied in that order to copies of forward.py and forward_gluon.py) timed in one process
       # by fwd_ab.py next to this tree's modules, listed first as "main" (the reference of the
-      # output checks); a copy identical to this tree's is left out; FABP_ARGS: --workloads ...
+      # output checks); a copy identical to this tree's or to an earlier item's is left out;
+      # FABP_ARGS: --workloads ...
       local tri="main=flamia/ops/forward.py" glu="main=flamia/ops/forward_gluon.py" item p ok
+      rm -rf /tmp/fabp    # (a warm machine's earlier copies would hide this call's)
       for item in ${FABP_PATCHES:-}; do
         local v=${item//[-+]/_} d=/tmp/fabp/${item//[-+]/_}
         rm -rf "$d" && mkdir -p "$d/flamia/ops"

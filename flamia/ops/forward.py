@@ -39,11 +39,12 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import interpreting
 from .config import FWD_KV_CHUNK, FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
 from .launch import launch_kernel
 from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
-from .numerics import LOG2E
+from .numerics import EXP2_FMA_PTX, LOG2E, log2_pow2
 from .schedule import work_list
 
 
@@ -67,7 +68,19 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
         offs_v0 = mma_order16(offs_n0)      # the key of each V row
     else:
         offs_v0 = offs_n0
+    # TILE_SCALES: each tile's sk and sv load one tile ahead into registers (two LDGs); loaded
+    # in the tile, the loop's pipeline would stage them through shared memory (cp.async, a
+    # bar.sync per tile)
+    sk_t = tl.load(SK + lo, mask=TILE_SCALES & (lo < hi), other=1.0)
+    sv_t = tl.load(SV + lo, mask=TILE_SCALES & (lo < hi), other=1.0)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+        if TILE_SCALES:
+            nxt = tl.minimum(start_n + BLOCK_N, hi - BLOCK_N)
+            sk_n = tl.load(SK + nxt)
+            sv_n = tl.load(SV + nxt)
+        else:
+            sk_n = sk_t
+            sv_n = sv_t
         offs_n = start_n + offs_n0
         col_ok = (offs_n >= 0) & (offs_n < L)
         vrow0 = tl.multiple_of((vcol0 + start_n).to(tl.int32), 16)   # vt8 column, 16-aligned
@@ -86,9 +99,10 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 kt = tl.load(k_ptrs)
         s = tl.dot(q, kt)
         if TILE_SCALES:
-            rf = row_f * tl.load(SK + start_n)
-            # sv joins the exponent's per-row constant (e = lr + log2 sv, floored at -90)
-            e = lr + tl.math.log2(tl.load(SV + start_n))
+            rf = row_f * sk_t
+            # sv joins the exponent's per-row constant (e = lr + log2 sv, floored at -90; log2 of
+            # the power of two from its exponent bits)
+            e = lr + log2_pow2(sv_t)
             e = tl.where(e < -90.0, -90.0, e)             # (a NaN e stays NaN)
         else:
             rf = row_f
@@ -112,7 +126,9 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * rf)        # rf >= 0
-            if FOLD_LR:
+            if FOLD_LR and _QUARTER_FMA:
+                p = _exp2_quarter_fma(s * rf[:, None] - (m_new - e)[:, None])
+            elif FOLD_LR:
                 p = tl.math.exp2(s * rf[:, None] - (m_new - e)[:, None])
             else:
                 p = tl.math.exp2((s * rf[:, None] - m_new[:, None]) + e[:, None])
@@ -123,6 +139,10 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
             l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # ---- O += P V ----
+        if USE_TMA and FP8 and not MASKED:
+            # V's wait ahead of P's conversion: with no wait loop between them, ptxas packs each
+            # A register with two F2FP.MERGE_C instead of two F2FP and a PRMT
+            v_early = V.load([kvh * D, vrow0]).T
         if TILE_SCALES:
             a = mma_key_order(p.to(tl.float8e4nv))           # RNE
         elif FP8:
@@ -138,7 +158,9 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
         offs_v = start_n + offs_v0
         v_ok = (offs_v >= 0) & (offs_v < L)
         if USE_TMA:
-            if FP8:
+            if FP8 and not MASKED:
+                v = v_early
+            elif FP8:
                 v = V.load([kvh * D, vrow0]).T
             else:
                 v = V.load([krow0, kvh * D])
@@ -152,7 +174,31 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 v = tl.load(v_ptrs)
         acc = tl.dot(a, v, acc)
         m_i = m_new
+        sk_t = sk_n
+        sv_t = sv_n
     return acc, l_i, m_i
+
+
+# three values of a thread's accumulator quad by ex2.approx.ftz (tl.exp2's), the fourth on the FMA
+# pipe (_exp2_quarter_fma)
+# (the Triton interpreter runs no inline assembly: tl.exp2 for every value there)
+_QUARTER_FMA = tl.constexpr(not interpreting())
+_EXP2_QUARTER_ASM = tl.constexpr(
+    "ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; ex2.approx.ftz.f32 $2, $6; "
+    + EXP2_FMA_PTX.replace("$IN", "$7").replace("$OUT", "$3"))
+
+
+@triton.jit
+def _exp2_quarter_fma(t):
+    """2^t with every fourth value (a thread's (r + 8, c + 1) of each accumulator quad) on the FMA
+    pipe instead of the MUFU pipe (numerics.EXP2_FMA_PTX: relative error 1.1e-4, far below P's
+    e4m3 rounding; from t = -126 down below 2^-125, which e4m3 rounds to 0), as the D=64
+    backward step does (backward_sm90._exp2_fma): the MUFU pipe, 8 cycles a warp per ex2, is
+    what the D=64 tile waits on with the issue slots. Unmasked tiles only (a masked score's -inf
+    must give exactly 0). By register quads: Triton's reshape / split / join of the tile costs
+    more than the cubic saves."""
+    return tl.inline_asm_elementwise(_EXP2_QUARTER_ASM, "=r,=r,=r,=r,r,r,r,r", [t],
+                                     dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ ahead across item boundaries, and one consumer warpgroup that computes. Per tile
 so each tile's PV wgmma is retired within its tile and P's e4m3 A operand never crosses the loop's
 back edge (where the compiler would repack it); S_{j+1} crosses it in flight instead. V^T's columns
 are in wgmma key order (flamia.ops.kmajor), as the Triton kernel's, so P becomes the A operand by a
-register renaming and an in-thread pack, with no lane shuffles (_key_ordered, _to_e4m3_operand). Per
+register renaming and an in-thread pack, with no lane shuffles (_key_ordered, _e4m3_words). Per
 row the operation order is the Triton kernel's (acc_j = alpha_j * acc_{j-1} + A_j V_j, l, m, the fp8
 rounding of A, the epilogue; each exponent one FMA, one fp32 rounding), so results agree with it to
 the fp32 rounding of the MMA and of the exponent, and P1 / P2 hold bitwise by construction (masked
@@ -40,7 +40,7 @@ from .config import PersistentFwdConfig
 from .gluon_common import HAVE_GLUON, descriptor_2d
 from .launch import launch_kernel
 from .layout import QuantizedQKV
-from .numerics import LOG2E
+from .numerics import LOG2E, log2_pow2
 from .schedule import persistent_grid
 
 if HAVE_GLUON:
@@ -51,6 +51,7 @@ if HAVE_GLUON:
 
     from .gluon_common import alloc_barriers, arrive_synced, invalidate_barriers, wgmma_layout
     from .kmajor import mma_key_order_gluon, mma_order16_gluon
+    _log2_pow2 = gluon.jit(log2_pow2.fn)
     from .schedule import work_item
 
 
@@ -150,14 +151,25 @@ if HAVE_GLUON:
                                  gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
 
     @gluon.jit
-    def _to_e4m3_operand(a32):
-        """_key_ordered's fp32 values as the e4m3 A operand: each thread packs its 4 consecutive
-        keys (RNE, satfinite, as .to(float8e4nv)) into one register, 2 F2FP + 1 PRMT. Used after the
-        masked / unmasked branches merge (merged e4m3 values are repacked bytewise at the wgmma)."""
-        a8 = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", [a32], dtype=gl.int8, is_pure=True, pack=4)
+    def _e4m3_words(a32):
+        """_key_ordered's fp32 values as e4m3 A-operand registers: each thread packs its 4
+        consecutive keys (RNE, satfinite, as .to(float8e4nv)) into one 32-bit word, carried by
+        the first fp32 value of its group of 4 (the other three are copies). Called in each
+        branch of _softmax_tile, so that the cvts' inputs come from the branch's own arithmetic
+        (ptxas then packs a register's two halves with F2FP.MERGE_C; from a join's values it
+        adds a PRMT per register: benchmarks/merge_probe.py) and the join carries 32-bit words
+        (e4m3 tensors cross a join as bytes, repacked at the wgmma)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; mov.b32 $0, {lo, hi}; "
+            "mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }",
+            "=r,=r,=r,=r,r,r,r,r", [a32], dtype=gl.float32, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _words_operand(w):
+        """The e4m3 A operand from _e4m3_words' registers (one per group of 4)."""
+        a8 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w], dtype=gl.int8,
+                                       is_pure=True, pack=4)
         return a8.to(gl.float8e4nv, bitcast=True)
 
     @gluon.jit
@@ -229,7 +241,7 @@ if HAVE_GLUON:
         sv = _tile_scale(sv_smem, st, BN)
         rf = row_f * sk
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * rf)
-        e = lr + gl.log2(sv)
+        e = lr + _log2_pow2(sv)
         e = gl.where(e < -90.0, -90.0, e)                    # (a NaN e stays NaN)
         p = gl.exp2(gl.fma(s, gl.expand_dims(rf, 1), gl.expand_dims(e - m_new, 1)))
         alpha = gl.exp2(m_i - m_new)
@@ -248,10 +260,12 @@ if HAVE_GLUON:
         if n0 + BN > full_end:
             a, m_i, l_i, alpha = _online_softmax(s, sk_s, sv_s, m_i, l_i, row_f, lr, rows, n0, L,
                                                  CAUSAL, o_layout)
+            w = _e4m3_words(a)
         else:
             a, m_i, l_i, alpha = _online_softmax_block(s, sk_smem, sv_smem, st, m_i, l_i, row_f,
                                                        lr, o_layout)
-        return _to_e4m3_operand(a), m_i, l_i, alpha
+            w = _e4m3_words(a)
+        return _words_operand(w), m_i, l_i, alpha
 
     @gluon.jit
     def _mul_rows(acc, x):

@@ -39,12 +39,11 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import interpreting
 from .config import FWD_KV_CHUNK, FwdConfig, PersistentFwdConfig, forward_config
 from .kmajor import mma_key_order, mma_order16
 from .launch import launch_kernel
 from .layout import QuantizedQKV, check_kvblock_tiles, new_tensor
-from .numerics import EXP2_FMA_PTX, LOG2E, log2_pow2
+from .numerics import LOG2E, log2_pow2
 from .schedule import work_list
 
 
@@ -126,9 +125,7 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
                 p = tl.math.exp2((x - m_new[:, None]) + lr[:, None])   # lr survives a huge max
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * rf)        # rf >= 0
-            if FOLD_LR and _QUARTER_FMA:
-                p = _exp2_quarter_fma(s * rf[:, None] - (m_new - e)[:, None])
-            elif FOLD_LR:
+            if FOLD_LR:
                 p = tl.math.exp2(s * rf[:, None] - (m_new - e)[:, None])
             else:
                 p = tl.math.exp2((s * rf[:, None] - m_new[:, None]) + e[:, None])
@@ -177,28 +174,6 @@ def _attn_inner(acc, l_i, m_i, q, row_f, lr, offs_m, L, tok0, vcol0, kvh, lo, hi
         sk_t = sk_n
         sv_t = sv_n
     return acc, l_i, m_i
-
-
-# three values of a thread's accumulator quad by ex2.approx.ftz (tl.exp2's), the fourth on the FMA
-# pipe (_exp2_quarter_fma)
-# (the Triton interpreter runs no inline assembly: tl.exp2 for every value there)
-_QUARTER_FMA = tl.constexpr(not interpreting())
-_EXP2_QUARTER_ASM = tl.constexpr(
-    "ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; ex2.approx.ftz.f32 $2, $6; "
-    + EXP2_FMA_PTX.replace("$IN", "$7").replace("$OUT", "$3"))
-
-
-@triton.jit
-def _exp2_quarter_fma(t):
-    """2^t with every fourth value (a thread's (r + 8, c + 1) of each accumulator quad) on the FMA
-    pipe instead of the MUFU pipe (numerics.EXP2_FMA_PTX: relative error 1.1e-4, far below P's
-    e4m3 rounding; from t = -126 down below 2^-125, which e4m3 rounds to 0), as the D=64
-    backward step does (backward_sm90._exp2_fma): the MUFU pipe, 8 cycles a warp per ex2, is
-    what the D=64 tile waits on with the issue slots. Unmasked tiles only (a masked score's -inf
-    must give exactly 0). By register quads: Triton's reshape / split / join of the tile costs
-    more than the cubic saves."""
-    return tl.inline_asm_elementwise(_EXP2_QUARTER_ASM, "=r,=r,=r,=r,r,r,r,r", [t],
-                                     dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -13,10 +13,10 @@ shuffles need PRMTs anyway). Prints the kernel's PRMT and F2FP counts and how ma
 into another's register (MERGE_C with a register C, not RZ).
 
 benchmarks/NOTES.md (twenty-ninth session): every variant merges except join=1, which is what
-the library's Gluon kernels do (the D=128 forward converts P after its masked / unmasked
-branches join, the fp8 backward X^T and Y^T after its plain / masked ones) and why they never
-merge; the Triton D=64 forward (separate loops, no join) merges once V's wait no longer sits
-between its conversions and their packing (patches/fwd-lean.patch).
+the fp8 backward does (X^T and Y^T converted after its plain / masked branches join) and why it
+never merges. The Gluon D=128 forward converts P to e4m3 words inside each branch
+(forward_gluon._e4m3_words) and the Triton D=64 forward waits for V before P's conversion
+(1257415): both merge.
 """
 from __future__ import annotations
 

@@ -51,8 +51,9 @@ if HAVE_GLUON:
 
     from .gluon_common import alloc_barriers, arrive_synced, invalidate_barriers, wgmma_layout
     from .kmajor import mma_key_order_gluon, mma_order16_gluon
-    _log2_pow2 = gluon.jit(log2_pow2.fn)
     from .schedule import work_item
+
+    _log2_pow2 = gluon.jit(log2_pow2.fn)
 
 
 if HAVE_GLUON:

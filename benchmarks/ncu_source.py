@@ -107,11 +107,12 @@ def summarize(text: str, top: int, kernel_filter: str | None) -> str:
                                                for op, n in by_op.most_common(18)))
         if execc is not None and execs:
             rare = 0.01 * max(execs)
-            parked = sum(d[2] for d, e in zip(data, execs) if e < rare)
-            busy = collections.Counter()
-            for d, e in zip(data, execs):
-                if e >= rare:
-                    busy.update(d[3])
+            parked, busy = 0.0, collections.Counter()
+            for (_, _, n, rs), e in zip(data, execs):
+                if e < rare:
+                    parked += n
+                else:
+                    busy.update(rs)
             rest = (total - parked) or 1.0
             lines.append(f"parked warps (at instructions executed < 1 % as often as the most "
                          f"executed one): {parked / total:.1%} of samples; the rest by reason: "

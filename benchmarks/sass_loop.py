@@ -8,6 +8,8 @@
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
     python benchmarks/sass_loop.py --common                 # histogram of the common path
     python benchmarks/sass_loop.py --lines                  # the common path per source line
+    python benchmarks/sass_loop.py --kernel fwd_gluon --module benchmarks/fwd_pingpong.py
+                                                            # a copy of forward_gluon.py instead
 
 Compiles for sm_90a with the bundled ptxas (benchmarks/tools/compile.py: nothing runs),
 disassembles with the bundled cuobjdump, and takes the main loop (tools.sass.main_loop: the
@@ -58,10 +60,17 @@ def build_forward(recipe: str, D: int, causal: bool, sets: list[str]):
     return built["_attn_fwd_kernel"], cfg
 
 
-def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str]):
-    """The persistent Gluon forward as attention_forward launches it on the H200 (D=128)."""
+def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str], module=None):
+    """The persistent Gluon forward as attention_forward launches it on the H200 (D=128); module:
+    a copy of forward_gluon.py to build in its place (e.g. a spike in benchmarks/)."""
+    import flamia.ops
     from flamia.ops.config import PersistentFwdConfig
     from flamia.ops.forward import attention_forward
+    if module:
+        from benchmarks.bwd_sm90_dev import load_ab_base
+        mod = load_ab_base(module, "sass_loop_module")
+        sys.modules["flamia.ops.forward_gluon"] = mod
+        flamia.ops.forward_gluon = mod
     cfg = with_sets(PersistentFwdConfig(), sets)
     built = tools.build(attention_forward, tools.fake_qkv(2048, 8, 2, D, recipe),
                         tools.cu_seqlens([1024, 1024]), 1024, causal, None, torch.bfloat16,
@@ -69,10 +78,10 @@ def build_forward_gluon(recipe: str, D: int, causal: bool, sets: list[str]):
     return built["_attn_fwd_gluon_persistent_kernel"], cfg
 
 
-def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str]):
+def build(kernel: str, recipe: str, D: int, causal: bool, sets: list[str], module=None):
     if kernel == "fwd":
         return build_forward(recipe, D, causal, sets)
-    return build_forward_gluon(recipe, D, causal, sets)
+    return build_forward_gluon(recipe, D, causal, sets, module)
 
 
 def main():
@@ -87,12 +96,18 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--common", action="store_true", help="histogram of the common path only")
     ap.add_argument("--dump", default=None, help="write the whole SASS here")
+    ap.add_argument("--ptx", default=None, help="write the PTX here")
+    ap.add_argument("--module", default=None, help="--kernel fwd_gluon: build this copy of "
+                    "forward_gluon.py instead")
     ap.add_argument("--lines", action="store_true",
                     help="the common path's instructions per source line (nvdisasm -g)")
     args = ap.parse_args()
     if args.kernel == "fwd_gluon" and args.recipe != "fp8":
         ap.error("--kernel fwd_gluon runs the fp8 recipe only")
-    kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set)
+    kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set, args.module)
+    if args.ptx:
+        with open(args.ptx, "w") as f:
+            f.write(kern.asm["ptx"])
     sass = sass_of(kern)
     if args.dump:
         with open(args.dump, "w") as f:

@@ -24,7 +24,7 @@ library kernel as "main", outputs checked bitwise):
 
 The tile primitives (softmax, masks, loads, scales) are the library's, imported from
 flamia/ops/forward_gluon.py; what differs is the work split, the producer's pair loads, the
-steps' turns, the prefetch and the epilogue's split (_normalized, _store_out).
+steps' turns and the prefetch.
 """
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     from .forward_gluon import (
         _alloc_kv_ring, _issue_qk, _keep_alive, _kv_tiles, _load_k_cols, _load_v_at, _mul_rows,
-        _quad_sums, _query_rows, _row_constants, _row_loads, _softmax_tile, _wait_v, _ws_release)
+        _quad_sums, _query_rows, _row_constants, _row_loads, _softmax_tile, _store_out, _wait_v,
+        _ws_release)
     from .gluon_common import alloc_barriers, arrive_synced, invalidate_barriers, wgmma_layout
     from .schedule import work_item
 
@@ -60,42 +61,6 @@ if HAVE_GLUON:
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _normalized(acc, l_i, dtype: gl.constexpr):
-        """acc / l' per row, rounded to the output dtype."""
-        return _mul_rows(acc, 1.0 / l_i).to(dtype)
-
-    @gluon.jit
-    def _store_out(out, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot, stride_oh, T,
-                   tok0, q_lo, rows, row_ok, L, head, ROW_MAX: gl.constexpr):
-        """Epilogue of query rows [q_lo, q_lo + BM): O = out (acc / l', in O's dtype:
-        _normalized), lse = ln2 * (m + log2 l' - lr) and, ROW_MAX, the row max ln2 * m into
-        RMAX. A block inside its document goes out through o_smem by one TMA store that the
-        consumer does not wait for (the next epilogue's store_wait does, before it reuses
-        o_smem); a block reaching past the document's end is stored row-masked from registers (a
-        TMA box would overwrite the next document's first rows)."""
-        BM: gl.constexpr = out.type.shape[0]
-        D: gl.constexpr = out.type.shape[1]
-        if q_lo + BM <= L:
-            tma.store_wait(0)           # the previous block's store has read o_smem
-            gl.thread_barrier()
-            o_smem.store(out)
-            fence_async_shared()        # generic-proxy writes -> visible to the TMA (async proxy)
-            gl.thread_barrier()         # every warp's rows written before the copy starts
-            tma.async_copy_shared_to_global(o_desc, [(tok0 + q_lo).to(gl.int32), head * D],
-                                            o_smem)
-        else:
-            rows_o = q_lo + gl.arange(0, BM, layout=gl.SliceLayout(1, out.type.layout))
-            offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, out.type.layout))
-            o_ptrs = (O + gl.expand_dims((tok0 + rows_o) * stride_ot, 1) + head * stride_oh
-                      + gl.expand_dims(offs_d, 0))
-            gl.store(o_ptrs, out, mask=gl.expand_dims(rows_o < L, 1))
-        lse = (m_i + gl.log2(l_i) - lr) * 0.6931471805599453
-        gl.store(LSE + head.to(gl.int64) * T + tok0 + rows, lse, mask=row_ok)
-        if ROW_MAX:
-            gl.store(RMAX + head.to(gl.int64) * T + tok0 + rows, m_i * 0.6931471805599453,
-                     mask=row_ok)
 
     @gluon.jit
     def _named_barrier(bar_id, ARRIVE: gl.constexpr):
@@ -292,10 +257,9 @@ if HAVE_GLUON:
                 # every warp waited for the item's last QK^T before the last tile's release
                 # barrier: the Q buffer may take item it + QBUF
                 arrive_synced(q_free.index(qb))
-                l_i = gl.convert_layout(gl.sum(l_i, axis=1), m_i.type.layout)
-                out = _normalized(acc, l_i, O.dtype.element_ty)
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
-                _store_out(out, m_i, l_i, lr, o_desc, o_tile, O, LSE, RMAX, stride_ot,
+                l_i = gl.convert_layout(gl.sum(l_i, axis=1), m_i.type.layout)
+                _store_out(acc, m_i, l_i, lr, o_desc, o_tile, O, LSE, RMAX, stride_ot,
                            stride_oh, T, c_tok0, q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
                 # the next item's S_0 runs under this one's stores and the next one's start (work
                 # items with a document come first in the list: if the next one has none, no

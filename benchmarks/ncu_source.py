@@ -86,7 +86,7 @@ def summarize(text: str, top: int, kernel_filter: str | None) -> str:
 
         def cell(r, j):
             return number(r[j]) if j is not None and j < len(r) else 0.0
-        execc = next((j for n, j in col.items() if n == "Instructions Executed"), None)
+        execc = col.get("Instructions Executed")
         data, execs = [], []
         for r in rows:
             if len(r) <= allc:

@@ -104,6 +104,8 @@ def main():
     args = ap.parse_args()
     if args.kernel == "fwd_gluon" and args.recipe != "fp8":
         ap.error("--kernel fwd_gluon runs the fp8 recipe only")
+    if args.module and args.kernel != "fwd_gluon":
+        ap.error("--module replaces forward_gluon.py: --kernel fwd_gluon only")
     kern, cfg = build(args.kernel, args.recipe, args.D, not args.no_causal, args.set, args.module)
     if args.ptx:
         with open(args.ptx, "w") as f:

@@ -8,7 +8,7 @@
     python benchmarks/sass_loop.py --dump /tmp/k.sass       # the whole SASS as well
     python benchmarks/sass_loop.py --common                 # histogram of the common path
     python benchmarks/sass_loop.py --lines                  # the common path per source line
-    python benchmarks/sass_loop.py --kernel fwd_gluon --module benchmarks/fwd_pingpong.py
+    python benchmarks/sass_loop.py --kernel fwd_gluon --module /tmp/copy.py
                                                             # a copy of forward_gluon.py instead
 
 Compiles for sm_90a with the bundled ptxas (benchmarks/tools/compile.py: nothing runs),

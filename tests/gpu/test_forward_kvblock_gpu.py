@@ -198,8 +198,8 @@ def test_gluon_agrees_with_triton(causal):
 def test_gluon_pair_bitwise_the_one_head_kernel(causal, hkv):
     """The GQA pair computes each head's rows as the one-head kernel does (same tiles, order
     and masks): out, lse and row max bitwise equal, over empty, tiny and unaligned documents and
-    one long enough for the default to pick the pair (PAIR_FWD_MIN_SEQLEN), for groups 8, 4, 2;
-    an odd group is refused by name."""
+    one of PAIR_FWD_MEASURED_MIN_SEQLEN+ tokens, for groups 8, 4, 2, and so is the default path
+    (whichever config.forward_config selects); an odd group is refused by name."""
     q, k, v, cu = make_qkv(ODD + (4500, 3), HQ, hkv, 128, "outliers", device=DEV, seed=20 + hkv)
     one = _run("gluon", q, k, v, cu, causal)
     pair = _run("gluon_pair", q, k, v, cu, causal)

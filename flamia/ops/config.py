@@ -188,7 +188,8 @@ FWD_KV_CHUNK = 2
 class Sm90BwdConfig:
     """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
+    fp8_pre_warps: int = 8      # fp8: warps and rows (whole 64-row dO blocks, dividing 128)
+    fp8_pre_rows: int = 64      # of a preprocess program
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4
     fp8_kmajor_onchip: bool = False  # fp8, D=128: the kernel makes Q^T / dO^T in shared memory

@@ -2,7 +2,7 @@
 copies of the kernel modules (e.g. `git show HEAD:flamia/ops/forward_gluon.py > base.py`).
 
     python benchmarks/fwd_ab.py --gluon base=base_g.py[,...] --triton base=base_t.py[,...]
-        [--workloads doc32k,...] [--rounds 3] [--d64-gluon]
+        [--workloads doc32k,...] [--rounds 3] [--d64-gluon] [--pair]
 
 --gluon copies of forward_gluon.py run the D=128 workloads (their launch(), outputs allocated
 here as attention_forward does; V^T in wgmma key order), --triton copies of forward.py the D=64 ones (attention_forward
@@ -10,7 +10,9 @@ with the Triton config); "current" is the working tree's module. Per workload: o
 quantize_qkv (fp8, causal), every variant's out / lse / row max on poisoned outputs
 compared with the first variant's (bitwise, or the largest difference relative to max |out|),
 then CUDA-event medians of the forward kernel alone, the variants interleaved over --rounds
-rounds (median of the rounds). A short table comes last.
+rounds (median of the rounds). --pair also times the working tree's Gluon kernel on GQA pairs
+(config.PAIR_FWD_CONFIG) as "pair", at D=64 too (against the Triton kernel there, by the largest
+difference). A short table comes last.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from benchmarks.bwd_sm90_dev import cuda_ms, load_ab_base  # noqa: E402
 from flamia.inputs import make_qkv  # noqa: E402
 from flamia.ops import forward as current_triton  # noqa: E402
 from flamia.ops import forward_gluon as current_gluon  # noqa: E402
-from flamia.ops.config import PersistentFwdConfig, triton_forward_config  # noqa: E402
+from flamia.ops.config import (  # noqa: E402
+    PAIR_FWD_CONFIG, PersistentFwdConfig, triton_forward_config)
 from flamia.ops.quantize import quantize_qkv  # noqa: E402
 from flamia.ops.schedule import work_list  # noqa: E402
 
@@ -45,11 +48,11 @@ def variants(spec: str, current):
     return out
 
 
-def gluon_forward(mod, x, cu):
+def gluon_forward(mod, x, cu, cfg=None):
     """attention_forward's persistent path with forward_gluon module `mod` (causal, poisoned
-    outputs): (out, lse, row_max)."""
+    outputs, cfg: PersistentFwdConfig() by default): (out, lse, row_max)."""
     T, Hq, _, D = x.shape
-    cfg = PersistentFwdConfig()
+    cfg = cfg or PersistentFwdConfig()
     out = torch.full((T, Hq, D), float("nan"), dtype=torch.bfloat16, device=x.q8.device)
     lse, rmax = (torch.full((Hq, T), float("nan"), device=x.q8.device) for _ in range(2))
     mod.check_operands(x)
@@ -85,6 +88,8 @@ def main():
     ap.add_argument("--d64-gluon", action="store_true", help="D=64 workloads: also time the "
                     "working tree's Gluon kernel, checked against the Triton kernel by the "
                     "largest difference")
+    ap.add_argument("--pair", action="store_true", help="also time the working tree's Gluon "
+                    "kernel on GQA pairs (PAIR_FWD_CONFIG)")
     args = ap.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     kinds = {True: variants(args.gluon, current_gluon), False: variants(args.triton,
@@ -104,6 +109,8 @@ def main():
         fns = {n: runner(m, gluon, x, cu, L, D) for n, m in mods.items()}
         if args.d64_gluon and not gluon:
             fns["gluon"] = runner(current_gluon, True, x, cu, L, D)
+        if args.pair:
+            fns["pair"] = lambda: gluon_forward(current_gluon, x, cu, PAIR_FWD_CONFIG)
         first = None
         row = {"workload": w["name"], "kernel": "gluon" if gluon else "triton"}
         for n, f in fns.items():
@@ -130,7 +137,8 @@ def main():
         rows = [r for r in table if r["kernel"] == ("gluon" if gluon else "triton")]
         if not rows:
             continue
-        ns = list(kinds[gluon]) + (["gluon"] if args.d64_gluon and not gluon else [])
+        ns = (list(kinds[gluon]) + (["gluon"] if args.d64_gluon and not gluon else [])
+              + (["pair"] if args.pair else []))
         print(f"\n{'gluon (D=128)' if gluon else 'triton (D=64)'} forward kernel, ms "
               f"(change of the medians vs {ns[0]}; paired: median of the per-round ratios)")
         print("| workload | " + " | ".join(ns) + " | checks |")

@@ -324,6 +324,12 @@ def test_persistent_forward_rule(monkeypatch, fake_capability):
         assert get_recipe(name).emulated
         assert not C.uses_persistent_forward(128, get_recipe(name), cuda), name
     assert isinstance(C.forward_config(128, "fp8", cuda), C.PersistentFwdConfig) == ok
+    if ok:      # the GQA pair: an even group and documents up to >= PAIR_FWD_MIN_SEQLEN tokens
+        long = C.PAIR_FWD_MIN_SEQLEN
+        assert C.forward_config(128, "fp8", cuda, long, 4) == C.PAIR_FWD_CONFIG
+        assert C.forward_config(128, "fp8", cuda, 2 * long, 2).heads_per_cta == 2
+        for seqlen, group in ((long - 1, 4), (None, 4), (long, 1), (long, 3)):
+            assert C.forward_config(128, "fp8", cuda, seqlen, group).heads_per_cta == 1
     for args in ((64, "fp8"), (128, "bf16"), (256, "fp8")):
         assert not C.uses_persistent_forward(*args, cuda), args
         assert isinstance(C.forward_config(*args, cuda), C.FwdConfig)

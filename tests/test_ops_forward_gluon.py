@@ -20,20 +20,23 @@ from _sm90 import compile_report, gluon_available
 _SCRIPT = r"""
 import json, sys, torch
 from benchmarks.tools.compile import build, cu_seqlens, fake_qkv, report
-from benchmarks.tools.sass import loop_paths, main_loop, parse, predicated, sass_of
-from flamia.ops.config import PersistentFwdConfig
+from benchmarks.tools.sass import (local_memory_ops, loop_paths, main_loop, parse, predicated,
+                                   sass_of)
+from flamia.ops.config import PAIR_FWD_CONFIG, PersistentFwdConfig
 from flamia.ops.forward import attention_forward
 out = []
-for D, causal in json.loads(sys.argv[1]):
+for D, causal, pair in json.loads(sys.argv[1]):
     qkv = fake_qkv(4096, 8, 2, D)
     built = build(attention_forward, qkv, cu_seqlens([4096]), 4096, causal, None,
-                  torch.bfloat16, config=PersistentFwdConfig())
+                  torch.bfloat16, config=PAIR_FWD_CONFIG if pair else PersistentFwdConfig())
     kern = built["_attn_fwd_gluon_persistent_kernel"]
     u = report(kern)
     sass = sass_of(kern)
-    plain = min(loop_paths(main_loop(parse(sass)), predicated(sass)), key=len)
+    loop = main_loop(parse(sass))
+    plain = min(loop_paths(loop, predicated(sass)), key=len)
     u["plain_tile_bars"] = sum(op.startswith("BAR") for _, op, _ in plain)
-    out.append(u | {"D": D, "causal": causal})
+    u["loop_local"] = local_memory_ops(loop)
+    out.append(u | {"D": D, "causal": causal, "pair": pair})
 print("REPORT" + json.dumps(out))
 """
 
@@ -41,9 +44,13 @@ pytestmark = pytest.mark.skipif(not gluon_available(), reason="triton.experiment
 
 
 def test_persistent_forward_compiles_clean():
-    jobs = [(128, True), (128, False), (64, True)]
+    jobs = [(128, True, False), (128, False, False), (64, True, False), (128, True, True),
+            (128, False, True)]
     for u in compile_report(_SCRIPT, json.dumps(jobs)):
-        tag = f"D={u['D']} causal={u['causal']}"
+        tag = f"D={u['D']} causal={u['causal']} pair={u['pair']}"
+        if u["pair"]:
+            _check_pair(u, tag)
+            continue
         assert u["regs"] is not None and u["regs"] <= 128, tag     # 2 CTAs x 8 warps per SM
         assert (u["spill_stores"] or 0) == 0, f"{tag}: {u['spill_stores']} B spilled"
         assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
@@ -55,6 +62,21 @@ def test_persistent_forward_compiles_clean():
         # one bar.sync per plain tile: the stage release (arrive_synced; a plain mbarrier.arrive
         # brings a second before the next tile's wait)
         assert u["plain_tile_bars"] == 1, f"{tag}: {u['plain_tile_bars']} bar.syncs per tile"
+
+
+def _check_pair(u, tag):
+    """The GQA pair (config.PAIR_FWD_CONFIG): 384 threads at the launch's 168 registers, the
+    consumers at 240 and the producer at 24 by setmaxnreg, one CTA per SM by shared memory
+    (four Q buffers, two O tiles, the ring). ptxas spills one 8-byte value at the causal build,
+    outside the tile loop: nothing spilled may be touched per tile."""
+    assert u["regs"] is not None and u["regs"] <= 168, tag
+    assert (u["spill_stores"] or 0) <= 8, f"{tag}: {u['spill_stores']} B spilled"
+    assert u["loop_local"] == 0, f"{tag}: {u['loop_local']} local memory ops in the tile loop"
+    assert not u["wgmma_serialized"], f"{tag}: ptxas serialized the wgmma (C7515)"
+    assert 24 in u["partition_regs"] and 240 in u["partition_regs"], tag
+    assert 2 * u["shared"] > 227 * 1024 >= u["shared"], tag
+    # per plain tile: the stage release, then the two turn barriers (sync, arrive)
+    assert u["plain_tile_bars"] == 3, f"{tag}: {u['plain_tile_bars']} barriers per tile"
 
 
 def test_launcher_checks():

@@ -6,7 +6,8 @@ own). Nothing here reads the environment: what runs depends on the device, the r
 and the input dtype, never on a switch. Tile shapes: benchmarks/NOTES.md.
 
     forward   fp8 at D=128 on sm_90: the persistent Gluon kernel (forward_gluon),
-              PersistentFwdConfig; otherwise the Triton kernel (forward), FwdConfig
+              PersistentFwdConfig (on GQA pairs for long documents: PAIR_FWD_CONFIG);
+              otherwise the Triton kernel (forward), FwdConfig
     backward  bf16 and fp8 at D=64/128 on sm_90: the one-pass kernel (backward_sm90),
               Sm90BwdConfig; elsewhere (other GPUs, the CPU interpreter) ReferenceBwdConfig
 """
@@ -67,7 +68,10 @@ def triton_forward_config(head_dim: int, fp8: bool, device: torch.device) -> Fwd
 class PersistentFwdConfig:
     """The persistent Gluon forward (forward_gluon): 64 query rows x 128 keys per tile, a
     two-stage K / V ring, two Q buffers, two CTAs per SM (maxnreg 128 x 8 warps: the consumer
-    warpgroup setmaxnreg's up to 232, the producer warp down to producer_regs)."""
+    warpgroup setmaxnreg's up to 232, the producer warp down to producer_regs).
+    heads_per_cta=2 (PAIR_FWD_CONFIG): each item is the query block of two query heads of one GQA
+    group, one consumer warpgroup each (the second at consumer_regs), sharing every K / V tile,
+    taking turns at the tensor cores; one CTA per SM."""
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
@@ -75,6 +79,20 @@ class PersistentFwdConfig:
     ctas_per_sm: int = 2
     maxnreg: int = 128
     producer_regs: int = 24
+    heads_per_cta: int = 1
+    consumer_regs: int = 240
+
+
+# The GQA pair: 384 threads (two consumer warpgroups, the producer warp rounded up to a third)
+# launch at 65536 / 384 registers rounded down to 8, setmaxnreg moves the producer's share to the
+# second consumer. Against the one-head kernel (H100, forward kernel alone, paired,
+# benchmarks/NOTES.md 2026-12-07): -6 to -8 % at a 32k document, -3 to -13 % at 8k, -3 to -7 % at
+# longtail (documents up to 12.5k), +3.5 to +4.5 % at 2k, +15 % at 512: sharing K / V halves the
+# L2 traffic per FLOP, which long documents are bound by, and one CTA per SM leaves an item's
+# serial start and end unhidden, which short documents pay for.
+PAIR_FWD_CONFIG = PersistentFwdConfig(ctas_per_sm=1, maxnreg=65536 // 384 // 8 * 8,
+                                      heads_per_cta=2)
+PAIR_FWD_MIN_SEQLEN = 4096     # max_seqlen from which the pair runs (measured: 2048 loses, 8192 wins)
 
 
 @dataclass(frozen=True)
@@ -117,9 +135,14 @@ def uses_persistent_forward(head_dim: int, recipe, device) -> bool:
     return is_sm90(torch.device(device)) and HAVE_GLUON
 
 
-def forward_config(head_dim: int, recipe, device) -> FwdConfig | PersistentFwdConfig:
-    """The config of the forward kernel a call runs (its type says which kernel)."""
+def forward_config(head_dim: int, recipe, device, max_seqlen: int | None = None,
+                   group: int = 1) -> FwdConfig | PersistentFwdConfig:
+    """The config of the forward kernel a call runs (its type says which kernel). The persistent
+    kernel takes the GQA pair (PAIR_FWD_CONFIG) when the group (Hq / Hkv) is even and the call's
+    max_seqlen is at least PAIR_FWD_MIN_SEQLEN (None: unknown, the one-head kernel)."""
     if uses_persistent_forward(head_dim, recipe, device):
+        if group % 2 == 0 and max_seqlen is not None and max_seqlen >= PAIR_FWD_MIN_SEQLEN:
+            return PAIR_FWD_CONFIG
         return PersistentFwdConfig()
     return triton_forward_config(head_dim, _recipe_name(recipe) != "bf16", torch.device(device))
 
@@ -157,7 +180,8 @@ FWD_KV_CHUNK = 2
 class Sm90BwdConfig:
     """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
+    fp8_pre_warps: int = 8      # fp8: warps and rows (whole 64-row dO blocks, dividing 128)
+    fp8_pre_rows: int = 64      # of a preprocess program
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4
     fp8_kmajor_onchip: bool = False  # fp8, D=128: the kernel makes Q^T / dO^T in shared memory
@@ -193,6 +217,7 @@ def sm90_backward_config(head_dim: int, max_seqlen: int | None = None,
                          device=None) -> Sm90BwdConfig:
     """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
     next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps;
+    fp8's preprocess at 128 rows per program at D=64 (a D=128 program's size);
     fp8's K-major Q^T / dO^T made in the kernel at D=128 for documents of at most
     fp8_onchip_max_seqlen(device) tokens (max_seqlen; None: loaded from the preprocess's copies).
     At D=64 the kernel always loads them: its step, at its register limit, spills with the
@@ -201,7 +226,9 @@ def sm90_backward_config(head_dim: int, max_seqlen: int | None = None,
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     onchip = (head_dim == 128 and max_seqlen is not None
               and max_seqlen <= fp8_onchip_max_seqlen(device))
-    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64, fp8_kmajor_onchip=onchip)
+    if head_dim == 64:
+        return Sm90BwdConfig(block_m=128, fp8_pre_rows=128)
+    return Sm90BwdConfig(block_m=64, fp8_kmajor_onchip=onchip)
 
 
 @dataclass(frozen=True)

@@ -334,7 +334,7 @@ def attention_forward(qkv: QuantizedQKV, cu_seqlens: torch.Tensor, max_seqlen: i
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     fp8 = qkv.kvblock
     dev = qkv.q8.device
-    config = config or forward_config(D, qkv.recipe, dev)
+    config = config or forward_config(D, qkv.recipe, dev, max_seqlen, Hq // Hkv)
     persistent = isinstance(config, PersistentFwdConfig)
     if persistent:
         from . import forward_gluon

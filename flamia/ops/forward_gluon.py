@@ -31,6 +31,16 @@ g % STAGES; the consumer's release r_g (after S_g is read and PV_{g-1} retired) 
 V_{g-1}; the producer loads K_g after r_{g-STAGES} and V_g after r_{g-STAGES+1}. Q is double
 buffered (item i's Q goes to buffer i % 2 after the consumer's q_free of item i - 2), so the next
 item's Q loads while this one computes.
+
+GQA pairs (config heads_per_cta = 2, PAIR_FWD_CONFIG; an even group, long documents): an item is
+the query block of two query heads of one KV group (w = item * HQ / 2 + pair), one CTA per SM
+with two consumer warpgroups, one per head, that read every K / V tile of the ring (the release
+and q_free barriers take one arrival from each), so the CTA moves half the L2 -> shared bytes per
+FLOP. The warpgroups take turns at the tensor cores on named barriers TURN_BAR + wg (FA3's
+ping-pong): each issues PV_j and S_{j+1} between `bar.sync TURN_BAR + wg` and `bar.arrive
+TURN_BAR + 1 - wg`, so that one warpgroup's softmax runs under the other's GEMMs. Each head's
+rows see the same tiles, masks and operation order as in the one-head kernel: results are
+bitwise the same.
 """
 from __future__ import annotations
 
@@ -49,11 +59,13 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_common import alloc_barriers, arrive_synced, invalidate_barriers, wgmma_layout
+    from .gluon_common import (alloc_barriers, arrive_synced, invalidate_barriers, named_barrier,
+                               wgmma_layout)
     from .kmajor import mma_key_order_gluon, mma_order16_gluon
     from .schedule import work_item
 
     _log2_pow2 = gluon.jit(log2_pow2.fn)
+    TURN_BAR = gl.constexpr(8)     # the pair's turn barriers: ids 8 and 9 (Triton uses 0-7)
 
 
 if HAVE_GLUON:
@@ -346,8 +358,9 @@ if HAVE_GLUON:
     def _pers_producer(q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
                        k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready, v_ready, rel,
                        ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM: gl.constexpr, BN: gl.constexpr,
-                       CAUSAL: gl.constexpr, QBUF: gl.constexpr):
-        """Every TMA load. Tile t of an item holds the document's keys [t BN, (t + 1) BN), from
+                       CAUSAL: gl.constexpr, QBUF: gl.constexpr, HPC: gl.constexpr):
+        """Every TMA load. An item's Q tiles (HPC heads: Q buffer HPC (it % QBUF) + i holds head
+        HPC hp + i) and its K / V tiles: tile t holds the document's keys [t BN, (t + 1) BN), from
         the token copies (kd_desc, vd_desc, scale_cols rows 2-3) on the query block's own
         128-block when causal, else from the block copies (k_desc, v_desc, scale_cols rows 0-1;
         sc_desc is scale_cols); V^T and the scales at the padded column PCU[doc] + t BN."""
@@ -356,7 +369,8 @@ if HAVE_GLUON:
         g = 0               # tiles loaded so far (the CTA-wide tile sequence)
         it = 0              # items started so far
         for w in range(gl.program_id(0), W, gl.num_programs(0)):
-            doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w)
+            doc, hp, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ // HPC, GROUP // HPC, W,
+                                                    w)
             if doc >= 0:
                 q_lo = blk * BM
                 pcol = gl.load(PCU + doc)
@@ -368,9 +382,10 @@ if HAVE_GLUON:
                 _, n_tiles = _kv_tiles(q_lo, L, BM, BN, CAUSAL)
                 qb = it % QBUF
                 mbarrier.wait(q_free.index(qb), ((it // QBUF) + 1) & 1, pred=it >= QBUF)
-                mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start + q_lo, head * D],
-                                                q_ready.index(qb), q_smem.index(qb))
+                mbarrier.expect(q_ready.index(qb), HPC * q_desc.block_type.nbytes)
+                for i in gl.static_range(HPC):
+                    tma.async_copy_global_to_shared(q_desc, [start + q_lo, (HPC * hp + i) * D],
+                                                    q_ready.index(qb), q_smem.index(HPC * qb + i))
                 for t in range(n_tiles):
                     st = g % STAGES
                     # K_g after r_{g-STAGES}, V_g after r_{g-STAGES+1} (ring protocol: module
@@ -405,11 +420,14 @@ if HAVE_GLUON:
     def _pers_serial_step(s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready,
                           rel, m_i, l_i, row_f, lr, rows, n0, L, full_end, g, rescale,
                           NEXT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, NW: gl.constexpr):
+                          CAUSAL: gl.constexpr, NW: gl.constexpr, WG: gl.constexpr,
+                          TURNS: gl.constexpr):
         """One tile g of _pers_serial_tiles in the module docstring's order; rescale (a runtime
         flag, so that an item's first tile shares the copy of the step): not on an item's first
         tile (acc is zero); NEXT: S_{g+1} issued behind PV_g, then PV_g retired. P's registers
-        stay alive to that wait (_keep_alive): the PV wgmma reads them asynchronously."""
+        stay alive to that wait (_keep_alive): the PV wgmma reads them asynchronously. TURNS
+        (two consumer warpgroups, WG = 0, 1): PV_g and S_{g+1} are issued in this warpgroup's
+        turn (module docstring)."""
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
         o_layout: gl.constexpr = wgmma_layout(NW, 1, acc.type.shape[1], 32)
         st = g % STAGES
@@ -420,14 +438,20 @@ if HAVE_GLUON:
         if rescale:
             acc = _mul_rows(acc, alpha)
         _wait_v(v_smem, v_ready, st, g, n0, L, NW)
+        if TURNS:
+            named_barrier(TURN_BAR + WG, 256, False)
         acc = warpgroup_mma(a, v_smem.index(st).permute((1, 0)), acc, is_async=True)
         g += 1
         if NEXT:
             nst = g % STAGES
             mbarrier.wait(k_ready.index(nst), (g // STAGES) & 1)
             s = _issue_qk(q_tile, k_smem.index(nst), s_layout)
+            if TURNS:
+                named_barrier(TURN_BAR + 1 - WG, 256, True)
             acc = warpgroup_mma_wait(1, deps=[acc])     # in order: PV_g, not S_{g+1}
         else:
+            if TURNS:
+                named_barrier(TURN_BAR + 1 - WG, 256, True)
             acc = warpgroup_mma_wait(0, deps=[acc])
         _keep_alive(a)
         return s, acc, m_i, l_i, g
@@ -436,7 +460,8 @@ if HAVE_GLUON:
     def _pers_serial_tiles(q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel,
                            m_i, l_i, row_f, lr, rows, L, full_end, n_tiles, g,
                            BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, NW: gl.constexpr):
+                           CAUSAL: gl.constexpr, NW: gl.constexpr, WG: gl.constexpr,
+                           TURNS: gl.constexpr):
         """Every tile of one item (Q ready, g = its first tile's index): S_0 issued here, then
         _pers_serial_step per tile, one copy for the tiles before the last and one for the last
         (S_{j+1} in flight and the retired acc cross the loop's back edge, never P's A operand).
@@ -451,12 +476,12 @@ if HAVE_GLUON:
             s, acc, m_i, l_i, g = _pers_serial_step(
                 s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i,
                 l_i, row_f, lr, rows, j * BN, L, full_end, g, j > 0, True, BN, STAGES, CAUSAL,
-                NW)
+                NW, WG, TURNS)
         # the last tile (the only one of a one-tile item); its S is waited on: a plain tensor
         _s, acc, m_i, l_i, g = _pers_serial_step(
             s, acc, q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
             row_f, lr, rows, (n_tiles - 1) * BN, L, full_end, g, n_tiles > 1, False, BN, STAGES,
-            CAUSAL, NW)
+            CAUSAL, NW, WG, TURNS)
         return acc, m_i, l_i, g
 
     @gluon.jit
@@ -464,11 +489,18 @@ if HAVE_GLUON:
                        k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP, o_desc, O,
                        LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D: gl.constexpr,
                        BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       NW: gl.constexpr, QBUF: gl.constexpr, ROW_MAX: gl.constexpr):
-        """Per item: wait for its Q, _pers_serial_tiles on the CTA-wide tile sequence, free the
-        Q buffer (every QK^T of the item is done), the epilogue."""
+                       NW: gl.constexpr, QBUF: gl.constexpr, ROW_MAX: gl.constexpr,
+                       HPC: gl.constexpr, WG: gl.constexpr):
+        """Consumer WG of HPC (head WG of each item's HPC heads): per item wait for its Q,
+        _pers_serial_tiles on the CTA-wide tile sequence, free the Q buffer (every QK^T of the
+        item is done), the epilogue."""
         BM: gl.constexpr = 16 * NW
         s_layout: gl.constexpr = wgmma_layout(NW, 1, BN, 32)
+        TURNS: gl.constexpr = HPC == 2
+        o_tile = o_smem.index(WG)
+        if TURNS:
+            if WG == 1:
+                named_barrier(TURN_BAR, 256, True)     # warpgroup 0 takes the first turn
         g = 0
         it = 0
         # No dependent global load on an item's path: work list entries are loaded two items ahead
@@ -476,11 +508,14 @@ if HAVE_GLUON:
         # starts, so they land while it computes.
         G = gl.num_programs(0)
         pid = gl.program_id(0)
-        doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, pid)
+        doc, hp, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ // HPC, GROUP // HPC, W, pid)
+        head = HPC * hp + WG
         sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
         for w in range(pid, W, G):
             c_doc, c_head, c_L, c_blk, c_start, c_sq, c_cap = doc, head, L, blk, start, sq, cap
-            doc, head, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ, GROUP, W, w + G)
+            doc, hp, kvh, start, L, blk = work_item(ITEMS, N_ITEMS, HQ // HPC, GROUP // HPC, W,
+                                                    w + G)
+            head = HPC * hp + WG
             if c_doc >= 0:
                 row_f, lr = _row_constants(c_sq, c_cap, qk_scale)
                 q_lo = c_blk * BM
@@ -489,18 +524,19 @@ if HAVE_GLUON:
                 m_i = gl.full_like(row_f, float("-inf"))
                 l_i = _quad_sums(gl.zeros([BM, BN], gl.float32, s_layout))   # (BM, 4)
                 qb = it % QBUF
-                q_tile = q_smem.index(qb)
+                q_tile = q_smem.index(HPC * qb + WG)
 
                 mbarrier.wait(q_ready.index(qb), (it // QBUF) & 1)
                 acc, m_i, l_i, g = _pers_serial_tiles(
                     q_tile, k_smem, v_smem, sk_smem, sv_smem, k_ready, v_ready, rel, m_i, l_i,
-                    row_f, lr, c_rows, c_L, full_end, n_tiles, g, BN, D, STAGES, CAUSAL, NW)
+                    row_f, lr, c_rows, c_L, full_end, n_tiles, g, BN, D, STAGES, CAUSAL, NW, WG,
+                    TURNS)
                 # every warp waited for the item's last QK^T before the last tile's release
                 # barrier: the Q buffer may take item it + QBUF
                 arrive_synced(q_free.index(qb))
                 sq, cap = _row_loads(SQ, VCAP, T, start, blk * BM, L, head, kvh, BM, s_layout)
                 l_i = gl.convert_layout(gl.sum(l_i, axis=1), m_i.type.layout)
-                _store_out(acc, m_i, l_i, lr, o_desc, o_smem, O, LSE, RMAX, stride_ot,
+                _store_out(acc, m_i, l_i, lr, o_desc, o_tile, O, LSE, RMAX, stride_ot,
                            stride_oh, T, c_tok0, q_lo, c_rows, c_row_ok, c_L, c_head, ROW_MAX)
                 it += 1
             else:
@@ -515,26 +551,44 @@ if HAVE_GLUON:
                                           D: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                           PRODUCER_REGS: gl.constexpr, QBUF: gl.constexpr,
-                                          ROW_MAX: gl.constexpr, num_warps: gl.constexpr):
+                                          ROW_MAX: gl.constexpr, HPC: gl.constexpr,
+                                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """kd_desc, vd_desc: the token copies; sc_desc: scale_cols; PCU: the padded
-        columns' document starts (_pers_producer). ROW_MAX: the row max m into RMAX too."""
-        W = N_ITEMS * HQ
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QBUF, BM, D], q_desc.layout)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [BM, D], o_desc.layout)
+        columns' document starts (_pers_producer). ROW_MAX: the row max m into RMAX too. HPC:
+        query heads per item (1, or 2: a second consumer warpgroup at CONSUMER_REGS)."""
+        W = N_ITEMS * (HQ // HPC)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HPC * QBUF, BM, D], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [HPC, BM, D], o_desc.layout)
         k_smem, v_smem, sk_smem, sv_smem = _alloc_kv_ring(k_desc, v_desc, sc_desc, STAGES, BN, D)
-        q_ready, q_free = alloc_barriers(QBUF), alloc_barriers(QBUF)
+        q_ready, q_free = alloc_barriers(QBUF), alloc_barriers(QBUF, HPC)
         k_ready, v_ready = alloc_barriers(STAGES), alloc_barriers(STAGES)
-        rel = alloc_barriers(STAGES)
-        gl.warp_specialize([
-            (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready, q_free,
-                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ, VCAP,
-                              o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D, BN,
-                              STAGES, CAUSAL, num_warps, QBUF, ROW_MAX)),
-            (_pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc,
-                              q_smem, k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free,
-                              k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN,
-                              CAUSAL, QBUF)),
-        ], [1], [PRODUCER_REGS])
+        rel = alloc_barriers(STAGES, HPC)
+        if HPC == 2:
+            gl.warp_specialize([
+                (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready,
+                                  q_free, k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ,
+                                  VCAP, o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D,
+                                  BN, STAGES, CAUSAL, num_warps, QBUF, ROW_MAX, HPC, 0)),
+                (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready,
+                                  q_free, k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ,
+                                  VCAP, o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D,
+                                  BN, STAGES, CAUSAL, num_warps, QBUF, ROW_MAX, HPC, 1)),
+                (_pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
+                                  k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
+                                  v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN, CAUSAL,
+                                  QBUF, HPC)),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_pers_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, o_smem, q_ready,
+                                  q_free, k_ready, v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, SQ,
+                                  VCAP, o_desc, O, LSE, RMAX, stride_ot, stride_oh, T, qk_scale, D,
+                                  BN, STAGES, CAUSAL, num_warps, QBUF, ROW_MAX, HPC, 0)),
+                (_pers_producer, (q_desc, k_desc, v_desc, sc_desc, kd_desc, vd_desc, q_smem,
+                                  k_smem, v_smem, sk_smem, sv_smem, q_ready, q_free, k_ready,
+                                  v_ready, rel, ITEMS, N_ITEMS, HQ, GROUP, W, PCU, BM, BN, CAUSAL,
+                                  QBUF, HPC)),
+            ], [1], [PRODUCER_REGS])
         invalidate_barriers((q_ready, q_free, k_ready, v_ready, rel))
 
 
@@ -575,11 +629,15 @@ def launch(qkv: QuantizedQKV, items, causal: bool, scale: float, out, lse, row_m
     operands, check_operands included, and allocated out, lse and row_max, None or not)."""
     T, Hq, Hkv, D = qkv.shape
     BM, BN = cfg.block_m, cfg.block_n
+    if cfg.heads_per_cta not in (1, 2) or (Hq // Hkv) % cfg.heads_per_cta:
+        raise ValueError(f"config.heads_per_cta={cfg.heads_per_cta} must be 1 or 2 and divide "
+                         f"the GQA group Hq / Hkv = {Hq // Hkv}")
     n_items = items.shape[1]
-    grid = persistent_grid(n_items * Hq, cfg.ctas_per_sm, out.device)
+    grid = persistent_grid(n_items * Hq // cfg.heads_per_cta, cfg.ctas_per_sm, out.device)
     launch_kernel(_attn_fwd_gluon_persistent_kernel, grid,
         *_descriptors(qkv, BM, BN), descriptor_2d(out, T, Hq * D, Hq * D, [BM, D]), qkv.sq,
         qkv.vcap, out, lse, lse if row_max is None else row_max, qkv.kv_pcu, items,
         out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BM=BM, BN=BN,
         STAGES=cfg.stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
-        QBUF=cfg.q_buffers, ROW_MAX=row_max is not None, num_warps=4, maxnreg=cfg.maxnreg)
+        QBUF=cfg.q_buffers, ROW_MAX=row_max is not None, HPC=cfg.heads_per_cta,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)

@@ -93,6 +93,20 @@ if HAVE_GLUON:
         mbarrier.expect(bar, 0, pred=pred)
 
     @gluon.jit
+    def named_barrier(bar_id, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
+        """`bar.sync bar_id, THREADS` (ARRIVE: `bar.arrive`) by every thread of the calling
+        4-warp partition: a sync returns once THREADS threads have arrived (this partition's and
+        another's). Ids 0-7 belong to Triton's partitions; callers take 8 and up."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        ids = gl.full([128], 0, gl.int32, one) + bar_id
+        gl.inline_asm_elementwise(_bar_asm(ARRIVE, THREADS), "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.constexpr_function
+    def _bar_asm(arrive, threads):
+        return f"bar.{'arrive' if arrive else 'sync'} $1, {threads}; mov.u32 $0, 0;"
+
+    @gluon.jit
     def _invalidate_ring(ring):
         n: gl.constexpr = ring.type.shape[0]
         for i in gl.static_range(n):

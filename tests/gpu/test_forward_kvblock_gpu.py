@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 
 from flamia import reference as R  # noqa: E402
 from flamia.inputs import make_qkv, rel_err  # noqa: E402
-from flamia.ops.config import FwdConfig, PersistentFwdConfig, triton_forward_config  # noqa: E402
+from flamia.ops.config import (  # noqa: E402
+    PAIR_FWD_CONFIG, FwdConfig, PersistentFwdConfig, triton_forward_config)
 from flamia.ops.forward import attention_forward  # noqa: E402
 from flamia.ops.gluon_common import HAVE_GLUON  # noqa: E402
 from flamia.ops.kmajor import kmajor_layout, mma_order16_host  # noqa: E402
@@ -38,22 +39,23 @@ def _gluon_ok():
 
 
 def _run(kernel, q, k, v, cu, causal, cfg=None):
-    """(out, lse, row_max) of one kernel ("triton" or "gluon"), outputs poisoned first."""
+    """(out, lse, row_max) of one kernel ("triton", "gluon" or "gluon_pair": the Gluon kernel
+    on GQA pairs), outputs poisoned first."""
     L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     D = q.shape[2]
-    if kernel == "gluon":
+    if kernel.startswith("gluon"):
         x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
-        return attention_forward(x, cu, L, causal, None, q.dtype,
-                                 config=cfg or PersistentFwdConfig(), poison=True,
-                                 return_row_max=True)
+        default = PAIR_FWD_CONFIG if kernel == "gluon_pair" else PersistentFwdConfig()
+        return attention_forward(x, cu, L, causal, None, q.dtype, config=cfg or default,
+                                 poison=True, return_row_max=True)
     x = quantize_qkv(q, k, v, cu, "fp8", causal, poison=True)
     return attention_forward(x, cu, L, causal, None, q.dtype,
                              config=cfg or triton_forward_config(D, True, torch.device(DEV)),
                              poison=True, return_row_max=True)
 
 
-KERNELS = ["triton", pytest.param("gluon", marks=pytest.mark.skipif(
-    not _gluon_ok(), reason="needs Gluon and sm_90"))]
+KERNELS = ["triton"] + [pytest.param(k, marks=pytest.mark.skipif(
+    not _gluon_ok(), reason="needs Gluon and sm_90")) for k in ("gluon", "gluon_pair")]
 
 
 def _row_max_exact(q, k, cu, causal):
@@ -190,6 +192,29 @@ def test_gluon_agrees_with_triton(causal):
     assert (g[1] - t[1]).abs().max().item() <= 1e-3 and (g[2] - t[2]).abs().max().item() <= 1e-3
 
 
+@pytest.mark.skipif(not _gluon_ok(), reason="needs Gluon and sm_90")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_gluon_pair_bitwise_the_one_head_kernel(causal, hkv):
+    """The GQA pair computes each head's rows as the one-head kernel does (same tiles, order
+    and masks): out, lse and row max bitwise equal, over empty, tiny and unaligned documents and
+    one long enough for the default path to take the pair (config.PAIR_FWD_MIN_SEQLEN), for
+    groups 8, 4, 2; an odd group is refused by name."""
+    q, k, v, cu = make_qkv(ODD + (4500, 3), HQ, hkv, 128, "outliers", device=DEV, seed=20 + hkv)
+    one = _run("gluon", q, k, v, cu, causal)
+    pair = _run("gluon_pair", q, k, v, cu, causal)
+    for a, b in zip(one, pair):
+        assert torch.equal(a, b)
+    x = quantize_qkv(q, k, v, cu, "fp8", causal)
+    default = attention_forward(x, cu, 4500, causal, None, q.dtype, return_row_max=True)
+    for a, b in zip(one, default):
+        assert torch.equal(a, b)
+    q3, k3, v3, cu3 = make_qkv((300,), 6, 2, 128, device=DEV, seed=3)
+    x3 = quantize_qkv(q3, k3, v3, cu3, "fp8", causal)
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        attention_forward(x3, cu3, 300, causal, None, q.dtype, config=PAIR_FWD_CONFIG)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_tile_scales_at_the_extremes(kernel, causal):
@@ -198,7 +223,7 @@ def test_tile_scales_at_the_extremes(kernel, causal):
     sum), an all-zero V block (sv = 0), and with the checks off a NaN in a V block, which makes
     the rows that see it NaN and leaves the other document bitwise unchanged (CPU twin:
     tests/test_forward_kvblock.py)."""
-    D = 128 if kernel == "gluon" else 64
+    D = 128 if kernel.startswith("gluon") else 64
     q, k, v, cu = make_qkv((600, 520), HQ, HKV, D, "mild", device=DEV, seed=11)
     v[0:256] = (v[0:256].float() * 1e-33).to(v.dtype)
     v[256:384] = (v[256:384].float() * 1e7).to(v.dtype)
@@ -230,8 +255,11 @@ def test_fuzz_document_splits():
             lengths.append(rng.choice([0, 1, 2, 127, 128, 129, rng.randrange(1, 700)]))
         causal = rng.random() < 0.7
         D = rng.choice([64, 128])
-        kernel = "gluon" if (_gluon_ok() and rng.random() < 0.5) else "triton"
-        q, k, v, cu = make_qkv(lengths, 4, rng.choice([1, 2, 4]), D, rng.choice(["mild", "outliers"]),
+        hkv = rng.choice([1, 2, 4])
+        kernel = "triton"
+        if _gluon_ok() and D == 128 and rng.random() < 0.7:
+            kernel = "gluon_pair" if (4 // hkv) % 2 == 0 and rng.random() < 0.5 else "gluon"
+        q, k, v, cu = make_qkv(lengths, 4, hkv, D, rng.choice(["mild", "outliers"]),
                                device=DEV, seed=100 + case)
         _check(_run(kernel, q, k, v, cu, causal), _references(q, k, v, cu, causal))
 

@@ -1,12 +1,10 @@
 """The fp8 recipe's backward passes around its kernel on the H200: GPU time per kernel
 (torch.profiler) of attention_backward_sm90_fp8 under launch settings of the preprocess and the
-post pass (config.Sm90BwdConfig's fp8_pre_warps, fp8_post_rows, fp8_post_warps and optionally
-fp8_pre_rows), one process,
+post pass (config.Sm90BwdConfig's fp8_pre_warps, fp8_post_rows, fp8_post_warps), one process,
 the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
         [--settings 4:64:4,8:64:8,4:128:8]          # pre warps : post rows : post warps
-        [--settings 8:64:4:64,8:64:4:128]           # ... : pre rows (default: the config's)
         [--ab name=path,...]     # copies of backward_sm90.py, each at its default config
         [--rounds 5]             # settings and copies interleaved, medians reported
 
@@ -79,13 +77,9 @@ def main():
         first = None
         # the library's config for this max_seqlen (so the preprocess's K-major copies are
         # written or not as a call would), with the settings' pass launches
-        runs = []
-        for st in settings:
-            cfg = replace(sm90_backward_config(D, max(lengths)), fp8_pre_warps=st[0],
-                          fp8_post_rows=st[1], fp8_post_warps=st[2])
-            if len(st) > 3:
-                cfg = replace(cfg, fp8_pre_rows=st[3])
-            runs.append((":".join(map(str, st)), B, cfg))
+        runs = [(f"{pre_w}:{post_bt}:{post_w}", B, replace(
+            sm90_backward_config(D, max(lengths)), fp8_pre_warps=pre_w, fp8_post_rows=post_bt,
+            fp8_post_warps=post_w)) for pre_w, post_bt, post_w in settings]
         runs += [(n, m, None) for n, m in mods.items()]
         times = {label: [] for label, _, _ in runs}
         same = {}

@@ -65,9 +65,7 @@ def test_backward_selection(monkeypatch, fake_capability):
     for recipe in ("bf16", "fp8", RECIPES["bf16"], RECIPES["fp8"]):
         for D in (64, 128):
             cfg = C.backward_config(D, recipe, cuda)
-            want = (Sm90BwdConfig(block_m=128, fp8_pre_rows=128) if D == 64
-                    else Sm90BwdConfig(block_m=64))
-            assert cfg == want, (recipe, D, cfg)
+            assert cfg == Sm90BwdConfig(block_m=128 if D == 64 else 64), (recipe, D, cfg)
             assert C.select(D, recipe, cuda).backward == cfg
     # fp8 at D=128 makes Q^T / dO^T in the kernel up to SM90_FP8_ONCHIP_MAX_SEQLEN tokens per
     # document (max_seqlen), loads the preprocess's copies above it and at D=64

@@ -670,19 +670,17 @@ def _pow2_bound(amax):
 def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, SEM, DO8B, Q8B,
                         K8B, DOT8, QT8, KT8, T, QR, HQ, GROUP, qk_scale_log2, stride_t, stride_kt,
                         D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                        N_SEM: tl.constexpr, QT_DOT: tl.constexpr):
-    """BT rows (padded layout; BT / 64 64-row blocks) of one query head: dO quantized with one
-    scale per 64-row block (do8, token layout), delta from the quantized dO, the per-row vectors
-    A, B, Hv, E and each 64-row block's maxima of the per-row bounds (reference.backward_scales):
+                        QT_DOT: tl.constexpr):
+    """One 64-row block (padded layout) of one query head: dO quantized with one scale for the block
+    (do8, token layout), delta from the quantized dO, the per-row vectors A, B, Hv, E and the
+    block's maxima of the per-row bounds (reference.backward_scales):
         row_pt = pmax sdo live,  row_ds = pmax (|dO| Vn + |delta|) sqf,  pmax = exp(m - lse);
-    zeros for the dQ writer's states SEM (HQ, QR / BM) of the N_SEM kernel query blocks holding
-    the rows (one block may hold two programs' rows: both write it);
-    the rows' columns of the K-major copies dO^T, Q^T (wgmma order; QT_DOT, i.e. unless the
+    a zero for the dQ writer's state SEM (HQ, QR / BM) of the kernel's query block holding it;
+    the block's columns of the K-major copies dO^T, Q^T (wgmma order; QT_DOT, i.e. unless the
     kernel makes them from q8 / do8 itself) and, for the first head of a GQA group, K^T (pair
-    order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the rows' do8 are stored.
+    order), gathered as bytes (DO8B, Q8B, K8B: uint8 views) after the block's do8 rows are stored.
     Program blk * HQ + head: the CTAs resident together hold one
     block's heads and move whole (token, head, D) rows."""
-    NBK: tl.constexpr = BT // DO_BLOCK_C
     pid = tl.program_id(0)
     h = pid % HQ
     blk = pid // HQ
@@ -691,26 +689,14 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     ok = tok >= 0
     t = tl.where(ok, tok, 0).to(tl.int64)
     d = tl.arange(0, D)
-    tl.store(SEM + h * (QR // BM) + (blk * BT) // BM + tl.arange(0, N_SEM), tl.zeros([N_SEM],
-                                                                                    tl.int32))
+    tl.store(SEM + h * (QR // BM) + (blk * BT) // BM, 0)
     offs = t[:, None] * stride_t + h * D + d[None, :]
     o = tl.load(O + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    # sdo, inv: the scale and its reciprocal per row (r) and as a column (c) against (BT, D)
-    if NBK == 1:
-        sdo_r, inv_r = _pow2_bound(tl.max(tl.max(tl.abs(do), 1), 0))
-        sdo_c = sdo_r
-        inv_c = inv_r
-    else:       # a scale per 64-row block, broadcast to its rows
-        bmax = tl.max(tl.max(tl.reshape(tl.abs(do), [NBK, DO_BLOCK_C, D]), 2), 1)
-        sdo_b, inv_b = _pow2_bound(bmax)
-        sdo_r = tl.reshape(tl.broadcast_to(sdo_b[:, None], [NBK, DO_BLOCK_C]), [BT])
-        inv_r = tl.reshape(tl.broadcast_to(inv_b[:, None], [NBK, DO_BLOCK_C]), [BT])
-        sdo_c = sdo_r[:, None]
-        inv_c = inv_r[:, None]
-    do8 = (do * inv_c).to(tl.float8e4nv)
+    sdo, inv = _pow2_bound(tl.max(tl.max(tl.abs(do), 1), 0))
+    do8 = (do * inv).to(tl.float8e4nv)
     tl.store(DO8 + offs, do8, mask=ok[:, None])
-    dq = do8.to(tl.float32) * sdo_c
+    dq = do8.to(tl.float32) * sdo
     live = tl.max(tl.abs(dq), 1) > 0.0
     delta = tl.sum(dq * o, 1)
     nrm = tl.sqrt(tl.sum(dq * dq, 1))
@@ -722,22 +708,17 @@ def _bwd_preprocess_fp8(O, DO, LSE, RMAX, SQ, VNORM, PTOK, DO8, VEC, BPT, BDS, S
     pmax = tl.exp(m - lse)
     sqf = tl.where(sq > 0.0, sq, 1.0)
     live = live & ok
-    row_pt = tl.where(live, pmax * sdo_r, 0.0)
+    row_pt = tl.where(live, pmax * sdo, 0.0)
     row_ds = tl.where(ok, pmax * (nrm * vn + tl.abs(delta)) * sqf, 0.0)
     vrow = h.to(tl.int64) * QR + r
     tl.store(VEC + vrow, tl.where(ok, qk_scale_log2 * sq, 0.0))
     tl.store(VEC + HQ * QR + vrow,
-             tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo_r), float("inf")))
+             tl.where(live, lse * 1.4426950408889634 - log2_pow2(sdo), float("inf")))
     tl.store(VEC + 2 * HQ * QR + vrow, tl.where(live, sqf, 0.0))
-    tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv_r, 0.0))
-    nb = QR // DO_BLOCK_C
-    if NBK == 1:
-        tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
-        tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
-    else:
-        bi = h * nb + blk * NBK + tl.arange(0, NBK)
-        tl.store(BPT + bi, tl.max(tl.reshape(row_pt, [NBK, DO_BLOCK_C]), 1))
-        tl.store(BDS + bi, tl.max(tl.reshape(row_ds, [NBK, DO_BLOCK_C]), 1))
+    tl.store(VEC + 3 * HQ * QR + vrow, tl.where(live, delta * sqf * inv, 0.0))
+    nb = QR // BT
+    tl.store(BPT + h * nb + blk, tl.max(row_pt, 0))
+    tl.store(BDS + h * nb + blk, tl.max(row_ds, 0))
     if QT_DOT:
         tl.debug_barrier()     # the block's do8 rows stored before any thread gathers them
         copy_columns(DO8B, DOT8, PTOK, QR, stride_t, h, blk * BT, D, BT, 1)    # ORDER_MMA_A
@@ -1502,15 +1483,10 @@ def fp8_prepare(dout, out, lse, row_max, qkv, cu_seqlens, causal, scale,
         check_copy(src, dst, order)
     u8 = [x.view(torch.uint8) for x in (do8, qkv.q8, qkv.k8, dot8 if dot8 is not None else kt8,
                                          qt8 if qt8 is not None else kt8, kt8)]
-    BT = cfg.fp8_pre_rows
-    if BT % DO_BLOCK or QR % BT:
-        raise ValueError(f"config.fp8_pre_rows={BT} must be a multiple of {DO_BLOCK} dividing "
-                         f"the padded rows ({QR})")
-    launch_kernel(_bwd_preprocess_fp8, (QR // BT * Hq,),
+    launch_kernel(_bwd_preprocess_fp8, (nb * Hq,),
         out, dout, lse.contiguous(), row_max.contiguous(), qkv.sq, qkv.vnorm, ptok, do8, vec, bpt,
         bds, sem, *u8, T, QR, Hq, group, scale * LOG2E, Hq * D, qkv.k8.stride(0), D=D,
-        BT=BT, BM=BM, N_SEM=max(BT // BM, 1), QT_DOT=qt8 is not None,
-        num_warps=cfg.fp8_pre_warps)
+        BT=DO_BLOCK, BM=BM, QT_DOT=qt8 is not None, num_warps=cfg.fp8_pre_warps)
     cta = torch.empty((2, kb.n_items), dtype=torch.float32, device=dev)
     return Fp8Prep(kb, ptok, do8, vec, bpt, bds, cta, qt8, dot8, kt8, dq_acc, sem)
 

@@ -180,8 +180,7 @@ FWD_KV_CHUNK = 2
 class Sm90BwdConfig:
     """What varies in the one-pass Hopper backward (backward_sm90) and its fp8 passes."""
     block_m: int                # query rows per step
-    fp8_pre_warps: int = 8      # fp8: warps and rows (whole 64-row dO blocks, dividing 128)
-    fp8_pre_rows: int = 64      # of a preprocess program
+    fp8_pre_warps: int = 8      # fp8: warps of the preprocess (one 64-row dO block each)
     fp8_post_rows: int = 64     # fp8: rows and warps of the post pass
     fp8_post_warps: int = 4
     fp8_kmajor_onchip: bool = False  # fp8, D=128: the kernel makes Q^T / dO^T in shared memory
@@ -217,7 +216,6 @@ def sm90_backward_config(head_dim: int, max_seqlen: int | None = None,
                          device=None) -> Sm90BwdConfig:
     """The one-pass backward's tiles, both recipes: 64 query rows per step at D=128 (128 do not fit
     next to dK and dV), 128 at D=64; fp8's preprocess at 8 warps, post pass 64 rows x 4 warps;
-    fp8's preprocess at 128 rows per program at D=64 (a D=128 program's size);
     fp8's K-major Q^T / dO^T made in the kernel at D=128 for documents of at most
     fp8_onchip_max_seqlen(device) tokens (max_seqlen; None: loaded from the preprocess's copies).
     At D=64 the kernel always loads them: its step, at its register limit, spills with the
@@ -226,9 +224,7 @@ def sm90_backward_config(head_dim: int, max_seqlen: int | None = None,
         raise ValueError(f"the sm90 backward supports head dims 64 and 128, not {head_dim}")
     onchip = (head_dim == 128 and max_seqlen is not None
               and max_seqlen <= fp8_onchip_max_seqlen(device))
-    if head_dim == 64:
-        return Sm90BwdConfig(block_m=128, fp8_pre_rows=128)
-    return Sm90BwdConfig(block_m=64, fp8_kmajor_onchip=onchip)
+    return Sm90BwdConfig(block_m=128 if head_dim == 64 else 64, fp8_kmajor_onchip=onchip)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ the shared/workloads.json shapes.
 
     python benchmarks/bwd_fp8_passes_dev.py [--workloads doc512_x64,d64_doc8k_x4]
         [--settings 4:64:4,8:64:8,4:128:8]          # pre warps : post rows : post warps
-        [--ab name=path,...]     # copies of backward_sm90.py, each at its default config
+                                                    #   [: Q^T / dO^T in the kernel, 0 / 1]
+        [--ab name=path,...]     # copies of backward_sm90.py, each at the library's config
+                                 #   for the workload (as a call would choose it)
         [--rounds 5]             # settings and copies interleaved, medians reported
 
 Every setting and copy is checked bitwise against the first setting (deterministic mode; the
@@ -76,11 +78,18 @@ def main():
                                            return_row_max=True)
         first = None
         # the library's config for this max_seqlen (so the preprocess's K-major copies are
-        # written or not as a call would), with the settings' pass launches
-        runs = [(f"{pre_w}:{post_bt}:{post_w}", B, replace(
-            sm90_backward_config(D, max(lengths)), fp8_pre_warps=pre_w, fp8_post_rows=post_bt,
-            fp8_post_warps=post_w)) for pre_w, post_bt, post_w in settings]
-        runs += [(n, m, None) for n, m in mods.items()]
+        # written or not as a call would), with the settings' pass launches and, given a fourth
+        # field, Q^T / dO^T made in the kernel (1, D=128 only) or by the preprocess (0)
+        runs = []
+        for st in settings:
+            cfg = replace(sm90_backward_config(D, max(lengths)), fp8_pre_warps=st[0],
+                          fp8_post_rows=st[1], fp8_post_warps=st[2])
+            if len(st) > 3:
+                if st[3] and D != 128:
+                    continue
+                cfg = replace(cfg, fp8_kmajor_onchip=bool(st[3]))
+            runs.append((":".join(map(str, st)), B, cfg))
+        runs += [(n, m, sm90_backward_config(D, max(lengths))) for n, m in mods.items()]
         times = {label: [] for label, _, _ in runs}
         same = {}
         for rnd in range(args.rounds):

@@ -70,8 +70,9 @@ class PersistentFwdConfig:
     two-stage K / V ring, two Q buffers, two CTAs per SM (maxnreg 128 x 8 warps: the consumer
     warpgroup setmaxnreg's up to 232, the producer warp down to producer_regs).
     heads_per_cta=2 (PAIR_FWD_CONFIG): each item is the query block of two query heads of one GQA
-    group, one consumer warpgroup each (the second at consumer_regs), sharing every K / V tile,
-    taking turns at the tensor cores; one CTA per SM."""
+    group, one consumer warpgroup each (both at what the launch's maxnreg leaves beside the
+    producer's warpgroup: forward_gluon.launch), sharing every K / V tile, taking turns at the
+    tensor cores; one CTA per SM."""
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
@@ -80,7 +81,6 @@ class PersistentFwdConfig:
     maxnreg: int = 128
     producer_regs: int = 24
     heads_per_cta: int = 1
-    consumer_regs: int = 240
 
 
 # The GQA pair: 384 threads (two consumer warpgroups, the producer warp rounded up to a third)

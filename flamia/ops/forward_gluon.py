@@ -633,6 +633,9 @@ def launch(qkv: QuantizedQKV, items, causal: bool, scale: float, out, lse, row_m
         raise ValueError(f"config.heads_per_cta={cfg.heads_per_cta} must be 1 or 2 and divide "
                          f"the GQA group Hq / Hkv = {Hq // Hkv}")
     n_items = items.shape[1]
+    # GQA pairs: 3 warpgroups launch at maxnreg; setmaxnreg gives the producer's warpgroup
+    # producer_regs and each consumer warpgroup the rest (168 x 384 = 2 x 240 x 128 + 24 x 128)
+    consumer_regs = (cfg.maxnreg * 384 - cfg.producer_regs * 128) // 256 // 8 * 8
     grid = persistent_grid(n_items * Hq // cfg.heads_per_cta, cfg.ctas_per_sm, out.device)
     launch_kernel(_attn_fwd_gluon_persistent_kernel, grid,
         *_descriptors(qkv, BM, BN), descriptor_2d(out, T, Hq * D, Hq * D, [BM, D]), qkv.sq,
@@ -640,4 +643,4 @@ def launch(qkv: QuantizedQKV, items, causal: bool, scale: float, out, lse, row_m
         out.stride(0), out.stride(1), T, n_items, Hq, Hq // Hkv, scale * LOG2E, D=D, BM=BM, BN=BN,
         STAGES=cfg.stages, CAUSAL=bool(causal), PRODUCER_REGS=cfg.producer_regs,
         QBUF=cfg.q_buffers, ROW_MAX=row_max is not None, HPC=cfg.heads_per_cta,
-        CONSUMER_REGS=cfg.consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=cfg.maxnreg)
